@@ -1,0 +1,1 @@
+"""Checkpoint conversion (installed as hf_attn_patch.converters): MHA/GQA -> GQA, MQA, MLA."""

@@ -1,0 +1,27 @@
+"""hf_attn_patch: GQA, MQA and MLA attention for Hugging Face transformers.
+
+`import hf_attn_patch` calls `patch()`: a transformers model whose config carries `attention_variant` ("gqa" or
+"mla", with DeepSeek's MLA field names) is built with our attention modules; every other model is untouched.
+`unpatch()` restores transformers exactly.
+"""
+
+from __future__ import annotations
+
+import transformers
+from packaging.version import Version
+
+SUPPORTED_TRANSFORMERS = "5.23"  # the series we test against; internals we patch differ between minor releases
+
+if Version(transformers.__version__).release[:2] != Version(SUPPORTED_TRANSFORMERS).release[:2]:
+    raise ImportError(
+        f"hf_attn_patch supports transformers {SUPPORTED_TRANSFORMERS}.x, found {transformers.__version__}: "
+        f'pip install "transformers>={SUPPORTED_TRANSFORMERS},<5.24"'
+    )
+
+from ._patching import is_patched, patch, unpatch  # noqa: E402
+from .kv_memory import kv_cache_bytes  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["is_patched", "kv_cache_bytes", "patch", "unpatch"]
+
+patch()

@@ -1,0 +1,199 @@
+"""Multi-head latent attention (DeepSeek-V2/V3), with a naive and an absorbed compute path.
+
+Notation (per token, H heads): d_c = kv_lora_rank, d_n = qk_nope_head_dim, d_r = qk_rope_head_dim, d_v = v_head_dim.
+    c_t      = norm(W_DKV x_t)                      [d_c]      the latent, cached
+    k_rope_t = RoPE(W_KR x_t)                       [d_r]      one RoPE key shared by all heads, cached
+    k_h,t    = [W_UK[h] c_t ; k_rope_t]             [d_n+d_r]  v_h,t = W_UV[h] c_t  [d_v]
+    q_h,t    = [q_nope ; RoPE(q_rope)]              [d_n+d_r]  from W_Q x (or W_UQ norm(W_DQ x) with q_lora_rank)
+    score    = q_h . k_h * 1/sqrt(d_n + d_r)
+The cache holds only (c_t, k_rope_t): d_c + d_r values per token per layer, in transformers' DeepSeek-V3 layout
+(keys = c [B, 1, S, d_c], values = k_rope [B, 1, S, d_r]), so any cache that serves DeepSeek serves this module.
+
+Naive path: expand K, V for all H heads from the cache, run ordinary attention (best for long prefills).
+Absorbed path: q_nope . (W_UK c) = (W_UK^T q_nope) . c, and sum_s p_s W_UV c_s = W_UV (sum_s p_s c_s), so
+    score = (W_UK[h]^T q_nope) . c_s + q_rope . k_rope_s,   out_h = W_UV[h] (sum_s p_s c_s)
+attention runs over the latent, like MQA with one d_c + d_r key head: no per-token expansion (best for decode).
+Parameter names are DeepSeek-V3's, so its checkpoints load as they are.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .gqa import RMSNorm, attention_function
+from .rope import apply_rope, deinterleave, select_rope_pairs
+from .spec import AttentionSpec
+
+ABSORB_MODES = ("auto", "always", "never")
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek MLA. `absorb` picks the compute path: "auto" (by FLOP count), "always" or "never"."""
+
+    def __init__(self, config, layer_idx: int, spec: AttentionSpec):
+        super().__init__()
+        if spec.variant != "mla":
+            raise ValueError(f"MultiHeadLatentAttention needs attention_variant='mla', got {spec.variant!r}")
+        self.config = config
+        self.layer_idx = layer_idx
+        self.spec = spec
+        h, d_c = spec.num_attention_heads, spec.kv_lora_rank
+        self.num_heads, self.kv_lora_rank = h, d_c
+        self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = (
+            spec.qk_nope_head_dim,
+            spec.qk_rope_head_dim,
+            spec.v_head_dim,
+        )
+        self.qk_head_dim = spec.qk_nope_head_dim + spec.qk_rope_head_dim
+        self.num_key_value_groups = 1  # the naive path hands the attention function H expanded K/V heads
+        self.scaling = spec.scaling if spec.scaling is not None else self.qk_head_dim**-0.5
+        self.is_causal = True
+        self.absorb = "auto"
+
+        if spec.q_lora_rank is None:
+            self.q_proj = nn.Linear(spec.hidden_size, h * self.qk_head_dim, bias=spec.q_bias)
+        else:
+            self.q_a_proj = nn.Linear(spec.hidden_size, spec.q_lora_rank, bias=spec.q_bias)
+            self.q_a_layernorm = RMSNorm(spec.q_lora_rank, spec.norm_eps)
+            self.q_b_proj = nn.Linear(spec.q_lora_rank, h * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(
+            spec.hidden_size, d_c + self.qk_rope_head_dim, bias=spec.k_bias or spec.v_bias
+        )
+        self.kv_a_layernorm = RMSNorm(d_c, spec.norm_eps) if spec.mla_latent_norm else None
+        self.kv_b_proj = nn.Linear(d_c, h * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(h * self.v_head_dim, spec.hidden_size, bias=spec.o_bias)
+        pairs = spec.rope_pair_index()
+        self.register_buffer(
+            "rope_pairs", None if pairs is None else torch.tensor(pairs, dtype=torch.long), persistent=False
+        )
+
+    # -- pieces shared by both paths ---------------------------------------------------------------------------
+
+    def _queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> q_nope [B, H, T, d_n], q_rope [B, H, T, d_r] (before RoPE)."""
+        if self.spec.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(*x.shape[:2], self.num_heads, self.qk_head_dim).transpose(1, 2)
+        return q.split([self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+
+    def _latent(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, D] -> c [B, 1, T, d_c] (normed), k_rope [B, 1, T, d_r] (before RoPE)."""
+        c, k_rope = self.kv_a_proj_with_mqa(x).unsqueeze(1).split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        if self.kv_a_layernorm is not None:
+            c = self.kv_a_layernorm(c)
+        return c, k_rope
+
+    def _rope(self, q_rope, k_rope, position_embeddings):
+        if not self.qk_rope_head_dim:
+            return q_rope, k_rope
+        cos, sin = position_embeddings
+        if self.rope_pairs is not None:
+            cos, sin = select_rope_pairs(cos, sin, self.rope_pairs)
+        if self.spec.rope_interleave:
+            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
+        return apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
+
+    def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """W_UK [H, d_n, d_c], W_UV [H, d_v, d_c]: views of kv_b_proj.weight (rows: per head k_nope then v)."""
+        w = self.kv_b_proj.weight.view(self.num_heads, self.qk_nope_head_dim + self.v_head_dim, self.kv_lora_rank)
+        return w[:, : self.qk_nope_head_dim], w[:, self.qk_nope_head_dim :]
+
+    def use_absorbed(self, num_queries: int) -> bool:
+        """FLOPs per head for S cached tokens, T queries:
+        naive    S*d_c*(d_n+d_v) [expand]  + T*S*(d_n+d_r+d_v) [attend]
+        absorbed T*S*(2*d_c+d_r) [attend over the latent] (+ S-independent absorption terms)
+        absorbed wins iff T*(2*d_c + d_r - d_n - d_r - d_v) < d_c*(d_n + d_v).
+        """
+        if self.absorb != "auto":
+            return self.absorb == "always"
+        d_c, d_n, d_v = self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim
+        return num_queries * (2 * d_c - d_n - d_v) < d_c * (d_n + d_v)
+
+    # -- forward -----------------------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values=None,
+        layer_past=None,  # GPT-NeoX passes the cache under this name
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if self.absorb not in ABSORB_MODES:
+            raise ValueError(f"absorb={self.absorb!r} is not one of {ABSORB_MODES}")
+        cache = past_key_values if past_key_values is not None else layer_past
+        batch, length, _ = hidden_states.shape
+        q_nope, q_rope = self._queries(hidden_states)
+        c, k_rope = self._latent(hidden_states)
+        q_rope, k_rope = self._rope(q_rope, k_rope, position_embeddings)
+        if cache is not None:
+            c, k_rope = cache.update(c, k_rope, self.layer_idx)
+        if self.use_absorbed(length):
+            out, weights = self._absorbed(q_nope, q_rope, c, k_rope, attention_mask)
+        else:
+            out, weights = self._naive(q_nope, q_rope, c, k_rope, attention_mask, **kwargs)
+        return self.o_proj(out.reshape(batch, length, -1)), weights
+
+    def _naive(self, q_nope, q_rope, c, k_rope, attention_mask, **kwargs):
+        """Expand k_nope, v [B, H, S, d] from the latent and call the model's attention function."""
+        batch, _, seq, _ = c.shape
+        kv = self.kv_b_proj(c.squeeze(1)).view(batch, seq, self.num_heads, -1).transpose(1, 2)
+        k_nope, v = kv.split([self.qk_nope_head_dim, self.v_head_dim], dim=-1)
+        k = torch.cat((k_nope, k_rope.expand(-1, self.num_heads, -1, -1)), dim=-1)
+        q = torch.cat((q_nope, q_rope), dim=-1)
+        return attention_function(self.config)(
+            self,
+            q,
+            k,
+            v,
+            attention_mask,
+            dropout=self.spec.dropout if self.training else 0.0,
+            scaling=self.scaling,
+            sliding_window=self.spec.sliding_window,
+            **kwargs,
+        )
+
+    def _absorbed(self, q_nope, q_rope, c, k_rope, attention_mask):
+        """Attention over the latent. q [B, H, T, *], c [B, 1, S, d_c], k_rope [B, 1, S, d_r] -> [B, T, H, d_v]."""
+        w_uk, w_uv = self._up_weights()
+        batch, heads, length, _ = q_nope.shape
+        seq = c.shape[2]
+        q_latent = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # W_UK^T folded into the query
+        # Heads and queries share the one latent "head": fold them into the row dim of a batched matmul.
+        scores = torch.bmm(q_latent.reshape(batch, heads * length, -1), c.squeeze(1).transpose(1, 2))
+        if self.qk_rope_head_dim:
+            scores = scores + torch.bmm(q_rope.reshape(batch, heads * length, -1), k_rope.squeeze(1).transpose(1, 2))
+        scores = scores.view(batch, heads, length, seq) * self.scaling
+        scores = _apply_mask(scores, attention_mask, self.spec.sliding_window)
+        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
+        probs = nn.functional.dropout(probs, p=self.spec.dropout, training=self.training)
+        out_latent = torch.bmm(probs.view(batch, heads * length, seq), c.squeeze(1))  # sum_s p_s c_s
+        out = torch.einsum("bhtc,hvc->bthv", out_latent.view(batch, heads, length, -1), w_uv)  # W_UV folded out
+        return out, probs
+
+
+def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None, sliding_window: int | None) -> torch.Tensor:
+    """Apply whatever mask the model built for its attention implementation to scores [B, H, T, S].
+
+    4D bool (sdpa: True = attend) or float (eager: additive); 2D [B, S] padding mask (flash: 1 = token);
+    None means plain causal, queries aligned to the last T keys (sdpa and flash drop all-ones masks).
+    """
+    length, seq = scores.shape[-2:]
+    if mask is not None and mask.dim() == 4:
+        mask = mask[..., :seq]
+        if mask.dtype == torch.bool:
+            return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        return scores + mask
+    query_pos = torch.arange(seq - length, seq, device=scores.device)[:, None]
+    key_pos = torch.arange(seq, device=scores.device)[None, :]
+    allowed = key_pos <= query_pos
+    if sliding_window is not None:
+        allowed = allowed & (key_pos > query_pos - sliding_window)
+    allowed = allowed[None, None]
+    if mask is not None:  # 2D padding mask
+        allowed = allowed & mask[:, None, None, -seq:].bool()
+    return scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)

@@ -1,0 +1,145 @@
+"""KV-cache byte accounting for any supported config, from the config alone (no weights, no model).
+
+Per attention layer and token the cache holds
+    MHA / GQA / MQA   2 * H_kv * d_h values             (keys and values of the H_kv heads)
+    MLA               kv_lora_rank + qk_rope_head_dim   (the latent c_t and the shared RoPE key)
+Sliding-window layers keep at most `sliding_window` tokens. Linear-attention and SSM layers of hybrid models keep a
+constant state per sequence (a conv window and a recurrent state), whatever the length. Each formula below was
+checked against the tensors transformers' own DynamicCache holds after a forward (tests/test_kv_memory.py).
+One dtype is applied to every value; models that keep SSM states in fp32 under fp16 weights hold more.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float8": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn, "int8": torch.int8,
+}  # fmt: skip
+
+# Layer types (config.layer_types) whose cache grows with the sequence, or is constant, or is absent.
+_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+_STATE_TYPES = ("linear_attention", "conv")
+_NO_CACHE_TYPES = ("mlp", "moe")
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """What one decoder layer caches for one sequence."""
+
+    kind: str  # "mha" | "gqa" | "mqa" | "mla" | "state" | "none" (+ "+state" for hybrid attention+SSM layers)
+    values_per_token: int  # values cached per token (0 for pure state layers)
+    window: int | None = None  # at most this many tokens are kept (sliding / chunked attention)
+    state_values: int = 0  # constant values per sequence (conv + recurrent state)
+    mha_values_per_token: int = 0  # what the same layer would cache per token as full MHA
+
+
+def dtype_of(dtype) -> torch.dtype:
+    """torch.dtype from a dtype or a name ('fp16', 'bfloat16', ...)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        return _DTYPES[dtype.lower()]
+    raise ValueError(f"dtype={dtype!r} is not a torch.dtype or one of {sorted(_DTYPES)}")
+
+
+def layer_caches(config) -> list[LayerCache]:
+    """One LayerCache per decoder layer of `config` (a text config, or a multimodal one holding it)."""
+    config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    n_layers = config.num_hidden_layers
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        window = getattr(config, "sliding_window", None)  # e.g. Mistral-7B-v0.1: every layer slides
+        layer_types = ["sliding_attention" if window else "full_attention"] * n_layers
+    out = []
+    for layer_type in layer_types:
+        if layer_type in _NO_CACHE_TYPES:
+            out.append(LayerCache("none", 0))
+        elif layer_type in _STATE_TYPES:
+            out.append(LayerCache("state", 0, state_values=_state_values(config, layer_type)))
+        elif layer_type in _ATTENTION_TYPES or layer_type == "hybrid":
+            kind, per_token, mha = _attention_values(config)
+            window = None
+            if layer_type == "sliding_attention":
+                window = config.sliding_window
+            elif layer_type == "chunked_attention":
+                window = config.attention_chunk_size
+            state = _state_values(config, "linear_attention") if layer_type == "hybrid" else 0
+            out.append(LayerCache(kind + ("+state" if state else ""), per_token, window, state, mha))
+        else:
+            raise ValueError(f"layer type {layer_type!r} of model_type={config.model_type!r} is not supported")
+    return out
+
+
+def kv_cache_bytes(config, seq_len: int, batch_size: int = 1, dtype=torch.float16) -> int:
+    """Bytes of KV cache (all layers) for `batch_size` sequences of `seq_len` tokens each."""
+    _check_sizes(seq_len, batch_size)
+    size = torch.empty((), dtype=dtype_of(dtype)).element_size()
+    values = sum(
+        min(seq_len, layer.window or seq_len) * layer.values_per_token + layer.state_values
+        for layer in layer_caches(config)
+    )
+    return values * batch_size * size
+
+
+def mha_cache_bytes(config, seq_len: int, batch_size: int = 1, dtype=torch.float16) -> int:
+    """The same model with every attention layer as full MHA over the whole sequence (the ratio's baseline)."""
+    _check_sizes(seq_len, batch_size)
+    size = torch.empty((), dtype=dtype_of(dtype)).element_size()
+    values = sum(seq_len * layer.mha_values_per_token + layer.state_values for layer in layer_caches(config))
+    return values * batch_size * size
+
+
+def _check_sizes(seq_len, batch_size) -> None:
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 0:
+        raise ValueError(f"seq_len={seq_len!r} must be a non-negative integer")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
+
+
+def _attention_values(config) -> tuple[str, int, int]:
+    """(kind, values per token, values per token as MHA) of one attention layer."""
+    heads = config.num_attention_heads
+    if config.model_type == "deepseek_v3":  # native MLA; as MHA it would cache DeepSeek's q/k and v head sizes
+        mha = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+        return "mla", config.kv_lora_rank + config.qk_rope_head_dim, mha
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    if getattr(config, "attention_variant", None) == "mla":  # converted: the source's heads are the baseline
+        return "mla", config.kv_lora_rank + config.qk_rope_head_dim, 2 * heads * head_dim
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
+    return kind, 2 * kv_heads * head_dim, 2 * heads * head_dim
+
+
+def _state_values(config, layer_type: str) -> int:
+    """Constant per-sequence state of one linear-attention / SSM / conv layer: conv window + recurrent state."""
+    c = config
+    if layer_type == "conv":  # LFM2 short convolution
+        return c.hidden_size * c.conv_L_cache
+    if hasattr(c, "linear_num_value_heads"):  # Gated DeltaNet (Qwen3-Next, Qwen3.5)
+        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
+        return conv_dim * c.linear_conv_kernel_dim + recurrent
+    if hasattr(c, "mamba_n_heads"):  # Mamba-2 mixers (Bamba, GraniteMoeHybrid, Falcon-H1)
+        inner = getattr(c, "mamba_d_ssm", None) or c.mamba_expand * c.hidden_size
+        return _mamba2(inner, c.mamba_n_heads, c.mamba_d_head, c.mamba_n_groups, c.mamba_d_state, c.mamba_d_conv)
+    if hasattr(c, "mamba_num_heads"):  # Nemotron-H
+        inner = c.mamba_num_heads * c.mamba_head_dim
+        return _mamba2(inner, c.mamba_num_heads, c.mamba_head_dim, c.n_groups, c.ssm_state_size, c.conv_kernel)
+    if c.model_type == "mamba2":
+        return _mamba2(c.expand * c.hidden_size, c.num_heads, c.head_dim, c.n_groups, c.state_size, c.conv_kernel)
+    if hasattr(c, "mamba_d_state"):  # Mamba-1 mixers (Jamba)
+        inner = c.mamba_expand * c.hidden_size
+        return inner * (c.mamba_d_conv + c.mamba_d_state)
+    if c.model_type in ("mamba", "falcon_mamba"):
+        return c.intermediate_size * (c.conv_kernel + c.state_size)
+    raise ValueError(f"{layer_type!r} layers of model_type={c.model_type!r} are not supported by kv_cache_bytes")
+
+
+def _mamba2(inner: int, heads: int, head_dim: int, groups: int, state: int, conv_kernel: int) -> int:
+    return (inner + 2 * groups * state) * conv_kernel + heads * head_dim * state

