@@ -29,29 +29,43 @@ def _replace(owner, name: str, new) -> None:
     setattr(owner, name, new)
 
 
-class AttentionDispatch:
-    """Stands under a stock attention class's name: builds ours when the config asks for a variant."""
+class AttentionDispatch(type):
+    """Metaclass of the stand-in put under a stock attention class's name.
 
-    def __init__(self, original: type, model_type: str):
-        self.original = original
-        self.model_type = model_type
-        self._signature = inspect.signature(original.__init__)
-        self.__name__ = original.__name__
-        self.__qualname__ = original.__qualname__
-        self.__doc__ = original.__doc__
+    Calling the stand-in builds ours when the config asks for a variant and the stock class otherwise;
+    isinstance / issubclass checks against it answer as the stock class would (GPT-2's weight init uses them).
+    """
 
-    def __call__(self, config, *args, **kwargs):
+    def __call__(cls, config, *args, **kwargs):
         if getattr(config, "attention_variant", None) is None:
-            return self.original(config, *args, **kwargs)
-        bound = self._signature.bind(None, config, *args, **kwargs).arguments
+            return cls.original(config, *args, **kwargs)
+        bound = cls.signature.bind(None, config, *args, **kwargs).arguments
         if bound.get("is_cross_attention"):  # GPT-2 cross-attention is not self-attention: keep it stock
-            return self.original(config, *args, **kwargs)
+            return cls.original(config, *args, **kwargs)
         from .models import build_attention
 
         return build_attention(config, bound.get("layer_idx"))
 
-    def __repr__(self) -> str:
-        return f"<hf_attn_patch dispatch for {self.original.__module__}.{self.original.__qualname__}>"
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, cls.original)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return issubclass(sub, cls.original)
+
+    def __repr__(cls) -> str:
+        return f"<hf_attn_patch dispatch for {cls.original.__module__}.{cls.original.__qualname__}>"
+
+
+def attention_dispatch(original: type) -> type:
+    """The stand-in for `original` (a stock attention class)."""
+    namespace = {
+        "original": original,
+        "signature": inspect.signature(original.__init__),
+        "__module__": original.__module__,
+        "__qualname__": original.__qualname__,
+        "__doc__": original.__doc__,
+    }
+    return AttentionDispatch(original.__name__, (), namespace)
 
 
 def _validating_post_init(original):
@@ -74,7 +88,7 @@ def patch() -> None:
 
     for arch in ARCHITECTURES.values():
         module = arch.attention_module()
-        _replace(module, arch.attention_class, AttentionDispatch(getattr(module, arch.attention_class), arch.model_type))
+        _replace(module, arch.attention_class, attention_dispatch(getattr(module, arch.attention_class)))
     _replace(PreTrainedConfig, "__post_init__", _validating_post_init(vars(PreTrainedConfig)["__post_init__"]))
     logger.debug("hf_attn_patch: patched %d objects", len(_originals))
 

@@ -3,7 +3,8 @@
 Per attention layer and token the cache holds
     MHA / GQA / MQA   2 * H_kv * d_h values             (keys and values of the H_kv heads)
     MLA               kv_lora_rank + qk_rope_head_dim   (the latent c_t and the shared RoPE key)
-Sliding-window layers keep at most `sliding_window` tokens. Linear-attention and SSM layers of hybrid models keep a
+Sliding-window layers keep the last `sliding_window - 1` tokens between steps (the current token completes the
+window; transformers' DynamicSlidingWindowLayer). Linear-attention and SSM layers of hybrid models keep a
 constant state per sequence (a conv window and a recurrent state), whatever the length. Each formula below was
 checked against the tensors transformers' own DynamicCache holds after a forward (tests/test_kv_memory.py).
 One dtype is applied to every value; models that keep SSM states in fp32 under fp16 weights hold more.
@@ -23,7 +24,7 @@ _DTYPES = {
 }  # fmt: skip
 
 # Layer types (config.layer_types) whose cache grows with the sequence, or is constant, or is absent.
-_ATTENTION_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+_ATTENTION_TYPES = ("full_attention", "sliding_attention")
 _STATE_TYPES = ("linear_attention", "conv")
 _NO_CACHE_TYPES = ("mlp", "moe")
 
@@ -34,7 +35,7 @@ class LayerCache:
 
     kind: str  # "mha" | "gqa" | "mqa" | "mla" | "state" | "none" (+ "+state" for hybrid attention+SSM layers)
     values_per_token: int  # values cached per token (0 for pure state layers)
-    window: int | None = None  # at most this many tokens are kept (sliding / chunked attention)
+    window: int | None = None  # at most this many tokens are kept (sliding attention)
     state_values: int = 0  # constant values per sequence (conv + recurrent state)
     mha_values_per_token: int = 0  # what the same layer would cache per token as full MHA
 
@@ -64,11 +65,7 @@ def layer_caches(config) -> list[LayerCache]:
             out.append(LayerCache("state", 0, state_values=_state_values(config, layer_type)))
         elif layer_type in _ATTENTION_TYPES or layer_type == "hybrid":
             kind, per_token, mha = _attention_values(config)
-            window = None
-            if layer_type == "sliding_attention":
-                window = config.sliding_window
-            elif layer_type == "chunked_attention":
-                window = config.attention_chunk_size
+            window = config.sliding_window - 1 if layer_type == "sliding_attention" else None
             state = _state_values(config, "linear_attention") if layer_type == "hybrid" else 0
             out.append(LayerCache(kind + ("+state" if state else ""), per_token, window, state, mha))
         else:
@@ -81,7 +78,8 @@ def kv_cache_bytes(config, seq_len: int, batch_size: int = 1, dtype=torch.float1
     _check_sizes(seq_len, batch_size)
     size = torch.empty((), dtype=dtype_of(dtype)).element_size()
     values = sum(
-        min(seq_len, layer.window or seq_len) * layer.values_per_token + layer.state_values
+        (seq_len if layer.window is None else min(seq_len, layer.window)) * layer.values_per_token
+        + layer.state_values
         for layer in layer_caches(config)
     )
     return values * batch_size * size
@@ -143,3 +141,43 @@ def _state_values(config, layer_type: str) -> int:
 
 def _mamba2(inner: int, heads: int, head_dim: int, groups: int, state: int, conv_kernel: int) -> int:
     return (inner + 2 * groups * state) * conv_kernel + heads * head_dim * state
+
+
+def seed_configs() -> dict:
+    """The seed's worked example: LLaMA-3-8B shape (d=4096, H=32, d_h=128, 32 layers) as MHA, MQA, GQA-8, MLA."""
+    from transformers import LlamaConfig
+
+    shape = dict(hidden_size=4096, num_attention_heads=32, head_dim=128, num_hidden_layers=32, intermediate_size=14336)
+    mla = dict(attention_variant="mla", kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128)
+    return {
+        "MHA (H_kv=32)": LlamaConfig(**shape, num_key_value_heads=32),
+        "MQA (H_kv=1)": LlamaConfig(**shape, num_key_value_heads=1),
+        "GQA (H_kv=8)": LlamaConfig(**shape, num_key_value_heads=8),
+        "MLA (d_c=512, d_r=64)": LlamaConfig(**shape, num_key_value_heads=32, **mla),
+    }
+
+
+def kv_report(configs: dict, seq_len: int, batch_size: int = 1, dtype=torch.float16) -> str:
+    """A text table: per config, bytes per token per attention layer, total bytes and the ratio to MHA."""
+    size = torch.empty((), dtype=dtype_of(dtype)).element_size()
+    lines = [
+        f"seq_len={seq_len:,}  batch_size={batch_size}  dtype={str(dtype_of(dtype)).replace('torch.', '')}",
+        f"{'model':<26}{'layers':>7}  {'kind':<10}{'B/token/layer':>14}{'total bytes':>20}{'total GB':>10}"
+        f"{'MHA GB':>10}{'x MHA':>8}",
+    ]
+    for name, config in configs.items():
+        layers = layer_caches(config)
+        kinds = sorted({layer.kind for layer in layers}, key=[layer.kind for layer in layers].index)
+        per_token = sorted({layer.values_per_token * size for layer in layers if layer.values_per_token})
+        total, mha = kv_cache_bytes(config, seq_len, batch_size, dtype), mha_cache_bytes(config, seq_len, batch_size, dtype)
+        lines.append(
+            f"{name:<26}{len(layers):>7}  {'/'.join(kinds):<10}{'/'.join(map(str, per_token)) or '-':>14}"
+            f"{total:>20,}{total / 1e9:>10.2f}{mha / 1e9:>10.2f}{total / mha if mha else float('nan'):>8.3f}"
+        )
+        windows = sorted({layer.window for layer in layers if layer.window})
+        states = sorted({layer.state_values * size for layer in layers if layer.state_values})
+        if windows:
+            lines.append(f"{'':<26}sliding layers keep at most {'/'.join(map(str, windows))} tokens")
+        if states:
+            lines.append(f"{'':<26}constant state per sequence per state layer: {'/'.join(map(str, states))} B")
+    return "\n".join(lines)

