@@ -145,3 +145,55 @@ def test_source_model_not_modified():
     to_variant(stock, "mla")
     assert not ours(stock)
     assert all(torch.equal(before[k], v) for k, v in stock.state_dict().items())
+
+
+def _replicate_kv_heads(weight: torch.Tensor, heads: int, kv_heads: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[H*d, ...] K or V rows -> (rows with every head replaced by its group's first head, the H_kv group heads)."""
+    per_head = weight.view(heads, -1, *weight.shape[1:])
+    group_heads = per_head[:: heads // kv_heads]
+    return group_heads.repeat_interleave(heads // kv_heads, dim=0).reshape(weight.shape), group_heads.reshape(
+        -1, *weight.shape[1:]
+    )
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2, 3])  # MQA, GQA, GQA; 6 (MHA) is covered above
+@pytest.mark.parametrize("model_type", ["gpt2", "opt"])
+def test_fewer_kv_heads_match_stock_mha_with_replicated_heads(model_type, kv_heads, padded_batch):
+    """An MHA model whose K/V heads are equal within groups *is* a GQA model: ours with H_kv heads must match it."""
+    ids, mask = padded_batch
+    stock = tiny_model(model_type)
+    heads = stock.config.num_attention_heads
+    grouped = {}
+    with torch.no_grad():
+        for name, module in stock.named_modules():
+            if model_type == "gpt2" and name.endswith(".attn"):
+                d = stock.config.hidden_size
+                weight, bias = module.c_attn.weight, module.c_attn.bias  # Conv1D [in, q|k|v]
+                k_w, k_g = _replicate_kv_heads(weight[:, d : 2 * d].t().contiguous(), heads, kv_heads)
+                v_w, v_g = _replicate_kv_heads(weight[:, 2 * d :].t().contiguous(), heads, kv_heads)
+                k_b, k_bg = _replicate_kv_heads(bias[d : 2 * d].clone(), heads, kv_heads)
+                v_b, v_bg = _replicate_kv_heads(bias[2 * d :].clone(), heads, kv_heads)
+                weight[:, d : 2 * d], weight[:, 2 * d :], bias[d : 2 * d], bias[2 * d :] = k_w.t(), v_w.t(), k_b, v_b
+                grouped[name] = {"k_proj.weight": k_g, "v_proj.weight": v_g, "k_proj.bias": k_bg, "v_proj.bias": v_bg}
+            elif model_type == "opt" and name.endswith(".self_attn"):
+                grouped[name] = {}
+                for proj in ("k_proj", "v_proj"):
+                    for p in ("weight", "bias"):
+                        full, group = _replicate_kv_heads(getattr(getattr(module, proj), p).clone(), heads, kv_heads)
+                        getattr(getattr(module, proj), p).copy_(full)
+                        grouped[name][f"{proj}.{p}"] = group
+    reference = to_variant(stock, "gqa")  # H_kv = H, proven equal to stock above
+    config = reference.config
+    config.num_key_value_heads = kv_heads
+    model = type(reference)(config).eval()
+    state = reference.state_dict()
+    state.update({f"{n}.{k}": v for n, sd in grouped.items() for k, v in sd.items()})
+    model.load_state_dict(state)
+    assert ours(model)[0].k_proj.out_features == kv_heads * ours(model)[0].head_dim
+    keep = mask.bool()
+    with torch.no_grad():
+        ref = stock(ids, attention_mask=mask).logits
+        torch.testing.assert_close(model(ids, attention_mask=mask).logits[keep], ref[keep], atol=ATOL, rtol=0)
+        torch.testing.assert_close(
+            stepwise_logits(model, ids, mask, 3), stepwise_logits(stock, ids, mask, 3), atol=ATOL, rtol=0
+        )
