@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from ..models.architectures import AttentionWeights, architecture_of
+from ..models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
 
 
 def to_variant(model: nn.Module, variant: str) -> nn.Module:
@@ -36,7 +36,7 @@ def to_variant(model: nn.Module, variant: str) -> nn.Module:
         raise ValueError(f"no {arch.attention_class} layers found: is the model already converted?")
     if variant == "gqa":
         lifted = {name: (split := arch.split_heads(m)).gqa_state_dict() for name, m in stock.items()}
-        fields = {"num_key_value_heads": split.k_w.shape[0] // _head_dim(model.config)}
+        fields = {"num_key_value_heads": split.k_w.shape[0] // head_dim(model.config)}
     elif variant == "mla" and arch.model_type == "deepseek_v3":  # already MLA: same parameter names
         lifted = {name: m.state_dict() for name, m in stock.items()}
         fields = {}
@@ -63,19 +63,19 @@ def to_variant(model: nn.Module, variant: str) -> nn.Module:
     return new.eval() if not model.training else new
 
 
-def _head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def _with_bias_column(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[out, in] weight and [out] bias -> [out, in + 1] (zeros when there is no bias), so rows move with their bias."""
+    bias = bias if bias is not None else weight.new_zeros(weight.shape[0])
+    return torch.cat((weight, bias[:, None]), dim=1)
 
 
 def _lift_mla(w: AttentionWeights, config) -> tuple[dict[str, torch.Tensor], dict]:
     """Exact MLA parameters (state dict, config fields) for one layer's heads."""
-    from ..models.architectures import _rotary_dim, architecture_of
-
     arch = architecture_of(config)
-    d_h, hidden = _head_dim(config), w.q_w.shape[1]
+    d_h, hidden = head_dim(config), w.q_w.shape[1]
     heads, kv_heads = w.q_w.shape[0] // d_h, w.k_w.shape[0] // d_h
     group = heads // kv_heads
-    d_rot = _rotary_dim(config) if arch.rotary else 0
+    d_rot = rotary_dim(config) if arch.rotary else 0
     half = d_rot // 2
     d_nope, d_r, d_v = d_h - d_rot, kv_heads * d_rot, d_h
     dtype = w.q_w.dtype
@@ -89,8 +89,7 @@ def _lift_mla(w: AttentionWeights, config) -> tuple[dict[str, torch.Tensor], dic
     # MLA scores use 1/sqrt(d_nope + d_r); the source's own scale is folded into the query weights.
     scale = w.scaling * math.sqrt(d_nope + d_r)
     q_new = torch.zeros(heads, d_nope + d_r, hidden + 1, dtype=torch.float64)
-    q_aug = torch.cat((q_w, (q_b if q_b is not None else torch.zeros(q_w.shape[0], dtype=torch.float64))[:, None]), 1)
-    q_aug = q_aug.view(heads, d_h, hidden + 1)
+    q_aug = _with_bias_column(q_w, q_b).view(heads, d_h, hidden + 1)
     for h in range(heads):
         g = h // group
         q_new[h, :d_nope] = q_aug[h, d_rot:]
@@ -99,8 +98,7 @@ def _lift_mla(w: AttentionWeights, config) -> tuple[dict[str, torch.Tensor], dic
     q_new = q_new.reshape(-1, hidden + 1) * scale
 
     # Rope key rows: first halves of every KV head's pairs, then the second halves (rotate_half layout).
-    k_aug = torch.cat((k_w, (k_b if k_b is not None else torch.zeros(k_w.shape[0], dtype=torch.float64))[:, None]), 1)
-    k_aug = k_aug.view(kv_heads, d_h, hidden + 1)
+    k_aug = _with_bias_column(k_w, k_b).view(kv_heads, d_h, hidden + 1)
     k_rope = torch.cat((k_aug[:, :half].reshape(-1, hidden + 1), k_aug[:, half:d_rot].reshape(-1, hidden + 1)))
 
     # Latent: stacked [K_nope; V] of the KV heads. A K bias on non-RoPE dims adds q.b to every score of a query:
@@ -119,9 +117,8 @@ def _lift_mla(w: AttentionWeights, config) -> tuple[dict[str, torch.Tensor], dic
         if o_b is None and bool(v_bias.any()):
             raise ValueError("exact MLA lift: V bias needs an o_proj bias to fold into when K/V rows exceed hidden")
     latent = down_w.shape[0]
-    k_up, v_up = up[: rows - v_w.shape[0]].view(kv_heads, d_nope, latent), up[rows - v_w.shape[0] :].view(
-        kv_heads, d_v, latent
-    )
+    k_rows = rows - v_w.shape[0]
+    k_up, v_up = up[:k_rows].view(kv_heads, d_nope, latent), up[k_rows:].view(kv_heads, d_v, latent)
     kv_b = torch.cat((k_up, v_up), dim=1).repeat_interleave(group, dim=0).reshape(-1, latent)
 
     spec_bias = arch.biases(config)

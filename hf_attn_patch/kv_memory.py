@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .models.architectures import head_dim
+
 _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -106,12 +108,12 @@ def _attention_values(config) -> tuple[str, int, int]:
     if config.model_type == "deepseek_v3":  # native MLA; as MHA it would cache DeepSeek's q/k and v head sizes
         mha = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
         return "mla", config.kv_lora_rank + config.qk_rope_head_dim, mha
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    d_h = head_dim(config)
     if getattr(config, "attention_variant", None) == "mla":  # converted: the source's heads are the baseline
-        return "mla", config.kv_lora_rank + config.qk_rope_head_dim, 2 * heads * head_dim
+        return "mla", config.kv_lora_rank + config.qk_rope_head_dim, 2 * heads * d_h
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
-    return kind, 2 * kv_heads * head_dim, 2 * heads * head_dim
+    return kind, 2 * kv_heads * d_h, 2 * heads * d_h
 
 
 def _state_values(config, layer_type: str) -> int:

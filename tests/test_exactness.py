@@ -197,3 +197,19 @@ def test_fewer_kv_heads_match_stock_mha_with_replicated_heads(model_type, kv_hea
         torch.testing.assert_close(
             stepwise_logits(model, ids, mask, 3), stepwise_logits(stock, ids, mask, 3), atol=ATOL, rtol=0
         )
+
+
+def test_mla_gradients_agree_between_paths(padded_batch):
+    """Healing (distillation) trains through these modules: both paths must give the same gradients."""
+    ids, mask = padded_batch
+    model = to_variant(tiny_model("llama"), "mla").train()
+    grads = {}
+    for mode in ("never", "always"):
+        model.zero_grad()
+        for layer in ours(model):
+            layer.absorb = mode
+        model(ids, attention_mask=mask, labels=ids).loss.backward()
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if "kv_b_proj" in n or "q_proj" in n}
+    assert grads["never"] and all(g.abs().sum() > 0 for g in grads["never"].values())
+    for name, grad in grads["never"].items():
+        torch.testing.assert_close(grads["always"][name], grad, atol=1e-5, rtol=1e-4)

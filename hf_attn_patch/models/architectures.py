@@ -110,9 +110,14 @@ def _layer_sliding_window(config, layer_idx: int) -> int | None:
     return window
 
 
-def _rotary_dim(config) -> int:
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    return int(head_dim * (config.rope_parameters or {}).get("partial_rotary_factor", 1.0))
+def head_dim(config) -> int:
+    """Per-head size: the config's head_dim where it has one, else hidden_size / num_attention_heads."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def rotary_dim(config) -> int:
+    """RoPE dims per head of a rotary config (GPT-NeoX rotates only a fraction of each head)."""
+    return int(head_dim(config) * (config.rope_parameters or {}).get("partial_rotary_factor", 1.0))
 
 
 @dataclass(frozen=True)
@@ -187,15 +192,14 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
         raise ValueError(f"config of model_type={config.model_type!r} has no attention_variant")
     if variant in ("gqa", "mla") and variant not in arch.variants:
         raise ValueError(f"attention_variant={variant!r} is not available for model_type={arch.model_type!r}")
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, d_h = config.num_attention_heads, head_dim(config)
     q_bias, k_bias, v_bias, o_bias = arch.biases(config)
     common = dict(
         variant=variant,
         hidden_size=config.hidden_size,
         num_attention_heads=heads,
-        head_dim=head_dim,
-        rotary_dim=_rotary_dim(config) if arch.rotary else 0,
+        head_dim=d_h,
+        rotary_dim=rotary_dim(config) if arch.rotary else 0,
         q_bias=q_bias,
         k_bias=k_bias,
         v_bias=v_bias,
@@ -209,7 +213,7 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
         return AttentionSpec(
             **common,
             num_key_value_heads=getattr(config, "num_key_value_heads", None),
-            scaling=arch.scaling(config, layer_idx, head_dim),
+            scaling=arch.scaling(config, layer_idx, d_h),
         )
     if variant != "mla":
         return AttentionSpec(**common)  # raises: unknown variant, naming it
