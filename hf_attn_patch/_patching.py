@@ -7,6 +7,10 @@ What is replaced, and why no official hook does it:
   class. transformers has no registry for attention *modules* (AttentionInterface swaps only the kernel).
 - `PreTrainedConfig.__post_init__`: validates `attention_variant` and its fields when a config is built, so a bad
   config.json fails naming the field before any weight is loaded.
+- `ALL_CACHE_IMPLEMENTATIONS` (generation/configuration_utils.py) gains "paged_kv", and
+  `GenerationMixin._prepare_cache_for_generation` builds a PagedKVCache for it: cache names are a fixed tuple.
+- `GenerationMixin._prefill` tells a PagedKVCache where each row's prompt starts (left padding) and which prompt
+  blocks it already holds (prefix caching) before the prefill forward; generate() then feeds only the rest.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ import inspect
 import logging
 
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.generation import configuration_utils as generation_config_module
+from transformers.generation.utils import GenerationMixin
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +86,39 @@ def _validating_post_init(original):
     return __post_init__
 
 
+PAGED_CACHE_NAME = "paged_kv"  # "paged" already means transformers' continuous batching
+
+
+def _prepare_cache_with_paged(original):
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+        if generation_config.cache_implementation != PAGED_CACHE_NAME or model_kwargs.get("past_key_values") is not None:
+            return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
+        from .cache import PagedKVCache
+
+        options = dict(generation_config.cache_config or {})
+        block_size = options.get("block_size", 16)
+        if "num_blocks" not in options and "max_memory" not in options:  # enough for every row to reach max length
+            rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
+            options["num_blocks"] = rows * (-(-max_cache_length // block_size) + 1) + 1
+        model_kwargs["past_key_values"] = PagedKVCache(self.config.get_text_config(decoder=True), **options)
+
+    _prepare_cache_for_generation.__wrapped__ = original
+    return _prepare_cache_for_generation
+
+
+def _prefill_with_paged(original):
+    def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
+        from .cache import PagedKVCache
+
+        cache = model_kwargs.get("past_key_values")
+        if isinstance(cache, PagedKVCache) and is_first_iteration and model_kwargs.get("inputs_embeds") is None:
+            cache.start_request(input_ids, model_kwargs.get("attention_mask"))
+        return original(self, input_ids, generation_config, model_kwargs, is_first_iteration=is_first_iteration)
+
+    _prefill.__wrapped__ = original
+    return _prefill
+
+
 def patch() -> None:
     """Install the patch (idempotent)."""
     if _originals:
@@ -90,6 +129,10 @@ def patch() -> None:
         module = arch.attention_module()
         _replace(module, arch.attention_class, attention_dispatch(getattr(module, arch.attention_class)))
     _replace(PreTrainedConfig, "__post_init__", _validating_post_init(vars(PreTrainedConfig)["__post_init__"]))
+    names = generation_config_module.ALL_CACHE_IMPLEMENTATIONS
+    _replace(generation_config_module, "ALL_CACHE_IMPLEMENTATIONS", names + (PAGED_CACHE_NAME,))
+    for name, wrap in (("_prepare_cache_for_generation", _prepare_cache_with_paged), ("_prefill", _prefill_with_paged)):
+        _replace(GenerationMixin, name, wrap(vars(GenerationMixin)[name]))
     logger.debug("hf_attn_patch: patched %d objects", len(_originals))
 
 

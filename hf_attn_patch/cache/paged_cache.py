@@ -1,0 +1,434 @@
+"""PagedKVCache: a transformers `Cache` whose KV lives in fixed-size blocks allocated as tokens arrive.
+
+Layout. Each attention layer owns storage `keys [num_blocks, block_size, H_k, d_k]` and `values [..., H_v, d_v]`
+(MLA layers: H = 1, d_k = kv_lora_rank, d_v = qk_rope_head_dim; the latent and the RoPE key only). All layers of a
+*group* (full attention, or one sliding window size) share one block table per row: physical block b of a row holds
+positions [k*bs, (k+1)*bs) of that row in every layer of the group. Block ids come from one BlockPool.
+
+Rows. Every row has the same logical length L (as generate() keeps it). A row's first `pad` positions are left
+padding: they map to the null block (zero keys, masked anyway) and take no memory. Sliding-window groups free the
+blocks no future query can see and point their entries at the null block too.
+
+Sharing. Beam reordering, num_return_sequences forks and prefix hits share blocks by reference count; the first
+write into a shared, partly filled block copies it first (copy-on-write). Full prompt blocks are named by a hash
+chain (prefix_cache.py); a later request whose prompt starts with them reuses them and skips their prefill.
+
+Attention reads a row's blocks through a gather (the pure-torch path); the returned K/V are [B, H, L, d] as
+DynamicCache returns them, so every attention implementation and both MLA paths work unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
+
+from ..kv_memory import layer_caches
+from .block_pool import NULL_BLOCK, BlockPool
+from .prefix_cache import block_hashes
+
+logger = logging.getLogger(__name__)
+
+_PAGED_TYPES = ("full_attention", "sliding_attention")
+_PASS_THROUGH_TYPES = ("linear_attention", "conv", "dummy")  # constant-size state: transformers' own layers
+_GROWABLE_START_BLOCKS = 64
+
+
+@dataclass
+class _Row:
+    """One sequence: left padding, prompt tokens (for prefix hashing) and a block table per group."""
+
+    pad: int = 0
+    tokens: list[int] = field(default_factory=list)
+    tables: dict = field(default_factory=dict)  # group -> list of block ids
+    hashes: list[bytes] = field(default_factory=list)  # hash chain of the prompt's full blocks
+
+
+class PagedLayer(CacheLayerMixin):
+    """A view of one attention layer inside a PagedKVCache; the cache does the work."""
+
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self, cache: "PagedKVCache", layer_idx: int, window: int | None):
+        super().__init__()
+        self.cache, self.layer_idx, self.window = cache, layer_idx, window
+        self.is_sliding = window is not None
+        self.length = 0  # tokens this layer has seen (logical, padding included)
+        self.key_storage: torch.Tensor | None = None
+        self.value_storage: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.cache._layer_update(self, key_states, value_states)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class PagedKVCache(Cache):
+    """Paged KV cache for `generate()`: blocks on demand, prefix caching, copy-on-write.
+
+    Args:
+        config: the model config (layer kinds and sizes are read from it).
+        block_size: tokens per block.
+        num_blocks: pool size in blocks (block 0 is reserved as the null block). With neither this nor
+            `max_memory`, the pool starts small and doubles when it runs out.
+        max_memory: pool size in bytes of KV storage (all layers); exclusive with `num_blocks`.
+        enable_prefix_caching: reuse full prompt blocks across requests sharing this object (full-attention models
+            only: sliding windows and SSM states have no block-wise prefix).
+    """
+
+    def __init__(self, config, block_size: int = 16, num_blocks: int | None = None, max_memory: int | None = None,
+                 enable_prefix_caching: bool = True):  # fmt: skip
+        if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
+            raise ValueError(f"block_size={block_size!r} must be a positive integer")
+        if num_blocks is not None and max_memory is not None:
+            raise ValueError(f"give num_blocks={num_blocks!r} or max_memory={max_memory!r}, not both")
+        if num_blocks is not None and (not isinstance(num_blocks, int) or num_blocks < 2):
+            raise ValueError(f"num_blocks={num_blocks!r} must be an integer >= 2 (block 0 is the null block)")
+        if max_memory is not None and (not isinstance(max_memory, int) or max_memory < 1):
+            raise ValueError(f"max_memory={max_memory!r} must be a positive number of bytes")
+        config = config.get_text_config(decoder=True)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        self.values_per_token = [c.values_per_token for c in layer_caches(config)]
+        layers = []
+        for idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if kind in _PAGED_TYPES:
+                layers.append(PagedLayer(self, idx, kwargs.get("sliding_window")))
+            elif kind in _PASS_THROUGH_TYPES:
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+            else:
+                raise ValueError(f"layer type {kind!r} (layer {idx}) is not supported by PagedKVCache")
+        super().__init__(layers=layers)
+        self.block_size, self.max_memory = block_size, max_memory
+        self.paged = [layer for layer in layers if isinstance(layer, PagedLayer)]
+        self.groups = sorted({layer.window for layer in self.paged}, key=lambda w: (w is not None, w or 0))
+        # values per token of each group's layers together: a group's block holds bs tokens of all its layers
+        self.group_values = {g: sum(self.values_per_token[l.layer_idx] for l in self.paged if l.window == g)
+                             for g in self.groups}  # fmt: skip
+        self.prefix_caching = enable_prefix_caching and self.groups == [None] and len(self.paged) == len(layers)
+        if enable_prefix_caching and not self.prefix_caching:
+            logger.info("prefix caching disabled: it needs full attention in every layer (no windows, no SSM)")
+        self.num_blocks = num_blocks
+        self.pools: dict = {}  # group -> BlockPool, created at the first update (max_memory needs the dtype)
+        self.growable = num_blocks is None and max_memory is None
+        self.rows: list[_Row] = []
+        self.prefix_hit_tokens = 0
+        self._slots: dict = {}  # group -> (write slots [B, T], read slots [B, L]) of the step in flight
+
+    # -- requests --------------------------------------------------------------------------------------------
+
+    def start_request(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+        """Begin a new batch of prompts: release the previous rows, learn each row's left padding, and attach the
+        cached blocks of the longest prefix all rows can skip. Returns the number of positions skipped."""
+        if attention_mask is not None and input_ids.shape[1] < attention_mask.shape[1]:
+            return 0  # only the new tokens of a continuing request were passed: keep the rows as they are
+        self._release_rows()
+        mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
+        pads = (mask.cumsum(1) == 0).sum(1).tolist()  # leading zeros = left padding
+        self.rows = []
+        for r, pad in enumerate(pads):
+            tokens = input_ids[r, pad:].tolist()
+            row = _Row(pad=pad, tokens=tokens, tables={g: [] for g in self.groups})
+            if self.prefix_caching:
+                row.hashes = block_hashes(tokens, self.block_size)
+            self.rows.append(row)
+        skip = self._attach_prefix() if self.prefix_caching and self.pools else 0
+        for layer in self.paged:
+            layer.length = skip
+        return skip
+
+    def _attach_prefix(self) -> int:
+        """Attach cached blocks for the first `skip` logical positions of every row (same for all rows)."""
+        pool = self.pools[None]
+        hits = []
+        for row in self.rows:
+            usable = (len(row.tokens) - 1) // self.block_size  # keep >= 1 token to compute: generate needs logits
+            n = 0
+            while n < min(usable, len(row.hashes)) and pool.lookup(row.hashes[n]) is not None:
+                n += 1
+            hits.append(n)
+        skip = min(row.pad + n * self.block_size for row, n in zip(self.rows, hits))
+        for row in self.rows:
+            stored = max(0, skip - row.pad)
+            for k in range(-(-stored // self.block_size)):  # ceil: a partly used block is shared, copied on write
+                block = pool.lookup(row.hashes[k])
+                pool.incref(block)
+                row.tables[None].append(block)
+            self.prefix_hit_tokens += stored
+        return skip
+
+    def _release_rows(self) -> None:
+        for row in self.rows:
+            self._drop(row)
+        self.rows = []
+
+    # -- the step: allocation on the first paged layer, write + gather on every layer ------------------------
+
+    def _layer_update(self, layer: PagedLayer, keys: torch.Tensor, values: torch.Tensor):
+        """keys [B, H_k, T, d_k], values [B, H_v, T, d_v] -> all of this layer's [B, H, L + T, d]."""
+        if not layer.is_initialized:
+            layer.lazy_initialization(keys, values)
+        if layer is self.paged[0]:
+            self._begin_step(keys.shape[0], keys.shape[2], keys.element_size(), keys.device)
+        if layer.key_storage is None or layer.key_storage.shape[0] < self.pools[layer.window].num_blocks:
+            self._grow_storage(layer, keys, values)
+        write, read = self._slots[layer.window]
+        key_flat = layer.key_storage.view(-1, *layer.key_storage.shape[2:])
+        value_flat = layer.value_storage.view(-1, *layer.value_storage.shape[2:])
+        valid = write >= 0
+        key_flat[write[valid]] = keys.transpose(1, 2)[valid]
+        value_flat[write[valid]] = values.transpose(1, 2)[valid]
+        layer.length += keys.shape[2]
+        batch, length = read.shape
+        flat = read.reshape(-1)
+        out_k = key_flat.index_select(0, flat).view(batch, length, *key_flat.shape[1:]).transpose(1, 2)
+        out_v = value_flat.index_select(0, flat).view(batch, length, *value_flat.shape[1:]).transpose(1, 2)
+        if layer is self.paged[-1]:
+            self._end_step()
+        return out_k, out_v
+
+    def _begin_step(self, batch: int, new: int, element_size: int, device) -> None:
+        """Give every row blocks for `new` more positions (copying shared partly filled ones) and build slots."""
+        if not self.pools:
+            self._create_pools(element_size)
+        if len(self.rows) != batch:
+            if self.rows:
+                raise ValueError(f"the cache holds {len(self.rows)} rows but the model was called with batch {batch}")
+            self.rows = [_Row(tables={g: [] for g in self.groups}) for _ in range(batch)]
+        start = self.paged[0].length
+        bs = self.block_size
+        for group in self.groups:
+            pool = self.pools[group]
+            # Allocate first for every row, so a CacheFullError leaves the cache unchanged.
+            needs = []
+            for row in self.rows:
+                table = row.tables[group]
+                stored_start, stored_end = max(0, start - row.pad), max(0, start + new - row.pad)
+                copy = stored_start % bs != 0 and stored_start < stored_end and pool.is_shared(
+                    table[stored_start // bs]
+                )
+                needs.append((-(-stored_end // bs) - len(table), copy))
+            self._reserve(group, sum(n + c for n, c in needs))
+            for row, (n, copy) in zip(self.rows, needs):
+                table = row.tables[group]
+                if copy:
+                    self._copy_on_write(table, max(0, start - row.pad) // bs, group)
+                table.extend(pool.allocate(n) if n > 0 else [])
+            if group is not None:
+                self._free_out_of_window(group, start)
+            self._slots[group] = self._build_slots(group, start, new, device)
+
+    def _reserve(self, group, blocks: int) -> None:
+        pool = self.pools[group]
+        while self.growable and blocks > pool.num_available():
+            self._grow_pool(group)
+        if blocks > pool.num_available():
+            pool.allocate(blocks)  # raises CacheFullError naming the numbers, changes nothing
+
+    def _copy_on_write(self, table: list[int], k: int, group) -> None:
+        pool = self.pools[group]
+        old, (new,) = table[k], pool.allocate(1)
+        for layer in self.paged:
+            if layer.window == group and layer.key_storage is not None:
+                layer.key_storage[new] = layer.key_storage[old]
+                layer.value_storage[new] = layer.value_storage[old]
+        pool.free(old)
+        table[k] = new
+
+    def _free_out_of_window(self, window: int, start: int) -> None:
+        """Positions <= start - window are out of every future query's window: free blocks made only of them."""
+        for row in self.rows:
+            table = row.tables[window]
+            dead = max(0, start - window + 1 - row.pad)  # stored positions < dead are invisible from now on
+            for k in range(min(dead // self.block_size, len(table))):
+                if table[k] != NULL_BLOCK:
+                    self.pools[window].free(table[k])
+                    table[k] = NULL_BLOCK
+
+    def _build_slots(self, group, start: int, new: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """write [B, new] (-1: padding, not stored) and read [B, start + new] flat slot ids (0: the null slot)."""
+        bs, total = self.block_size, start + new
+        positions = torch.arange(total)
+        read, write = [], []
+        for row in self.rows:
+            table = torch.tensor(row.tables[group] or [NULL_BLOCK], dtype=torch.long)
+            stored = positions - row.pad
+            is_real = stored >= 0
+            index = stored.clamp(min=0)
+            slots = table[(index // bs).clamp(max=len(table) - 1)] * bs + index % bs
+            slots = torch.where(is_real & (table[(index // bs).clamp(max=len(table) - 1)] != NULL_BLOCK), slots, 0)
+            read.append(slots)
+            write.append(torch.where(is_real[start:], slots[start:], -1))
+        return torch.stack(write).to(device), torch.stack(read).to(device)
+
+    def _end_step(self) -> None:
+        """Name the prompt blocks that just became full, so later requests can reuse them."""
+        if not self.prefix_caching:
+            return
+        length, pool = self.paged[0].length, self.pools[None]
+        for row in self.rows:
+            table = row.tables[None]
+            full = min((length - row.pad) // self.block_size, len(row.hashes))
+            for k in range(max(0, full)):
+                kept = pool.register(table[k], row.hashes[k])
+                if kept != table[k]:  # an equal block exists (e.g. a forked row): share it, free ours
+                    pool.incref(kept)
+                    pool.free(table[k])
+                    table[k] = kept
+
+    # -- pool and storage ------------------------------------------------------------------------------------
+
+    def bytes_per_block(self, group, element_size: int) -> int:
+        """Bytes one block of `group` takes: block_size tokens of every layer in the group."""
+        return self.group_values[group] * self.block_size * element_size
+
+    def _create_pools(self, element_size: int) -> None:
+        """Fixed pools from num_blocks (each group) or max_memory (split by each group's bytes per token)."""
+        for group in self.groups:
+            if self.max_memory is not None:
+                share = self.group_values[group] / sum(self.group_values.values())
+                blocks = int(self.max_memory * share) // self.bytes_per_block(group, element_size)
+                if blocks < 2:
+                    raise ValueError(
+                        f"max_memory={self.max_memory} gives {blocks} block(s) of "
+                        f"{self.bytes_per_block(group, element_size)} bytes: at least 2 are needed (one is the null block)"
+                    )
+            else:
+                blocks = self.num_blocks or _GROWABLE_START_BLOCKS
+            self.pools[group] = BlockPool(blocks)
+
+    def _grow_pool(self, group) -> None:
+        pool = self.pools[group]
+        pool.grow(pool.num_blocks)
+        for layer in self.paged:
+            if layer.window == group and layer.key_storage is not None:
+                self._grow_storage(layer, None, None)
+
+    def _grow_storage(self, layer: PagedLayer, keys, values) -> None:
+        """Allocate (first call) or extend this layer's storage to pool.num_blocks blocks; new blocks are zero."""
+        num_blocks = self.pools[layer.window].num_blocks
+        if layer.key_storage is None:
+            shape = lambda t: (num_blocks, self.block_size, t.shape[1], t.shape[3])  # noqa: E731
+            layer.key_storage = keys.new_zeros(shape(keys))
+            layer.value_storage = values.new_zeros(shape(values))
+            return
+        extra = num_blocks - layer.key_storage.shape[0]
+        if extra > 0:
+            layer.key_storage = torch.cat((layer.key_storage, layer.key_storage.new_zeros(extra, *layer.key_storage.shape[1:])))
+            layer.value_storage = torch.cat(
+                (layer.value_storage, layer.value_storage.new_zeros(extra, *layer.value_storage.shape[1:]))
+            )
+
+    # -- transformers' Cache API over rows -------------------------------------------------------------------
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Beam search: new row i continues old row beam_idx[i]. Tables are rewritten; no KV is copied."""
+        old = self.rows
+        self.rows = [self._fork(old[i]) for i in beam_idx.tolist()]
+        for row in old:
+            self._drop(row)
+        self._reorder_pass_through(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row becomes `repeats` rows sharing its blocks (num_return_sequences, beams after prefill)."""
+        old = self.rows
+        self.rows = [self._fork(row) for row in old for _ in range(repeats)]
+        for row in old:
+            self._drop(row)
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayer):
+                layer.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        old = self.rows
+        self.rows = [self._fork(old[i]) for i in indices.tolist()]
+        for row in old:
+            self._drop(row)
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayer):
+                layer.batch_select_indices(indices)
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first `max_length` positions (negative: drop that many from the end); frees whole blocks."""
+        length = self.get_seq_length()
+        keep = length + max_length if max_length < 0 else min(max_length, length)
+        for row in self.rows:
+            stored = max(0, keep - row.pad)
+            for group, table in row.tables.items():
+                while len(table) > -(-stored // self.block_size):
+                    self.pools[group].free(table.pop())
+        for layer in self.paged:
+            layer.length = keep
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayer):
+                layer.crop(max_length)
+
+    def reset(self) -> None:
+        self._release_rows()
+        super().reset()
+
+    def _fork(self, row: _Row) -> _Row:
+        for group, table in row.tables.items():
+            for block in table:
+                self.pools[group].incref(block)
+        return _Row(row.pad, row.tokens, {g: list(t) for g, t in row.tables.items()}, row.hashes)
+
+    def _drop(self, row: _Row) -> None:
+        for group, table in row.tables.items():
+            for block in table:
+                self.pools[group].free(block)
+
+    def _reorder_pass_through(self, beam_idx) -> None:
+        for layer in self.layers:
+            if not isinstance(layer, PagedLayer):
+                layer.reorder_cache(beam_idx)
+
+    # -- accounting ------------------------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Memory and prefix-cache figures for the KV storage of the paged layers.
+
+        allocated_bytes: blocks referenced by live rows; used_bytes: the token slots of those blocks that hold
+        tokens (a block shared by several rows counts once); utilization = used / allocated.
+        """
+        layer = self.paged[0] if self.paged else None
+        element_size = layer.key_storage.element_size() if layer is not None and layer.key_storage is not None else 0
+        allocated = used = 0
+        for group in self.groups:
+            filled = {}  # block -> slots holding tokens
+            for row in self.rows:
+                stored = max(0, layer.length - row.pad)
+                for k, block in enumerate(row.tables[group]):
+                    if block != NULL_BLOCK:
+                        filled[block] = max(filled.get(block, 0), min(self.block_size, stored - k * self.block_size))
+            per_slot = self.group_values[group] * element_size
+            allocated += len(filled) * self.block_size * per_slot
+            used += sum(filled.values()) * per_slot
+        pools = list(self.pools.values())
+        return {
+            "allocated_bytes": allocated,
+            "used_bytes": used,
+            "utilization": used / allocated if allocated else 1.0,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            "blocks_total": sum(p.num_blocks - 1 for p in pools),
+            "blocks_used": sum(p.num_live() for p in pools),
+            "blocks_cached": sum(p.num_cached() for p in pools),
+            "blocks_free": sum(p.num_available() - p.num_cached() for p in pools),
+            "block_size": self.block_size,
+        }
