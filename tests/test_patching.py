@@ -9,6 +9,8 @@ import pytest
 import torch
 import transformers
 from transformers.configuration_utils import PreTrainedConfig
+from transformers.generation import configuration_utils as generation_config_module
+from transformers.generation.utils import GenerationMixin
 
 import hf_attn_patch
 from hf_attn_patch._patching import patched_objects
@@ -36,7 +38,8 @@ def test_import_patches_and_originals_are_recorded():
 
 def test_unpatch_restores_every_original_object():
     originals = {(id(owner), name): original for owner, name, original in patched_objects()}
-    assert len(originals) == len(ARCHITECTURES) + 1  # one attention class per architecture + config validation
+    # one attention class per architecture, config validation, the cache name, two generate() hooks
+    assert len(originals) == len(ARCHITECTURES) + 4
     hf_attn_patch.patch()  # idempotent: nothing re-recorded, nothing wrapped twice
     assert {(id(o), n): orig for o, n, orig in patched_objects()} == originals
     modules = [arch.attention_module() for arch in ARCHITECTURES.values()]
@@ -45,6 +48,9 @@ def test_unpatch_restores_every_original_object():
     for module, arch in zip(modules, ARCHITECTURES.values()):
         assert getattr(module, arch.attention_class) is originals[(id(module), arch.attention_class)]
     assert vars(PreTrainedConfig)["__post_init__"] is originals[(id(PreTrainedConfig), "__post_init__")]
+    for name in ("_prepare_cache_for_generation", "_prefill"):
+        assert vars(GenerationMixin)[name] is originals[(id(GenerationMixin), name)]
+    assert "paged_kv" not in generation_config_module.ALL_CACHE_IMPLEMENTATIONS
     hf_attn_patch.unpatch()  # idempotent too
 
 

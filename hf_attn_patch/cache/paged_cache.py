@@ -189,8 +189,9 @@ class PagedKVCache(Cache):
         if layer.key_storage is None or layer.key_storage.shape[0] < self.pools[layer.window].num_blocks:
             self._grow_storage(layer, keys, values)
         write, read = self._slots[layer.window]
-        key_flat = layer.key_storage.view(-1, *layer.key_storage.shape[2:])
-        value_flat = layer.value_storage.view(-1, *layer.value_storage.shape[2:])
+        blocks = layer.key_storage.shape[0] * self.block_size
+        key_flat = layer.key_storage.view(blocks, *layer.key_storage.shape[2:])
+        value_flat = layer.value_storage.view(blocks, *layer.value_storage.shape[2:])  # d_v may be 0 (MLA, no RoPE)
         valid = write >= 0
         key_flat[write[valid]] = keys.transpose(1, 2)[valid]
         value_flat[write[valid]] = values.transpose(1, 2)[valid]
@@ -364,10 +365,12 @@ class PagedKVCache(Cache):
             if not isinstance(layer, PagedLayer):
                 layer.batch_select_indices(indices)
 
-    def crop(self, max_length: int) -> None:
-        """Keep the first `max_length` positions (negative: drop that many from the end); frees whole blocks."""
-        length = self.get_seq_length()
-        keep = length + max_length if max_length < 0 else min(max_length, length)
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove positions (transformers' convention: a non-positive count; assisted
+        decoding rolls back rejected draft tokens with it). Whole blocks past the new end are freed."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
+        keep = max(0, self.get_seq_length() + tokens_to_remove)
         for row in self.rows:
             stored = max(0, keep - row.pad)
             for group, table in row.tables.items():
@@ -377,7 +380,7 @@ class PagedKVCache(Cache):
             layer.length = keep
         for layer in self.layers:
             if not isinstance(layer, PagedLayer):
-                layer.crop(max_length)
+                layer.crop(tokens_to_remove)
 
     def reset(self) -> None:
         self._release_rows()

@@ -1,0 +1,211 @@
+"""PagedKVCache in generate(): token-identical to DynamicCache, and the memory behaviour it promises."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from transformers import DynamicCache
+
+from hf_attn_patch import CacheFullError, PagedKVCache
+from hf_attn_patch.cache.paged_cache import PagedLayer
+from hf_attn_patch.converters.exact import to_variant
+from hf_attn_patch.models import load_default
+
+from .conftest import tiny_model
+from .test_kv_memory import HYBRIDS
+
+
+class UpdateCounter:
+    """Counts PagedLayer.update calls: proof the paged path ran (and not a DynamicCache made behind our back)."""
+
+    def __init__(self, cache: PagedKVCache):
+        self.calls = 0
+        for layer in cache.paged:
+            original = layer.update
+
+            def counted(*args, _original=original, **kwargs):
+                self.calls += 1
+                return _original(*args, **kwargs)
+
+            layer.update = counted
+
+
+def ragged(vocab: int = 97, lengths=(9, 4, 13), seed: int = 0):
+    """Left-padded batch of prompts with the given lengths."""
+    torch.manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(3, vocab, (len(lengths), width))
+    mask = torch.zeros_like(ids)
+    for r, n in enumerate(lengths):
+        mask[r, width - n :] = 1
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def generate_both(model, ids, mask, block_size=4, **kw):
+    kw = dict(attention_mask=mask, pad_token_id=0, **kw)
+    reference = model.generate(ids, **kw)
+    cache = PagedKVCache(model.config, block_size=block_size)
+    counter = UpdateCounter(cache)
+    paged = model.generate(ids, past_key_values=cache, **kw)
+    assert counter.calls > 0
+    return reference, paged, cache
+
+
+MODELS = [
+    ("llama", None), ("qwen2", None), ("gpt2", None), ("gpt_neox", None), ("opt", None), ("deepseek_v3", None),
+    ("llama", "mla"), ("gpt2", "mla"), ("mistral", None),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type,variant", MODELS)
+def test_greedy_token_identical(model_type, variant):
+    model = tiny_model(model_type)
+    model = to_variant(model, variant) if variant else model
+    ids, mask = ragged()
+    reference, paged, cache = generate_both(model, ids, mask, max_new_tokens=14, do_sample=False)
+    assert torch.equal(reference, paged)
+    stats = cache.stats()
+    assert 0 < stats["used_bytes"] <= stats["allocated_bytes"]
+
+
+def test_cache_implementation_name_and_sampling():
+    model = tiny_model("llama")
+    ids, mask = ragged()
+    kw = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=12, do_sample=True, top_k=20, temperature=0.9)
+    torch.manual_seed(7)
+    reference = model.generate(ids, **kw)
+    torch.manual_seed(7)
+    assert torch.equal(model.generate(ids, cache_implementation="paged_kv", **kw), reference)
+
+
+def test_beam_search_same_beams_and_scores():
+    model = tiny_model("llama")
+    ids, mask = ragged()
+    kw = dict(num_beams=3, num_return_sequences=2, max_new_tokens=10, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)  # fmt: skip
+    reference, paged, cache = generate_both(model, ids, mask, **kw)
+    assert torch.equal(reference.sequences, paged.sequences)
+    torch.testing.assert_close(paged.sequences_scores, reference.sequences_scores, atol=1e-5, rtol=0)
+
+
+def test_forked_rows_share_prompt_blocks():
+    """num_return_sequences copies each prompt before prefill; equal prompt blocks are stored once."""
+    model = tiny_model("llama")
+    ids, mask = ragged(lengths=(16, 16))
+    cache = PagedKVCache(model.config, block_size=4)
+    torch.manual_seed(0)
+    model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=True, num_return_sequences=4,
+                   max_new_tokens=3, pad_token_id=0)  # fmt: skip
+    prompt_blocks = 16 // 4
+    # 8 rows; each holds 4 prompt blocks (shared by its 4 forks) and 1 private block for the 3 new tokens
+    assert cache.stats()["blocks_used"] == 2 * prompt_blocks + 8
+
+
+def test_padding_takes_no_memory():
+    model = tiny_model("llama")
+    lengths = (3, 17, 9)
+    ids, mask = ragged(lengths=lengths)
+    cache = PagedKVCache(model.config, block_size=4)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False,
+                       pad_token_id=0)  # fmt: skip
+    assert cache.stats()["blocks_used"] == sum(-(-n // 4) for n in lengths)
+    dynamic = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(ids, attention_mask=mask, past_key_values=dynamic)
+    per_token = sum(layer.keys[0, :, 0].numel() * 2 * 4 for layer in dynamic.layers)  # K and V, fp32
+    assert cache.stats()["used_bytes"] == sum(lengths) * per_token
+
+
+def test_prefix_cache_hits_across_generate_calls():
+    model, tokenizer = load_default()
+    system = "Once upon a time, there was a little girl named Lily. She loved to play outside in the sun. "
+    prompts = [system + "One day", system + "She saw a big dog"]
+    cache = PagedKVCache(model.config, block_size=8)
+    kw = dict(max_new_tokens=12, do_sample=False)
+    cold = [model.generate(**tokenizer(p, return_tensors="pt"), **kw) for p in prompts]
+    outs = []
+    for p in prompts:
+        before = cache.stats()["prefix_hit_tokens"]
+        outs.append(model.generate(**tokenizer(p, return_tensors="pt"), past_key_values=cache, **kw))
+        hits = cache.stats()["prefix_hit_tokens"] - before
+    system_tokens = len(tokenizer(system).input_ids)
+    assert hits >= (system_tokens // 8 - 1) * 8 > 0  # the second prompt reused the system prompt's full blocks
+    assert all(torch.equal(a, b) for a, b in zip(cold, outs))  # a hit and a miss give the same tokens
+
+
+def test_cache_full_error_names_the_numbers_and_changes_nothing():
+    model = tiny_model("llama")
+    ids, mask = ragged(lengths=(13, 13))
+    cache = PagedKVCache(model.config, block_size=4, num_blocks=8)  # 7 usable blocks, 8 needed for the prompts
+    with pytest.raises(CacheFullError, match="8 blocks requested, 7 free or evictable of 7"):
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    assert cache.stats()["blocks_used"] == 0
+
+
+def test_sliding_window_frees_blocks_and_matches():
+    model = tiny_model("mistral")  # sliding_window 5
+    ids, mask = ragged(lengths=(6, 6))
+    reference, paged, cache = generate_both(model, ids, mask, max_new_tokens=30, do_sample=False)
+    assert torch.equal(reference, paged)
+    # 36 tokens per row, but only the window (5) plus a partly filled block stays allocated
+    assert cache.stats()["blocks_used"] <= 2 * (-(-5 // 4) + 1)
+
+
+@pytest.mark.parametrize("config_class", ["Qwen3NextConfig", "BambaConfig"])
+def test_hybrid_models_pass_their_states_through(config_class):
+    config = getattr(transformers, config_class)(vocab_size=97, **HYBRIDS[config_class])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids, mask = ragged(lengths=(7, 7))
+    reference, paged, cache = generate_both(model, ids, mask, max_new_tokens=6, do_sample=False)
+    assert torch.equal(reference, paged)
+    assert not cache.prefix_caching and any(not isinstance(layer, PagedLayer) for layer in cache.layers)
+
+
+def test_assisted_decoding_crops_the_cache():
+    model = tiny_model("llama")
+    assistant = tiny_model("llama", seed=5)
+    ids = torch.randint(3, 97, (1, 8))
+    kw = dict(max_new_tokens=15, do_sample=False, pad_token_id=0)
+    reference = model.generate(ids, **kw)
+    cache = PagedKVCache(model.config, block_size=4)
+    counter = UpdateCounter(cache)
+    out = model.generate(ids, assistant_model=assistant, past_key_values=cache, **kw)
+    assert torch.equal(out, reference) and counter.calls > 0
+    used = cache.stats()
+    assert used["blocks_used"] == -(-(out.shape[1] - 1) // 4)  # rejected draft tokens were cropped away
+
+
+def test_growable_pool_and_bad_arguments():
+    model = tiny_model("llama")
+    ids, mask = ragged(lengths=(40,) * 4)
+    reference, paged, cache = generate_both(model, ids, mask, block_size=2, max_new_tokens=40, do_sample=False)
+    assert torch.equal(reference, paged) and cache.stats()["blocks_total"] > 64  # the pool doubled on demand
+    with pytest.raises(ValueError, match="block_size=0"):
+        PagedKVCache(model.config, block_size=0)
+    with pytest.raises(ValueError, match="not both"):
+        PagedKVCache(model.config, num_blocks=8, max_memory=1 << 20)
+    with pytest.raises(ValueError, match="max_memory=10 gives 0 block"):
+        c = PagedKVCache(model.config, max_memory=10)
+        model(ids[:1], past_key_values=c)
+
+
+def test_max_memory_sizes_the_pool():
+    model = tiny_model("llama")  # 2 layers, 2 KV heads, head_dim 8: 64 values per token
+    cache = PagedKVCache(model.config, block_size=4, max_memory=64 * 4 * 4 * 10)  # 10 blocks of fp32
+    with torch.no_grad():
+        model(torch.randint(3, 97, (1, 5)), past_key_values=cache)
+    assert cache.stats()["blocks_total"] == 9  # 10 blocks, one is the null block
+
+
+@pytest.mark.smollm2
+def test_smollm2_greedy_identical():
+    from hf_attn_patch.models import load_smollm2
+
+    model, tokenizer = load_smollm2()
+    tokenizer.padding_side = "left"
+    enc = tokenizer(["The capital of France is", "List three colors:"], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert torch.equal(model.generate(**enc, **kw), model.generate(**enc, cache_implementation="paged_kv", **kw))
