@@ -16,6 +16,7 @@ import math
 import torch
 from torch import nn
 
+from ..attention import MultiHeadLatentAttention
 from ..models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
 
 
@@ -32,6 +33,8 @@ def to_variant(model: nn.Module, variant: str) -> nn.Module:
         raise RuntimeError("to_variant needs the patch: call hf_attn_patch.patch() first")
     arch = architecture_of(model.config)
     stock = {name: m for name, m in model.named_modules() if type(m).__name__ == arch.attention_class}
+    if not stock and variant == "mla" and arch.replaces_stock:  # built with our module already (DeepSeek-V3)
+        stock = {name: m for name, m in model.named_modules() if isinstance(m, MultiHeadLatentAttention)}
     if not stock:
         raise ValueError(f"no {arch.attention_class} layers found: is the model already converted?")
     if variant == "gqa":

@@ -18,11 +18,11 @@ if Version(transformers.__version__).release[:2] != Version(SUPPORTED_TRANSFORME
         f'pip install "transformers>={SUPPORTED_TRANSFORMERS},<5.24"'
     )
 
-from ._patching import is_patched, patch, unpatch  # noqa: E402
+from ._patching import is_patched, patch, unpatch, unpatched  # noqa: E402
 from .cache import CacheFullError, PagedKVCache  # noqa: E402
 from .kv_memory import kv_cache_bytes  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["CacheFullError", "PagedKVCache", "is_patched", "kv_cache_bytes", "patch", "unpatch"]
+__all__ = ["CacheFullError", "PagedKVCache", "is_patched", "kv_cache_bytes", "patch", "unpatch", "unpatched"]
 
 patch()

@@ -5,6 +5,8 @@ What is replaced, and why no official hook does it:
   the class up by name when a model is built, so a dispatcher standing under that name gives a model whose config
   carries `attention_variant` our GroupedQueryAttention / MultiHeadLatentAttention, and any other model the stock
   class. transformers has no registry for attention *modules* (AttentionInterface swaps only the kernel).
+  DeepSeek-V3 is the one exception: it always gets our MultiHeadLatentAttention (same parameter names and cache
+  layout, absorbed decoding over the latent); `with hf_attn_patch.unpatched():` builds the stock one.
 - `PreTrainedConfig.__post_init__`: validates `attention_variant` and its fields when a config is built, so a bad
   config.json fails naming the field before any weight is loaded.
 - `ALL_CACHE_IMPLEMENTATIONS` (generation/configuration_utils.py) gains "paged_kv", and
@@ -15,6 +17,7 @@ What is replaced, and why no official hook does it:
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 
@@ -43,7 +46,7 @@ class AttentionDispatch(type):
     """
 
     def __call__(cls, config, *args, **kwargs):
-        if getattr(config, "attention_variant", None) is None:
+        if getattr(config, "attention_variant", None) is None and not cls.architecture.replaces_stock:
             return cls.original(config, *args, **kwargs)
         bound = cls.signature.bind(None, config, *args, **kwargs).arguments
         if bound.get("is_cross_attention"):  # GPT-2 cross-attention is not self-attention: keep it stock
@@ -62,10 +65,11 @@ class AttentionDispatch(type):
         return f"<hf_attn_patch dispatch for {cls.original.__module__}.{cls.original.__qualname__}>"
 
 
-def attention_dispatch(original: type) -> type:
-    """The stand-in for `original` (a stock attention class)."""
+def attention_dispatch(original: type, architecture) -> type:
+    """The stand-in for `original` (a stock attention class) of `architecture` (a models.Architecture row)."""
     namespace = {
         "original": original,
+        "architecture": architecture,
         "signature": inspect.signature(original.__init__),
         "__module__": original.__module__,
         "__qualname__": original.__qualname__,
@@ -127,7 +131,7 @@ def patch() -> None:
 
     for arch in ARCHITECTURES.values():
         module = arch.attention_module()
-        _replace(module, arch.attention_class, attention_dispatch(getattr(module, arch.attention_class)))
+        _replace(module, arch.attention_class, attention_dispatch(getattr(module, arch.attention_class), arch))
     _replace(PreTrainedConfig, "__post_init__", _validating_post_init(vars(PreTrainedConfig)["__post_init__"]))
     names = generation_config_module.ALL_CACHE_IMPLEMENTATIONS
     _replace(generation_config_module, "ALL_CACHE_IMPLEMENTATIONS", names + (PAGED_CACHE_NAME,))
@@ -141,6 +145,18 @@ def unpatch() -> None:
     for owner, name, original in _originals.values():
         setattr(owner, name, original)
     _originals.clear()
+
+
+@contextlib.contextmanager
+def unpatched():
+    """Within the block transformers is stock (e.g. to build a reference model); the patch is restored after."""
+    was_patched = is_patched()
+    unpatch()
+    try:
+        yield
+    finally:
+        if was_patched:
+            patch()
 
 
 def is_patched() -> bool:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import DynamicCache
 
+import hf_attn_patch
+from hf_attn_patch import PagedKVCache
 from hf_attn_patch.attention import MultiHeadLatentAttention
 from hf_attn_patch.converters.exact import to_variant
 
@@ -12,12 +15,20 @@ from .conftest import tiny_model
 from .test_exactness import ATOL, CallCounter, stepwise_logits
 
 
+def stock_deepseek(**overrides):
+    """transformers' own DeepseekV3ForCausalLM: built with the patch lifted, so its attention is the stock class."""
+    with hf_attn_patch.unpatched():
+        model = tiny_model("deepseek_v3", **overrides)
+    assert type(model.model.layers[0].self_attn).__name__ == "DeepseekV3Attention"
+    return model
+
+
 @pytest.mark.parametrize("absorb", ["never", "always", "auto"])
 @pytest.mark.parametrize("q_lora_rank", [24, None])
 @pytest.mark.parametrize("rope_interleave", [True, False])
 def test_deepseek_v3_matches_stock(absorb, q_lora_rank, rope_interleave, padded_batch):
     ids, mask = padded_batch
-    stock = tiny_model("deepseek_v3", q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
+    stock = stock_deepseek(q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
     model = to_variant(stock, "mla")
     layers = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
     assert len(layers) == stock.config.num_hidden_layers
@@ -39,10 +50,8 @@ def test_deepseek_v3_matches_stock(absorb, q_lora_rank, rope_interleave, padded_
 
 def test_deepseek_cache_layout_is_shared(padded_batch):
     """Our module writes the same latent and RoPE key into the cache as DeepSeek's own (bitwise, naive path)."""
-    from transformers import DynamicCache
-
     ids, mask = padded_batch
-    stock = tiny_model("deepseek_v3")
+    stock = stock_deepseek()
     model = to_variant(stock, "mla")
     caches = []
     for m in (stock, model):
@@ -52,3 +61,30 @@ def test_deepseek_cache_layout_is_shared(padded_batch):
         caches.append(cache.layers[0])
     assert torch.equal(caches[0].keys, caches[1].keys)
     assert torch.equal(caches[0].values, caches[1].values)
+
+
+def test_patched_stock_deepseek_decodes_absorbed_with_both_caches(padded_batch):
+    """A plain DeepSeek-V3 config built while patched gets our module (same weights load as they are); its decode
+    steps run the absorbed path, with DynamicCache and PagedKVCache, and generate the stock model's tokens."""
+    ids, mask = padded_batch
+    stock = stock_deepseek()
+    patched = tiny_model("deepseek_v3", seed=1)
+    layers = [m for m in patched.modules() if isinstance(m, MultiHeadLatentAttention)]
+    assert len(layers) == patched.config.num_hidden_layers and not hasattr(patched.config, "attention_variant")
+    patched.load_state_dict(stock.state_dict())  # identical parameter names
+    absorbed_calls = []
+    for layer in layers:
+        original = layer._absorbed
+        layer._absorbed = lambda *a, _f=original: absorbed_calls.append(1) or _f(*a)
+    kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    reference = stock.generate(ids, **kw)
+    assert torch.equal(patched.generate(ids, past_key_values=DynamicCache(config=patched.config), **kw), reference)
+    assert torch.equal(patched.generate(ids, past_key_values=PagedKVCache(patched.config, block_size=4), **kw), reference)
+    # both runs, every layer: 9 decode steps, plus the 9-token prefill, which the FLOP rule also gives to the
+    # absorbed path at these tiny sizes (a long prefill goes naive: test_auto_absorb_picks_by_flops)
+    assert layers[0].use_absorbed(ids.shape[1])
+    assert len(absorbed_calls) == 2 * 10 * len(layers)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            stepwise_logits(patched, ids, mask, 4), stepwise_logits(stock, ids, mask, 4), atol=1e-4, rtol=0
+        )

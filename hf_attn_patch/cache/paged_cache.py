@@ -44,6 +44,7 @@ class _Row:
     tokens: list[int] = field(default_factory=list)
     tables: dict = field(default_factory=dict)  # group -> list of block ids
     hashes: list[bytes] = field(default_factory=list)  # hash chain of the prompt's full blocks
+    registered: int = 0  # leading blocks already named in the pool's prefix table
 
 
 class PagedLayer(CacheLayerMixin):
@@ -57,8 +58,10 @@ class PagedLayer(CacheLayerMixin):
         self.cache, self.layer_idx, self.window = cache, layer_idx, window
         self.is_sliding = window is not None
         self.length = 0  # tokens this layer has seen (logical, padding included)
-        self.key_storage: torch.Tensor | None = None
-        self.value_storage: torch.Tensor | None = None
+        # [num_blocks, block_size, H, d_k + d_v]: keys and values side by side, so one copy writes and one gather
+        # reads both (GQA: H = H_kv; MLA: H = 1, d_k = kv_lora_rank, d_v = qk_rope_head_dim)
+        self.storage: torch.Tensor | None = None
+        self.key_dim = 0
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -129,7 +132,11 @@ class PagedKVCache(Cache):
         self.growable = num_blocks is None and max_memory is None
         self.rows: list[_Row] = []
         self.prefix_hit_tokens = 0
-        self._slots: dict = {}  # group -> (write slots [B, T], read slots [B, L]) of the step in flight
+        # group -> slot ids of the step in flight: write [B, T], read [B, L] (kept and extended between steps)
+        self._write: dict = {}
+        self._write_all_valid: dict = {}
+        self._read: dict = {}
+        self._contiguous_from: dict = {}  # group -> first slot when the one row's slots are consecutive, else None
 
     # -- requests --------------------------------------------------------------------------------------------
 
@@ -177,6 +184,7 @@ class PagedKVCache(Cache):
         for row in self.rows:
             self._drop(row)
         self.rows = []
+        self._read.clear()
 
     # -- the step: allocation on the first paged layer, write + gather on every layer ------------------------
 
@@ -186,20 +194,23 @@ class PagedKVCache(Cache):
             layer.lazy_initialization(keys, values)
         if layer is self.paged[0]:
             self._begin_step(keys.shape[0], keys.shape[2], keys.element_size(), keys.device)
-        if layer.key_storage is None or layer.key_storage.shape[0] < self.pools[layer.window].num_blocks:
+        if layer.storage is None or layer.storage.shape[0] < self.pools[layer.window].num_blocks:
             self._grow_storage(layer, keys, values)
-        write, read = self._slots[layer.window]
-        blocks = layer.key_storage.shape[0] * self.block_size
-        key_flat = layer.key_storage.view(blocks, *layer.key_storage.shape[2:])
-        value_flat = layer.value_storage.view(blocks, *layer.value_storage.shape[2:])  # d_v may be 0 (MLA, no RoPE)
-        valid = write >= 0
-        key_flat[write[valid]] = keys.transpose(1, 2)[valid]
-        value_flat[write[valid]] = values.transpose(1, 2)[valid]
+        write, read = self._write[layer.window], self._read[layer.window]
+        flat = layer.storage.view(-1, *layer.storage.shape[2:])  # [slots, H, d_k + d_v]
+        new = torch.cat((keys, values), dim=-1).transpose(1, 2)  # [B, T, H, d_k + d_v]
+        if self._write_all_valid[layer.window]:
+            flat.index_copy_(0, write.view(-1), new.reshape(-1, *new.shape[2:]))
+        else:  # prefill with left padding: padded positions are not stored
+            valid = write >= 0
+            flat[write[valid]] = new[valid]
         layer.length += keys.shape[2]
-        batch, length = read.shape
-        flat = read.reshape(-1)
-        out_k = key_flat.index_select(0, flat).view(batch, length, *key_flat.shape[1:]).transpose(1, 2)
-        out_v = value_flat.index_select(0, flat).view(batch, length, *value_flat.shape[1:]).transpose(1, 2)
+        first = self._contiguous_from[layer.window]
+        if first is not None:  # one row whose slots are consecutive: a view of the storage, no copy at all
+            both = flat[first : first + read.shape[1]].unsqueeze(0).transpose(1, 2)
+        else:
+            both = flat.index_select(0, read.view(-1)).view(*read.shape, *flat.shape[1:]).transpose(1, 2)
+        out_k, out_v = both[..., : layer.key_dim], both[..., layer.key_dim :]
         if layer is self.paged[-1]:
             self._end_step()
         return out_k, out_v
@@ -233,7 +244,7 @@ class PagedKVCache(Cache):
                 table.extend(pool.allocate(n) if n > 0 else [])
             if group is not None:
                 self._free_out_of_window(group, start)
-            self._slots[group] = self._build_slots(group, start, new, device)
+            self._update_slots(group, start, new, device)
 
     def _reserve(self, group, blocks: int) -> None:
         pool = self.pools[group]
@@ -246,11 +257,11 @@ class PagedKVCache(Cache):
         pool = self.pools[group]
         old, (new,) = table[k], pool.allocate(1)
         for layer in self.paged:
-            if layer.window == group and layer.key_storage is not None:
-                layer.key_storage[new] = layer.key_storage[old]
-                layer.value_storage[new] = layer.value_storage[old]
+            if layer.window == group and layer.storage is not None:
+                layer.storage[new] = layer.storage[old]
         pool.free(old)
         table[k] = new
+        self._read.clear()  # the table changed under the kept read slots
 
     def _free_out_of_window(self, window: int, start: int) -> None:
         """Positions <= start - window are out of every future query's window: free blocks made only of them."""
@@ -261,22 +272,54 @@ class PagedKVCache(Cache):
                 if table[k] != NULL_BLOCK:
                     self.pools[window].free(table[k])
                     table[k] = NULL_BLOCK
+                    self._read.clear()
 
-    def _build_slots(self, group, start: int, new: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """write [B, new] (-1: padding, not stored) and read [B, start + new] flat slot ids (0: the null slot)."""
-        bs, total = self.block_size, start + new
-        positions = torch.arange(total)
-        read, write = [], []
+    def _update_slots(self, group, start: int, new: int, device) -> None:
+        """Slots of this step: write [B, new] (-1: padding, not stored) and read [B, start + new].
+
+        Read slots of the cached positions are kept between steps and only extended, unless the block tables
+        changed under them (a new request, beams, forks, crops, copies, window frees): then they are rebuilt.
+        A slot is block * block_size + offset; slots in the null block read zeros.
+        """
+        old = self._read.get(group)
+        rebuilt = old is None or old.shape != (len(self.rows), start)
+        if rebuilt:
+            old = self._slots(group, 0, start).clamp(min=0).to(device)
+        write = self._slots(group, start, start + new).to(device)
+        self._write[group] = write
+        self._write_all_valid[group] = bool((write >= 0).all())
+        read = self._read[group] = torch.cat((old, write.clamp(min=0)), dim=1)
+        # A single row stored in consecutive slots (the usual case for one request) is read as a storage view:
+        # _contiguous_from[group] = c means position p sits in slot c + p.
+        first = None
+        if len(self.rows) == 1 and not self.rows[0].pad and self._write_all_valid[group]:
+            if rebuilt:
+                first = int(read[0, 0]) if bool((read[0, 1:] - read[0, :-1] == 1).all()) else None
+            else:
+                first = self._contiguous_from.get(group)
+                consecutive = new == 1 or bool((write[0, 1:] - write[0, :-1] == 1).all())
+                if first is not None and not (int(write[0, 0]) == first + start and consecutive):
+                    first = None
+        self._contiguous_from[group] = first
+
+    def _slots(self, group, start: int, end: int) -> torch.Tensor:
+        """[B, end - start] slot ids of positions [start, end) of every row; -1 for left padding."""
+        bs = self.block_size
+        if end - start == 1:  # a decode step: plain integer arithmetic beats a dozen tiny tensor ops
+            slots = []
+            for row in self.rows:
+                stored = start - row.pad
+                slots.append([row.tables[group][stored // bs] * bs + stored % bs if stored >= 0 else -1])
+            return torch.tensor(slots, dtype=torch.long)
+        positions = torch.arange(start, end)
+        out = []
         for row in self.rows:
             table = torch.tensor(row.tables[group] or [NULL_BLOCK], dtype=torch.long)
             stored = positions - row.pad
-            is_real = stored >= 0
             index = stored.clamp(min=0)
             slots = table[(index // bs).clamp(max=len(table) - 1)] * bs + index % bs
-            slots = torch.where(is_real & (table[(index // bs).clamp(max=len(table) - 1)] != NULL_BLOCK), slots, 0)
-            read.append(slots)
-            write.append(torch.where(is_real[start:], slots[start:], -1))
-        return torch.stack(write).to(device), torch.stack(read).to(device)
+            out.append(torch.where(stored >= 0, slots, -1))
+        return torch.stack(out) if out else torch.empty(0, end - start, dtype=torch.long)
 
     def _end_step(self) -> None:
         """Name the prompt blocks that just became full, so later requests can reuse them."""
@@ -286,12 +329,14 @@ class PagedKVCache(Cache):
         for row in self.rows:
             table = row.tables[None]
             full = min((length - row.pad) // self.block_size, len(row.hashes))
-            for k in range(max(0, full)):
+            for k in range(row.registered, max(0, full)):
                 kept = pool.register(table[k], row.hashes[k])
                 if kept != table[k]:  # an equal block exists (e.g. a forked row): share it, free ours
                     pool.incref(kept)
                     pool.free(table[k])
                     table[k] = kept
+                    self._read.clear()
+            row.registered = max(row.registered, full)
 
     # -- pool and storage ------------------------------------------------------------------------------------
 
@@ -318,28 +363,28 @@ class PagedKVCache(Cache):
         pool = self.pools[group]
         pool.grow(pool.num_blocks)
         for layer in self.paged:
-            if layer.window == group and layer.key_storage is not None:
+            if layer.window == group and layer.storage is not None:
                 self._grow_storage(layer, None, None)
 
     def _grow_storage(self, layer: PagedLayer, keys, values) -> None:
         """Allocate (first call) or extend this layer's storage to pool.num_blocks blocks; new blocks are zero."""
         num_blocks = self.pools[layer.window].num_blocks
-        if layer.key_storage is None:
-            shape = lambda t: (num_blocks, self.block_size, t.shape[1], t.shape[3])  # noqa: E731
-            layer.key_storage = keys.new_zeros(shape(keys))
-            layer.value_storage = values.new_zeros(shape(values))
+        if layer.storage is None:
+            if keys.shape[1] != values.shape[1]:
+                raise ValueError(f"keys have {keys.shape[1]} heads and values {values.shape[1]}: they must match")
+            layer.key_dim = keys.shape[-1]
+            shape = (num_blocks, self.block_size, keys.shape[1], keys.shape[-1] + values.shape[-1])
+            layer.storage = keys.new_zeros(shape)
             return
-        extra = num_blocks - layer.key_storage.shape[0]
+        extra = num_blocks - layer.storage.shape[0]
         if extra > 0:
-            layer.key_storage = torch.cat((layer.key_storage, layer.key_storage.new_zeros(extra, *layer.key_storage.shape[1:])))
-            layer.value_storage = torch.cat(
-                (layer.value_storage, layer.value_storage.new_zeros(extra, *layer.value_storage.shape[1:]))
-            )
+            layer.storage = torch.cat((layer.storage, layer.storage.new_zeros(extra, *layer.storage.shape[1:])))
 
     # -- transformers' Cache API over rows -------------------------------------------------------------------
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: new row i continues old row beam_idx[i]. Tables are rewritten; no KV is copied."""
+        self._read.clear()
         old = self.rows
         self.rows = [self._fork(old[i]) for i in beam_idx.tolist()]
         for row in old:
@@ -348,6 +393,7 @@ class PagedKVCache(Cache):
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes `repeats` rows sharing its blocks (num_return_sequences, beams after prefill)."""
+        self._read.clear()
         old = self.rows
         self.rows = [self._fork(row) for row in old for _ in range(repeats)]
         for row in old:
@@ -357,6 +403,7 @@ class PagedKVCache(Cache):
                 layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._read.clear()
         old = self.rows
         self.rows = [self._fork(old[i]) for i in indices.tolist()]
         for row in old:
@@ -371,6 +418,7 @@ class PagedKVCache(Cache):
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
         keep = max(0, self.get_seq_length() + tokens_to_remove)
+        self._read.clear()
         for row in self.rows:
             stored = max(0, keep - row.pad)
             for group, table in row.tables.items():
@@ -390,7 +438,7 @@ class PagedKVCache(Cache):
         for group, table in row.tables.items():
             for block in table:
                 self.pools[group].incref(block)
-        return _Row(row.pad, row.tokens, {g: list(t) for g, t in row.tables.items()}, row.hashes)
+        return _Row(row.pad, row.tokens, {g: list(t) for g, t in row.tables.items()}, row.hashes, row.registered)
 
     def _drop(self, row: _Row) -> None:
         for group, table in row.tables.items():
@@ -411,7 +459,7 @@ class PagedKVCache(Cache):
         tokens (a block shared by several rows counts once); utilization = used / allocated.
         """
         layer = self.paged[0] if self.paged else None
-        element_size = layer.key_storage.element_size() if layer is not None and layer.key_storage is not None else 0
+        element_size = layer.storage.element_size() if layer is not None and layer.storage is not None else 0
         allocated = used = 0
         for group in self.groups:
             filled = {}  # block -> slots holding tokens

@@ -137,6 +137,9 @@ class Architecture:
     sliding_window: Callable[[object, int], int | None] = lambda c, layer_idx: None
     dropout: Callable[[object], float] = lambda c: float(getattr(c, "attention_dropout", 0.0) or 0.0)
     variants: tuple[str, ...] = ("gqa", "mla")
+    # Build ours even without `attention_variant` (same weights, same cache layout): DeepSeek-V3 gains absorbed
+    # decoding over its latent cache, which transformers' own module lacks.
+    replaces_stock: bool = False
 
     def attention_module(self):
         return importlib.import_module(self.modeling_module)
@@ -167,7 +170,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         # DeepSeek's q_proj / kv_b_proj never have a bias; q_a_proj, kv_a_proj and o_proj follow attention_bias.
         Architecture("deepseek_v3", "transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3Attention",
                      _no_split, lambda c: (c.attention_bias and c.q_lora_rank is not None,) + (c.attention_bias,) * 3,
-                     mla_scaling=_deepseek_mla_scaling, variants=("mla",)),
+                     mla_scaling=_deepseek_mla_scaling, variants=("mla",), replaces_stock=True),
     ]
 }  # fmt: skip
 
