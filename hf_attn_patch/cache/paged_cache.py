@@ -196,21 +196,24 @@ class PagedKVCache(Cache):
             self._begin_step(keys.shape[0], keys.shape[2], keys.element_size(), keys.device)
         if layer.storage is None or layer.storage.shape[0] < self.pools[layer.window].num_blocks:
             self._grow_storage(layer, keys, values)
-        write, read = self._write[layer.window], self._read[layer.window]
+        window, dk = layer.window, layer.key_dim
         flat = layer.storage.view(-1, *layer.storage.shape[2:])  # [slots, H, d_k + d_v]
-        new = torch.cat((keys, values), dim=-1).transpose(1, 2)  # [B, T, H, d_k + d_v]
-        if self._write_all_valid[layer.window]:
-            flat.index_copy_(0, write.view(-1), new.reshape(-1, *new.shape[2:]))
-        else:  # prefill with left padding: padded positions are not stored
-            valid = write >= 0
-            flat[write[valid]] = new[valid]
-        layer.length += keys.shape[2]
-        first = self._contiguous_from[layer.window]
-        if first is not None:  # one row whose slots are consecutive: a view of the storage, no copy at all
-            both = flat[first : first + read.shape[1]].unsqueeze(0).transpose(1, 2)
+        first, start, length = self._contiguous_from[window], layer.length, layer.length + keys.shape[2]
+        layer.length = length
+        if first is not None:  # one row in consecutive slots: write a slice, read a view of the storage
+            flat[first + start : first + length, :, :dk] = keys[0].transpose(0, 1)
+            flat[first + start : first + length, :, dk:] = values[0].transpose(0, 1)
+            both = flat[first : first + length].unsqueeze(0).transpose(1, 2)
         else:
+            write, read = self._write[window], self._read[window]
+            new = torch.cat((keys, values), dim=-1).transpose(1, 2)  # [B, T, H, d_k + d_v]
+            if self._write_all_valid[window]:
+                flat.index_copy_(0, write.view(-1), new.reshape(-1, *new.shape[2:]))
+            else:  # prefill with left padding: padded positions are not stored
+                valid = write >= 0
+                flat[write[valid]] = new[valid]
             both = flat.index_select(0, read.view(-1)).view(*read.shape, *flat.shape[1:]).transpose(1, 2)
-        out_k, out_v = both[..., : layer.key_dim], both[..., layer.key_dim :]
+        out_k, out_v = both[..., :dk], both[..., dk:]
         if layer is self.paged[-1]:
             self._end_step()
         return out_k, out_v
