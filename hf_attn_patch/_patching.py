@@ -13,6 +13,8 @@ What is replaced, and why no official hook does it:
   `GenerationMixin._prepare_cache_for_generation` builds a PagedKVCache for it: cache names are a fixed tuple.
 - `GenerationMixin._prefill` tells a PagedKVCache where each row's prompt starts (left padding) and which prompt
   blocks it already holds (prefix caching) before the prefill forward; generate() then feeds only the rest.
+- Official hooks, recorded the same way: `AttentionInterface.register("paged_kv", ...)` and
+  `AttentionMaskInterface.register("paged_kv", sdpa_mask)` (attention that reads the paged blocks itself).
 """
 
 from __future__ import annotations
@@ -24,11 +26,14 @@ import logging
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import configuration_utils as generation_config_module
 from transformers.generation.utils import GenerationMixin
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.modeling_utils import AttentionInterface
 
 logger = logging.getLogger(__name__)
 
-# (id(owner), name) -> (owner, name, original object)
+# (id(owner), name) -> (owner, name, original object); _ABSENT for registry entries that did not exist
 _originals: dict[tuple[int, str], tuple[object, str, object]] = {}
+_ABSENT = object()
 
 
 def _replace(owner, name: str, new) -> None:
@@ -36,6 +41,24 @@ def _replace(owner, name: str, new) -> None:
     if key not in _originals:
         _originals[key] = (owner, name, vars(owner)[name])
     setattr(owner, name, new)
+
+
+def _register(mapping: dict, name: str, value) -> None:
+    """Add `name` to a registry dict (AttentionInterface's global mapping and its mask twin), restorably."""
+    key = (id(mapping), name)
+    if key not in _originals:
+        _originals[key] = (mapping, name, mapping.get(name, _ABSENT))
+    mapping[name] = value
+
+
+def _restore(owner, name: str, original) -> None:
+    if isinstance(owner, dict):
+        if original is _ABSENT:
+            owner.pop(name, None)
+        else:
+            owner[name] = original
+    else:
+        setattr(owner, name, original)
 
 
 class AttentionDispatch(type):
@@ -137,13 +160,19 @@ def patch() -> None:
     _replace(generation_config_module, "ALL_CACHE_IMPLEMENTATIONS", names + (PAGED_CACHE_NAME,))
     for name, wrap in (("_prepare_cache_for_generation", _prepare_cache_with_paged), ("_prefill", _prefill_with_paged)):
         _replace(GenerationMixin, name, wrap(vars(GenerationMixin)[name]))
+    # The registered attention function over paged memory, and the mask function beside it (without one, padded
+    # batches would silently get mask=None).
+    from .cache.paged_attention import PAGED_ATTENTION, paged_attention_forward
+
+    _register(AttentionInterface._global_mapping, PAGED_ATTENTION, paged_attention_forward)
+    _register(AttentionMaskInterface._global_mapping, PAGED_ATTENTION, sdpa_mask)
     logger.debug("hf_attn_patch: patched %d objects", len(_originals))
 
 
 def unpatch() -> None:
     """Put every replaced object back (idempotent). Models built while patched keep their modules."""
     for owner, name, original in _originals.values():
-        setattr(owner, name, original)
+        _restore(owner, name, original)
     _originals.clear()
 
 

@@ -11,6 +11,8 @@ import transformers
 from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import configuration_utils as generation_config_module
 from transformers.generation.utils import GenerationMixin
+from transformers.masking_utils import AttentionMaskInterface
+from transformers.modeling_utils import AttentionInterface
 
 import hf_attn_patch
 from hf_attn_patch._patching import patched_objects
@@ -38,8 +40,9 @@ def test_import_patches_and_originals_are_recorded():
 
 def test_unpatch_restores_every_original_object():
     originals = {(id(owner), name): original for owner, name, original in patched_objects()}
-    # one attention class per architecture, config validation, the cache name, two generate() hooks
-    assert len(originals) == len(ARCHITECTURES) + 4
+    # one attention class per architecture, config validation, the cache name, two generate() hooks,
+    # the "paged_kv" attention and mask functions
+    assert len(originals) == len(ARCHITECTURES) + 6
     hf_attn_patch.patch()  # idempotent: nothing re-recorded, nothing wrapped twice
     assert {(id(o), n): orig for o, n, orig in patched_objects()} == originals
     modules = [arch.attention_module() for arch in ARCHITECTURES.values()]
@@ -51,6 +54,8 @@ def test_unpatch_restores_every_original_object():
     for name in ("_prepare_cache_for_generation", "_prefill"):
         assert vars(GenerationMixin)[name] is originals[(id(GenerationMixin), name)]
     assert "paged_kv" not in generation_config_module.ALL_CACHE_IMPLEMENTATIONS
+    assert "paged_kv" not in AttentionInterface._global_mapping
+    assert "paged_kv" not in AttentionMaskInterface._global_mapping
     hf_attn_patch.unpatch()  # idempotent too
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..cache.paged_attention import gather_paged
 from .gqa import RMSNorm, attention_function
 from .rope import apply_rope, deinterleave, select_rope_pairs
 from .spec import AttentionSpec
@@ -132,7 +133,7 @@ class MultiHeadLatentAttention(nn.Module):
         c, k_rope = self._latent(hidden_states)
         q_rope, k_rope = self._rope(q_rope, k_rope, position_embeddings)
         if cache is not None:
-            c, k_rope = cache.update(c, k_rope, self.layer_idx)
+            c, k_rope = gather_paged(*cache.update(c, k_rope, self.layer_idx))  # paged handles -> tensors
         if self.use_absorbed(length):
             out, weights = self._absorbed(q_nope, q_rope, c, k_rope, attention_mask)
         else:

@@ -27,6 +27,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 from ..kv_memory import layer_caches
 from .block_pool import NULL_BLOCK, BlockPool
+from .paged_attention import PAGED_ATTENTION, gather_paged, paged_handles
 from .prefix_cache import block_hashes
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,7 @@ class PagedKVCache(Cache):
         if max_memory is not None and (not isinstance(max_memory, int) or max_memory < 1):
             raise ValueError(f"max_memory={max_memory!r} must be a positive number of bytes")
         config = config.get_text_config(decoder=True)
+        self.config = config  # its _attn_implementation is read at every update (it may change after construction)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
         self.values_per_token = [c.values_per_token for c in layer_caches(config)]
         layers = []
@@ -200,23 +202,24 @@ class PagedKVCache(Cache):
         flat = layer.storage.view(-1, *layer.storage.shape[2:])  # [slots, H, d_k + d_v]
         first, start, length = self._contiguous_from[window], layer.length, layer.length + keys.shape[2]
         layer.length = length
-        if first is not None:  # one row in consecutive slots: write a slice, read a view of the storage
+        read = self._read[window]
+        if first is not None:  # one row in consecutive slots: write a slice
             flat[first + start : first + length, :, :dk] = keys[0].transpose(0, 1)
             flat[first + start : first + length, :, dk:] = values[0].transpose(0, 1)
-            both = flat[first : first + length].unsqueeze(0).transpose(1, 2)
         else:
-            write, read = self._write[window], self._read[window]
+            write = self._write[window]
             new = torch.cat((keys, values), dim=-1).transpose(1, 2)  # [B, T, H, d_k + d_v]
             if self._write_all_valid[window]:
                 flat.index_copy_(0, write.view(-1), new.reshape(-1, *new.shape[2:]))
             else:  # prefill with left padding: padded positions are not stored
                 valid = write >= 0
                 flat[write[valid]] = new[valid]
-            both = flat.index_select(0, read.view(-1)).view(*read.shape, *flat.shape[1:]).transpose(1, 2)
-        out_k, out_v = both[..., :dk], both[..., dk:]
         if layer is self.paged[-1]:
             self._end_step()
-        return out_k, out_v
+        handles = paged_handles(flat, dk, read, first)
+        if self.config._attn_implementation == PAGED_ATTENTION:
+            return handles  # the registered attention function reads the blocks itself
+        return gather_paged(*handles)
 
     def _begin_step(self, batch: int, new: int, element_size: int, device) -> None:
         """Give every row blocks for `new` more positions (copying shared partly filled ones) and build slots."""
