@@ -83,6 +83,7 @@ def decode_tps(model, batch: int, context: int, steps: int, paged: bool, rounds:
 def throughput(cases: list[tuple[str, object, int, int]], steps: int) -> None:
     print(f"\n2. decode throughput: best of 3 rounds of {steps} greedy steps on a prefilled cache, tokens/s")
     print(f"   {'model':<14}{'batch':>6}{'context':>9}{'Dynamic':>10}{'paged_kv':>10}{'ratio':>8}")
+    decode_tps(cases[0][1], 1, 64, 8, paged=False)  # warm-up: the first forward of a process is slow
     for name, model, batch, context in cases:
         dynamic = decode_tps(model, batch, context, steps, paged=False)
         paged = decode_tps(model, batch, context, steps, paged=True)

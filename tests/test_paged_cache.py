@@ -162,6 +162,9 @@ def test_hybrid_models_pass_their_states_through(config_class):
     reference, paged, cache = generate_both(model, ids, mask, max_new_tokens=6, do_sample=False)
     assert torch.equal(reference, paged)
     assert not cache.prefix_caching and any(not isinstance(layer, PagedLayer) for layer in cache.layers)
+    other = ragged(lengths=(5,), seed=3)  # the same cache object, a new request: states start over
+    kw = dict(attention_mask=other[1], max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(other[0], past_key_values=cache, **kw), model.generate(other[0], **kw))
 
 
 def test_assisted_decoding_crops_the_cache():

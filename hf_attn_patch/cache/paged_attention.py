@@ -20,6 +20,7 @@ def paged_handles(storage: torch.Tensor, key_dim: int, read_slots: torch.Tensor,
     handles = []
     for part in (slice(None, key_dim), slice(key_dim, None)):
         handle = storage[:, :, part]  # a view: nothing is copied here
+        handle.paged_storage, handle.paged_key_dim = storage, key_dim
         handle.paged_read_slots, handle.paged_contiguous_from = read_slots, contiguous_from
         handles.append(handle)
     return tuple(handles)
@@ -33,15 +34,13 @@ def gather_paged(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, 
     """Handles -> K [B, H, L, d_k], V [B, H, L, d_v] (a view for one contiguous row, else a gather); tensors pass."""
     if not is_paged_handle(key):
         return key, value
-    read, first = key.paged_read_slots, key.paged_contiguous_from
-    out = []
-    for handle in (key, value):
-        if first is not None:
-            out.append(handle[first : first + read.shape[1]].unsqueeze(0).transpose(1, 2))
-        else:
-            gathered = handle.index_select(0, read.reshape(-1))
-            out.append(gathered.view(*read.shape, *handle.shape[1:]).transpose(1, 2))
-    return out[0], out[1]
+    storage, read, first = key.paged_storage, key.paged_read_slots, key.paged_contiguous_from
+    if first is not None:
+        both = storage[first : first + read.shape[1]].unsqueeze(0)
+    else:  # one gather of keys and values together (they sit side by side in the storage)
+        both = storage.index_select(0, read.reshape(-1)).view(*read.shape, *storage.shape[1:])
+    both = both.transpose(1, 2)
+    return both[..., : key.paged_key_dim], both[..., key.paged_key_dim :]
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, **kwargs):

@@ -112,10 +112,12 @@ class PagedKVCache(Cache):
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
         self.values_per_token = [c.values_per_token for c in layer_caches(config)]
         layers = []
+        self._pass_through = {}  # layer index -> (type, kwargs): rebuilt fresh for every new request
         for idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
             if kind in _PAGED_TYPES:
                 layers.append(PagedLayer(self, idx, kwargs.get("sliding_window")))
             elif kind in _PASS_THROUGH_TYPES:
+                self._pass_through[idx] = (kind, kwargs)
                 layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
             else:
                 raise ValueError(f"layer type {kind!r} (layer {idx}) is not supported by PagedKVCache")
@@ -148,6 +150,8 @@ class PagedKVCache(Cache):
         if attention_mask is not None and input_ids.shape[1] < attention_mask.shape[1]:
             return 0  # only the new tokens of a continuing request were passed: keep the rows as they are
         self._release_rows()
+        for idx, (kind, kwargs) in self._pass_through.items():  # constant-size states start over
+            self.layers[idx] = DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         pads = (mask.cumsum(1) == 0).sum(1).tolist()  # leading zeros = left padding
         self.rows = []
