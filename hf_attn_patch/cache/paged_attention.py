@@ -15,19 +15,20 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 PAGED_ATTENTION = "paged_kv"
 
 
-def paged_handles(storage: torch.Tensor, key_dim: int, read_slots: torch.Tensor, contiguous_from: int | None):
-    """(key, value) handles for one layer: storage [slots, H, d_k + d_v] viewed whole, plus how to read it."""
+def paged_handles(storage, key_dim: int, read_slots, contiguous_from: int | None, length: int):
+    """(key, value) handles for one layer: storage [slots, H, d_k + d_v] viewed whole, plus how to read it:
+    slot table read_slots [B, length], or (one row stored consecutively) slots contiguous_from + [0, length)."""
     handles = []
     for part in (slice(None, key_dim), slice(key_dim, None)):
         handle = storage[:, :, part]  # a view: nothing is copied here
-        handle.paged_storage, handle.paged_key_dim = storage, key_dim
+        handle.paged_storage, handle.paged_key_dim, handle.paged_length = storage, key_dim, length
         handle.paged_read_slots, handle.paged_contiguous_from = read_slots, contiguous_from
         handles.append(handle)
     return tuple(handles)
 
 
 def is_paged_handle(tensor) -> bool:
-    return getattr(tensor, "paged_read_slots", None) is not None
+    return getattr(tensor, "paged_storage", None) is not None
 
 
 def gather_paged(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,7 +37,7 @@ def gather_paged(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, 
         return key, value
     storage, read, first = key.paged_storage, key.paged_read_slots, key.paged_contiguous_from
     if first is not None:
-        both = storage[first : first + read.shape[1]].unsqueeze(0)
+        both = storage[first : first + key.paged_length].unsqueeze(0)
     else:  # one gather of keys and values together (they sit side by side in the storage)
         both = storage.index_select(0, read.reshape(-1)).view(*read.shape, *storage.shape[1:])
     both = both.transpose(1, 2)

@@ -206,7 +206,7 @@ class PagedKVCache(Cache):
         flat = layer.storage.view(-1, *layer.storage.shape[2:])  # [slots, H, d_k + d_v]
         first, start, length = self._contiguous_from[window], layer.length, layer.length + keys.shape[2]
         layer.length = length
-        read = self._read[window]
+        read = self._read.get(window)  # None while one contiguous row is read as a view
         if first is not None:  # one row in consecutive slots: write a slice
             flat[first + start : first + length, :, :dk] = keys[0].transpose(0, 1)
             flat[first + start : first + length, :, dk:] = values[0].transpose(0, 1)
@@ -220,10 +220,12 @@ class PagedKVCache(Cache):
                 flat[write[valid]] = new[valid]
         if layer is self.paged[-1]:
             self._end_step()
-        handles = paged_handles(flat, dk, read, first)
         if self.config._attn_implementation == PAGED_ATTENTION:
-            return handles  # the registered attention function reads the blocks itself
-        return gather_paged(*handles)
+            return paged_handles(flat, dk, read, first, length)  # the registered attention function reads blocks
+        if first is not None:
+            both = flat[first : first + length].unsqueeze(0).transpose(1, 2)
+            return both[..., :dk], both[..., dk:]
+        return gather_paged(*paged_handles(flat, dk, read, first, length))
 
     def _begin_step(self, batch: int, new: int, element_size: int, device) -> None:
         """Give every row blocks for `new` more positions (copying shared partly filled ones) and build slots."""
@@ -291,6 +293,15 @@ class PagedKVCache(Cache):
         changed under them (a new request, beams, forks, crops, copies, window frees): then they are rebuilt.
         A slot is block * block_size + offset; slots in the null block read zeros.
         """
+        first = self._contiguous_from.get(group)
+        if first is not None and len(self.rows) == 1 and self._read.get(group) is None and start:
+            # One contiguous row, decoding: if the new positions extend the run, nothing needs building.
+            row, bs = self.rows[0], self.block_size
+            table = row.tables[group]
+            if all(table[(p - row.pad) // bs] * bs + (p - row.pad) % bs == first + p for p in range(start, start + new)):
+                self._write_all_valid[group] = True
+                return
+            self._contiguous_from[group] = None
         old = self._read.get(group)
         rebuilt = old is None or old.shape != (len(self.rows), start)
         if rebuilt:
@@ -311,6 +322,8 @@ class PagedKVCache(Cache):
                 if first is not None and not (int(write[0, 0]) == first + start and consecutive):
                     first = None
         self._contiguous_from[group] = first
+        if first is not None:
+            del self._read[group]  # read as a storage view; rebuilt from the tables if that ever stops
 
     def _slots(self, group, start: int, end: int) -> torch.Tensor:
         """[B, end - start] slot ids of positions [start, end) of every row; -1 for left padding."""
@@ -394,33 +407,31 @@ class PagedKVCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Beam search: new row i continues old row beam_idx[i]. Tables are rewritten; no KV is copied."""
-        self._read.clear()
-        old = self.rows
-        self.rows = [self._fork(old[i]) for i in beam_idx.tolist()]
-        for row in old:
-            self._drop(row)
-        self._reorder_pass_through(beam_idx)
+        self._remap_rows(beam_idx.tolist())
+        for layer in self._pass_through_layers():
+            layer.reorder_cache(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         """Each row becomes `repeats` rows sharing its blocks (num_return_sequences, beams after prefill)."""
-        self._read.clear()
-        old = self.rows
-        self.rows = [self._fork(row) for row in old for _ in range(repeats)]
-        for row in old:
-            self._drop(row)
-        for layer in self.layers:
-            if not isinstance(layer, PagedLayer):
-                layer.batch_repeat_interleave(repeats)
+        self._remap_rows([i for i in range(len(self.rows)) for _ in range(repeats)])
+        for layer in self._pass_through_layers():
+            layer.batch_repeat_interleave(repeats)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._remap_rows(indices.tolist())
+        for layer in self._pass_through_layers():
+            layer.batch_select_indices(indices)
+
+    def _remap_rows(self, sources: list[int]) -> None:
+        """New row i continues old row sources[i], sharing its blocks by reference count (nothing is copied)."""
         self._read.clear()
         old = self.rows
-        self.rows = [self._fork(old[i]) for i in indices.tolist()]
+        self.rows = [self._fork(old[i]) for i in sources]
         for row in old:
             self._drop(row)
-        for layer in self.layers:
-            if not isinstance(layer, PagedLayer):
-                layer.batch_select_indices(indices)
+
+    def _pass_through_layers(self) -> list:
+        return [layer for layer in self.layers if not isinstance(layer, PagedLayer)]
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove positions (transformers' convention: a non-positive count; assisted
@@ -436,9 +447,8 @@ class PagedKVCache(Cache):
                     self.pools[group].free(table.pop())
         for layer in self.paged:
             layer.length = keep
-        for layer in self.layers:
-            if not isinstance(layer, PagedLayer):
-                layer.crop(tokens_to_remove)
+        for layer in self._pass_through_layers():
+            layer.crop(tokens_to_remove)
 
     def reset(self) -> None:
         self._release_rows()
@@ -454,11 +464,6 @@ class PagedKVCache(Cache):
         for group, table in row.tables.items():
             for block in table:
                 self.pools[group].free(block)
-
-    def _reorder_pass_through(self, beam_idx) -> None:
-        for layer in self.layers:
-            if not isinstance(layer, PagedLayer):
-                layer.reorder_cache(beam_idx)
 
     # -- accounting ------------------------------------------------------------------------------------------
 
