@@ -40,7 +40,7 @@ def to_variant(model: nn.Module, variant: str) -> nn.Module:
     if variant == "gqa":
         lifted = {name: (split := arch.split_heads(m)).gqa_state_dict() for name, m in stock.items()}
         fields = {"num_key_value_heads": split.k_w.shape[0] // head_dim(model.config)}
-    elif variant == "mla" and arch.model_type == "deepseek_v3":  # already MLA: same parameter names
+    elif variant == "mla" and arch.replaces_stock:  # DeepSeek: already MLA, same parameter names
         lifted = {name: m.state_dict() for name, m in stock.items()}
         fields = {}
     elif variant == "mla":

@@ -105,7 +105,7 @@ def _check_sizes(seq_len, batch_size) -> None:
 def _attention_values(config) -> tuple[str, int, int]:
     """(kind, values per token, values per token as MHA) of one attention layer."""
     heads = config.num_attention_heads
-    if config.model_type == "deepseek_v3":  # native MLA; as MHA it would cache DeepSeek's q/k and v head sizes
+    if config.model_type in ("deepseek_v2", "deepseek_v3"):  # native MLA; as MHA: DeepSeek's q/k and v head sizes
         mha = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
         return "mla", config.kv_lora_rank + config.qk_rope_head_dim, mha
     d_h = head_dim(config)

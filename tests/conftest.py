@@ -36,7 +36,9 @@ def tiny_config(model_type: str, **overrides):
                             num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
                             qk_nope_head_dim=12, v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2,
                             n_group=1, topk_group=1, first_k_dense_replace=1, n_shared_experts=1),
-    }[model_type]  # fmt: skip
+    }  # fmt: skip
+    kw["deepseek_v2"] = {**kw["deepseek_v3"], "topk_method": "greedy"}  # DeepSeek-V2: same attention shapes
+    kw = kw[model_type]
     if model_type == "gpt2":
         common = dict(vocab_size=97)
     return transformers.AutoConfig.for_model(model_type, **{**common, **kw, **overrides})

@@ -15,20 +15,23 @@ from .conftest import tiny_model
 from .test_exactness import ATOL, CallCounter, stepwise_logits
 
 
-def stock_deepseek(**overrides):
-    """transformers' own DeepseekV3ForCausalLM: built with the patch lifted, so its attention is the stock class."""
+def stock_deepseek(model_type: str = "deepseek_v3", **overrides):
+    """transformers' own DeepSeek model: built with the patch lifted, so its attention is the stock class."""
     with hf_attn_patch.unpatched():
-        model = tiny_model("deepseek_v3", **overrides)
-    assert type(model.model.layers[0].self_attn).__name__ == "DeepseekV3Attention"
+        model = tiny_model(model_type, **overrides)
+    assert type(model.model.layers[0].self_attn).__name__ in ("DeepseekV3Attention", "DeepseekV2Attention")
     return model
 
 
 @pytest.mark.parametrize("absorb", ["never", "always", "auto"])
 @pytest.mark.parametrize("q_lora_rank", [24, None])
-@pytest.mark.parametrize("rope_interleave", [True, False])
-def test_deepseek_v3_matches_stock(absorb, q_lora_rank, rope_interleave, padded_batch):
+@pytest.mark.parametrize(
+    "model_type,rope_interleave", [("deepseek_v3", True), ("deepseek_v3", False), ("deepseek_v2", None)]
+)  # V2 always interleaves (complex freqs_cis)
+def test_deepseek_matches_stock(absorb, q_lora_rank, model_type, rope_interleave, padded_batch):
     ids, mask = padded_batch
-    stock = stock_deepseek(q_lora_rank=q_lora_rank, rope_interleave=rope_interleave)
+    extra = {} if rope_interleave is None else {"rope_interleave": rope_interleave}
+    stock = stock_deepseek(model_type, q_lora_rank=q_lora_rank, **extra)
     model = to_variant(stock, "mla")
     layers = [m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)]
     assert len(layers) == stock.config.num_hidden_layers
@@ -63,12 +66,13 @@ def test_deepseek_cache_layout_is_shared(padded_batch):
     assert torch.equal(caches[0].values, caches[1].values)
 
 
-def test_patched_stock_deepseek_decodes_absorbed_with_both_caches(padded_batch):
-    """A plain DeepSeek-V3 config built while patched gets our module (same weights load as they are); its decode
+@pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
+def test_patched_stock_deepseek_decodes_absorbed_with_both_caches(model_type, padded_batch):
+    """A plain DeepSeek-V2/V3 config built while patched gets our module (same weights load as they are); its decode
     steps run the absorbed path, with DynamicCache and PagedKVCache, and generate the stock model's tokens."""
     ids, mask = padded_batch
-    stock = stock_deepseek()
-    patched = tiny_model("deepseek_v3", seed=1)
+    stock = stock_deepseek(model_type)
+    patched = tiny_model(model_type, seed=1)
     layers = [m for m in patched.modules() if isinstance(m, MultiHeadLatentAttention)]
     assert len(layers) == patched.config.num_hidden_layers and not hasattr(patched.config, "attention_variant")
     patched.load_state_dict(stock.state_dict())  # identical parameter names

@@ -56,7 +56,7 @@ def measured(model, seq_len: int, batch: int = 2) -> int:
     return cache_bytes(cache)
 
 
-@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gpt_neox", "opt", "deepseek_v3", "mistral"])
+@pytest.mark.parametrize("model_type", ["llama", "gpt2", "gpt_neox", "opt", "deepseek_v3", "deepseek_v2", "mistral"])
 def test_stock_caches(model_type):
     model = tiny_model(model_type)
     for seq_len in (3, 11):  # mistral's sliding window (5) binds at 11

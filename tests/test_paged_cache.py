@@ -54,6 +54,7 @@ def generate_both(model, ids, mask, block_size=4, **kw):
 
 MODELS = [
     ("llama", None), ("qwen2", None), ("gpt2", None), ("gpt_neox", None), ("opt", None), ("deepseek_v3", None),
+    ("deepseek_v2", None),
     ("llama", "mla"), ("gpt2", "mla"), ("mistral", None),
 ]  # fmt: skip
 

@@ -89,6 +89,9 @@ class MultiHeadLatentAttention(nn.Module):
     def _rope(self, q_rope, k_rope, position_embeddings):
         if not self.qk_rope_head_dim:
             return q_rope, k_rope
+        if torch.is_tensor(position_embeddings) and position_embeddings.is_complex():  # DeepSeek-V2's freqs_cis
+            half_cos, half_sin = position_embeddings.real, position_embeddings.imag  # [B, T, d_r / 2]
+            position_embeddings = (torch.cat((half_cos, half_cos), -1), torch.cat((half_sin, half_sin), -1))
         cos, sin = position_embeddings
         if self.rope_pairs is not None:
             cos, sin = select_rope_pairs(cos, sin, torch.tensor(self.rope_pairs, device=cos.device))

@@ -140,6 +140,7 @@ class Architecture:
     # Build ours even without `attention_variant` (same weights, same cache layout): DeepSeek-V3 gains absorbed
     # decoding over its latent cache, which transformers' own module lacks.
     replaces_stock: bool = False
+    rope_interleave: bool | None = None  # None: read config.rope_interleave; DeepSeek-V2 always interleaves
 
     def attention_module(self):
         return importlib.import_module(self.modeling_module)
@@ -147,6 +148,11 @@ class Architecture:
 
 def _attention_bias(c):
     return (c.attention_bias,) * 4
+
+
+def _deepseek_biases(c):
+    """DeepSeek's q_proj / kv_b_proj never have a bias; q_a_proj, kv_a_proj and o_proj follow attention_bias."""
+    return (c.attention_bias and c.q_lora_rank is not None,) + (c.attention_bias,) * 3
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -167,10 +173,13 @@ ARCHITECTURES: dict[str, Architecture] = {
                      _split_heads_gpt_neox, _attention_bias, norm_eps=lambda c: c.layer_norm_eps),
         Architecture("opt", "transformers.models.opt.modeling_opt", "OPTAttention", _split_heads_opt,
                      lambda c: (c.enable_bias,) * 4, rotary=False, norm_eps=lambda c: 1e-5),
-        # DeepSeek's q_proj / kv_b_proj never have a bias; q_a_proj, kv_a_proj and o_proj follow attention_bias.
         Architecture("deepseek_v3", "transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3Attention",
-                     _no_split, lambda c: (c.attention_bias and c.q_lora_rank is not None,) + (c.attention_bias,) * 3,
-                     mla_scaling=_deepseek_mla_scaling, variants=("mla",), replaces_stock=True),
+                     _no_split, _deepseek_biases, mla_scaling=_deepseek_mla_scaling, variants=("mla",),
+                     replaces_stock=True),
+        # DeepSeek-V2 hands attention a complex freqs_cis and rotates interleaved pairs; otherwise V3's layout.
+        Architecture("deepseek_v2", "transformers.models.deepseek_v2.modeling_deepseek_v2", "DeepseekV2Attention",
+                     _no_split, _deepseek_biases, mla_scaling=_deepseek_mla_scaling, variants=("mla",),
+                     replaces_stock=True, rope_interleave=True),
     ]
 }  # fmt: skip
 
@@ -187,10 +196,10 @@ def architecture_of(config) -> Architecture:
 def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
     """The AttentionSpec of layer `layer_idx` of a config carrying `attention_variant` (validates it).
 
-    A DeepSeek-V3 config is MLA by construction; without `attention_variant` it reads as variant 'mla'.
+    A DeepSeek-V2/V3 config is MLA by construction; without `attention_variant` it reads as variant 'mla'.
     """
     arch = architecture_of(config)
-    variant = getattr(config, "attention_variant", None) or ("mla" if arch.model_type == "deepseek_v3" else None)
+    variant = getattr(config, "attention_variant", None) or ("mla" if arch.replaces_stock else None)
     if variant is None:
         raise ValueError(f"config of model_type={config.model_type!r} has no attention_variant")
     if variant in ("gqa", "mla") and variant not in arch.variants:
@@ -233,5 +242,7 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
         scaling=arch.mla_scaling(config, layer_idx, fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]),
         mla_latent_norm=bool(getattr(config, "mla_latent_norm", True)),
         mla_rope_pairs=None if pairs is None else tuple(pairs),
-        rope_interleave=bool(getattr(config, "rope_interleave", False)),
+        rope_interleave=arch.rope_interleave if arch.rope_interleave is not None else bool(
+            getattr(config, "rope_interleave", False)
+        ),
     )
