@@ -35,13 +35,19 @@ def gather_paged(key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, 
     """Handles -> K [B, H, L, d_k], V [B, H, L, d_v] (a view for one contiguous row, else a gather); tensors pass."""
     if not is_paged_handle(key):
         return key, value
-    storage, read, first = key.paged_storage, key.paged_read_slots, key.paged_contiguous_from
-    if first is not None:
-        both = storage[first : first + key.paged_length].unsqueeze(0)
-    else:  # one gather of keys and values together (they sit side by side in the storage)
-        both = storage.index_select(0, read.reshape(-1)).view(*read.shape, *storage.shape[1:])
+    return read_paged(key.paged_storage, key.paged_key_dim, key.paged_read_slots, key.paged_contiguous_from,
+                      key.paged_length)  # fmt: skip
+
+
+def read_paged(storage, key_dim: int, read_slots, contiguous_from: int | None, length: int):
+    """K [B, H, L, d_k], V [B, H, L, d_v] from storage [slots, H, d_k + d_v]: a view for one contiguous row,
+    else one gather of keys and values together (they sit side by side)."""
+    if contiguous_from is not None:
+        both = storage[contiguous_from : contiguous_from + length].unsqueeze(0)
+    else:
+        both = storage.index_select(0, read_slots.reshape(-1)).view(*read_slots.shape, *storage.shape[1:])
     both = both.transpose(1, 2)
-    return both[..., : key.paged_key_dim], both[..., key.paged_key_dim :]
+    return both[..., :key_dim], both[..., key_dim:]
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, **kwargs):

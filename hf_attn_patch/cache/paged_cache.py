@@ -27,7 +27,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 from ..kv_memory import layer_caches
 from .block_pool import NULL_BLOCK, BlockPool
-from .paged_attention import PAGED_ATTENTION, gather_paged, paged_handles
+from .paged_attention import PAGED_ATTENTION, paged_handles, read_paged
 from .prefix_cache import block_hashes
 
 logger = logging.getLogger(__name__)
@@ -222,10 +222,7 @@ class PagedKVCache(Cache):
             self._end_step()
         if self.config._attn_implementation == PAGED_ATTENTION:
             return paged_handles(flat, dk, read, first, length)  # the registered attention function reads blocks
-        if first is not None:
-            both = flat[first : first + length].unsqueeze(0).transpose(1, 2)
-            return both[..., :dk], both[..., dk:]
-        return gather_paged(*paged_handles(flat, dk, read, first, length))
+        return read_paged(flat, dk, read, first, length)
 
     def _begin_step(self, batch: int, new: int, element_size: int, device) -> None:
         """Give every row blocks for `new` more positions (copying shared partly filled ones) and build slots."""
