@@ -145,13 +145,14 @@ def test_cache_full_error_names_the_numbers_and_changes_nothing():
     assert cache.stats()["blocks_used"] == 0
 
 
-def test_sliding_window_frees_blocks_and_matches():
+@pytest.mark.parametrize("lengths", [(6, 6), (6,)])  # gathered rows, and one row read as a storage view
+def test_sliding_window_frees_blocks_and_matches(lengths):
     model = tiny_model("mistral")  # sliding_window 5
-    ids, mask = ragged(lengths=(6, 6))
+    ids, mask = ragged(lengths=lengths)
     reference, paged, cache = generate_both(model, ids, mask, max_new_tokens=30, do_sample=False)
     assert torch.equal(reference, paged)
-    # 36 tokens per row, but only the window (5) plus a partly filled block stays allocated
-    assert cache.stats()["blocks_used"] <= 2 * (-(-5 // 4) + 1)
+    # 36 tokens per row, but only the window (5) plus a partly filled block stays allocated (freed blocks are reused)
+    assert cache.stats()["blocks_used"] <= len(lengths) * (-(-5 // 4) + 1)
 
 
 @pytest.mark.parametrize("config_class", ["Qwen3NextConfig", "BambaConfig"])
