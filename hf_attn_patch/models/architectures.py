@@ -236,6 +236,12 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
     if fields["qk_nope_head_dim"] is None or fields["qk_rope_head_dim"] is None:
         return AttentionSpec(**common, **fields)  # raises, naming the missing field
     pairs = getattr(config, "mla_rope_pairs", None)
+    if pairs and isinstance(pairs[0], (list, tuple)):  # one list per layer (converted models choose per layer)
+        if len(pairs) != config.num_hidden_layers:
+            raise ValueError(
+                f"mla_rope_pairs has {len(pairs)} per-layer lists, num_hidden_layers={config.num_hidden_layers}"
+            )
+        pairs = pairs[layer_idx]
     return AttentionSpec(
         **common,
         **fields,
