@@ -31,7 +31,8 @@ def lift_mla(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict of a MultiHeadLatentAttention, its config fields) for one layer.
 
-    pairs: (kv_head, frequency) pairs the RoPE key keeps; basis: [rows, r] or None for the exact latent.
+    pairs: (kv_head, frequency) pairs the RoPE key keeps; basis: [rows, r], or None for the exact latent (then dims
+    of frequencies kept for every KV head leave the nope part; with a basis d_nope = d_h, the same in every layer).
     """
     arch = architecture_of(config)
     if w.q_norm is not None:
@@ -46,12 +47,8 @@ def lift_mla(
     q_aug = _with_bias_column(q_w, q_b).view(heads, d_h, hidden + 1)
     k_aug = _with_bias_column(k_w, k_b).view(kv_heads, d_h, hidden + 1)
 
-    # Which dims leave the nope part entirely: both dims of frequencies selected for every KV head.
-    common = sorted(i for i in {i for _, i in pairs} if all((g, i) in pairs for g in range(kv_heads)))
-    dropped = set(common) | {i + half for i in common}
-    nope = [d for d in range(d_h) if d not in dropped]
+    nope, zeroed = _nope_layout(kv_heads, d_h, half, pairs, drop_common=basis is None)
     d_nope, d_r = len(nope), 2 * len(pairs)
-    selected_by_head = {g: {i for gg, i in pairs if gg == g} for g in range(kv_heads)}
 
     # Queries [H, d_nope + d_r, hidden + 1] and the RoPE-key rows [d_r, hidden + 1].
     scale = w.scaling * math.sqrt(d_nope + d_r)
@@ -61,19 +58,14 @@ def lift_mla(
         k_rope[p], k_rope[len(pairs) + p] = k_aug[g, i], k_aug[g, i + half]
         for h in range(g * group, (g + 1) * group):
             q_new[h, d_nope + p], q_new[h, d_nope + len(pairs) + p] = q_aug[h, i], q_aug[h, i + half]
-    k_nope = k_aug[:, nope].clone()  # [H_kv, d_nope, hidden + 1]
     for h in range(heads):
         q_new[h, :d_nope] = q_aug[h, nope]
-    for g, freqs in selected_by_head.items():  # selected pairs not dropped above: zero rows in the nope part
-        for slot, d in enumerate(nope):
-            if d < 2 * half and d % half in freqs:
-                k_nope[g, slot] = 0
-                q_new[g * group : (g + 1) * group, slot] = 0
+        q_new[h, zeroed[h // group]] = 0
     q_new = q_new.reshape(-1, hidden + 1) * scale
 
     # Latent over stacked [K_nope; V] (K biases dropped, see module docstring).
-    stacked = torch.cat((k_nope[..., :hidden].reshape(-1, hidden), v_w))
-    rows, k_rows = stacked.shape[0], kv_heads * d_nope
+    stacked = stacked_kv(w, config, pairs, drop_common=basis is None)
+    k_rows = kv_heads * d_nope
     v_bias = v_b if v_b is not None else torch.zeros(v_w.shape[0], dtype=torch.float64)
     exact = basis is None
     basis = exact_basis(stacked) if exact else basis.to(torch.float64)
@@ -115,6 +107,30 @@ def lift_mla(
         mla_rope_pairs=[i for _, i in pairs] if pairs else None,
     )
     return state, fields
+
+
+def stacked_kv(w: AttentionWeights, config, pairs: list[tuple[int, int]], drop_common: bool = False) -> torch.Tensor:
+    """[W_K_nope; W_V] in float64, [H_kv * d_nope + H_kv * d_h, hidden]: the map the latent factors."""
+    arch = architecture_of(config)
+    d_h = head_dim(config)
+    kv_heads, hidden = w.k_w.shape[0] // d_h, w.k_w.shape[1]
+    half = (rotary_dim(config) if arch.rotary else 0) // 2
+    nope, zeroed = _nope_layout(kv_heads, d_h, half, pairs, drop_common)
+    k_nope = w.k_w.to(torch.float64).view(kv_heads, d_h, hidden)[:, nope].clone()
+    for g, slots in zeroed.items():
+        k_nope[g, slots] = 0
+    return torch.cat((k_nope.reshape(-1, hidden), w.v_w.to(torch.float64)))
+
+
+def _nope_layout(kv_heads: int, d_h: int, half: int, pairs, drop_common: bool) -> tuple[list[int], dict]:
+    """Non-RoPE dims of every head, and per KV head the slots among them to zero (its selected RoPE pairs).
+
+    With drop_common, dims of frequencies selected for *every* KV head leave the nope part altogether."""
+    selected = {g: {i for gg, i in pairs if gg == g} for g in range(kv_heads)}
+    common = set.intersection(*selected.values()) if selected and drop_common else set()
+    nope = [d for d in range(d_h) if not (d < 2 * half and d % half in common)]
+    zeroed = {g: [s for s, d in enumerate(nope) if d < 2 * half and d % half in selected[g]] for g in selected}
+    return nope, zeroed
 
 
 def exact_basis(stacked: torch.Tensor) -> torch.Tensor:

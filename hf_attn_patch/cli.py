@@ -68,6 +68,21 @@ def cmd_eval(args) -> None:
     print(json.dumps({"model": args.model, "reference": args.reference, "text": args.text, **result.to_dict()}))
 
 
+def cmd_convert(args) -> None:
+    import json
+
+    from .converters.convert import convert
+
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "source", "out") and v is not None}
+    try:
+        report = convert(args.source, args.out, **options)
+    except (ValueError, FileExistsError) as err:
+        raise SystemExit(f"error: {err}")
+    summary = {k: report[k] for k in ("format", "kv_bytes_per_token_fp16", "kv_ratio", "wall_time_s", "peak_rss_mb")}
+    print(f"wrote {args.out}")
+    print(json.dumps(summary, indent=2))
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -160,6 +175,24 @@ def main(argv: list[str] | None = None) -> None:
     kv.add_argument("--batch-size", type=_positive_int, default=1)
     kv.add_argument("--dtype", default="float16")
     kv.set_defaults(func=cmd_kv_report)
+
+    cv = sub.add_parser("convert", help="convert a checkpoint to GQA / MQA / MLA (zero-shot; writes OUT atomically)")
+    cv.add_argument("source", metavar="SRC", help="model folder (safetensors), 'default', 'smollm2' or a Hub id")
+    cv.add_argument("out", metavar="OUT")
+    cv.add_argument("--to", required=True, choices=["gqa", "mqa", "mla"])
+    cv.add_argument("--kv-heads", type=_positive_int, help="gqa: KV heads after conversion")
+    cv.add_argument("--kv-lora-rank", type=_positive_int, help="mla: latent dims")
+    cv.add_argument("--rope-dim", type=int, help="mla: dims of the shared RoPE key (even; default: one head's d_h)")
+    cv.add_argument("--kv-budget", type=float, help="mla: fraction of the source's KV bytes (instead of --kv-lora-rank)")
+    cv.add_argument("--method", help="gqa/mqa: mean; mla: calibrated (default) or mha2mla")
+    cv.add_argument("--calib-data", help="text file or folder of .txt files (default: the package's corpus)")
+    cv.add_argument("--calib-samples", type=_positive_int)
+    cv.add_argument("--calib-len", type=_positive_int)
+    cv.add_argument("--format", choices=["auto", "native", "stock"])
+    cv.add_argument("--dtype", help="dtype of the saved weights (default: the source's)")
+    cv.add_argument("--seed", type=int)
+    cv.add_argument("--overwrite", action="store_true", default=None)
+    cv.set_defaults(func=cmd_convert)
 
     ev = sub.add_parser("eval", help="perplexity on a text, and mean KL per token against a reference model (JSON)")
     ev.add_argument("model", metavar="MODEL", help="model folder, 'default' or 'smollm2'")

@@ -1,0 +1,112 @@
+"""Calibration: text in, per-layer activation statistics out (what activation-aware conversion needs).
+
+Per stock attention layer, over all calibration tokens x (the attention input, after the layer norm):
+    input covariance   S = sum_t x_t x_t^T  [D, D]          -> the covariance of any linear map's outputs: W S W^T
+    pair energy        mean_t ||q_h,t[i, i + d_rot/2]||, mean_t ||k_g,t[i, i + d_rot/2]||  per head and RoPE pair
+Pair norms are rotation invariant, so they need no positions. Nothing per token is kept.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from .. import __file__ as _package_file
+from ..models.architectures import architecture_of, head_dim, rotary_dim
+
+logger = logging.getLogger(__name__)
+
+# converters/ sits at the repository root but installs inside the package: find the assets from the package itself
+DEFAULT_CORPUS = Path(_package_file).resolve().parent / "assets" / "calibration"
+
+
+@dataclass
+class LayerStats:
+    """Calibration statistics of one attention layer (float64)."""
+
+    input_cov: torch.Tensor  # [D + 1, D + 1]: inputs with a constant 1 appended, so biases are covered too
+    q_pair_norm: torch.Tensor  # [H, d_rot / 2] mean norm of each query head's RoPE pairs
+    k_pair_norm: torch.Tensor  # [H_kv, d_rot / 2]
+    tokens: int
+
+
+def read_calibration_text(source: str | Path | None) -> str:
+    """Text of a file, of every .txt file in a folder (sorted), or of the corpus shipped with the package."""
+    path = DEFAULT_CORPUS if source is None else Path(source)
+    if path.is_dir():
+        files = sorted(path.glob("*.txt"))
+        if not files:
+            raise ValueError(f"calib_data={str(path)!r} is a folder without .txt files")
+        text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
+    elif path.is_file():
+        text = path.read_text(encoding="utf-8", errors="replace")
+    else:
+        raise ValueError(f"calib_data={str(path)!r} is neither a file nor a folder")
+    if not text.strip():
+        raise ValueError(f"calib_data={str(path)!r} is empty")
+    return text
+
+
+def calibration_windows(text: str, tokenizer, samples: int, length: int) -> torch.Tensor:
+    """[samples, length] token windows, consecutive from the start of the text."""
+    for name, value in (("calib_samples", samples), ("calib_len", length)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive integer")
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    if len(ids) < samples * length:
+        raise ValueError(
+            f"calibration text has {len(ids)} tokens, fewer than calib_samples x calib_len = {samples * length}"
+        )
+    return ids[: samples * length].view(samples, length)
+
+
+@torch.no_grad()
+def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[str, LayerStats]:
+    """Run the source model on the windows and gather LayerStats for every stock attention layer."""
+    from .exact import stock_attention_layers
+
+    arch = architecture_of(model.config)
+    d_h, half = head_dim(model.config), (rotary_dim(model.config) if arch.rotary else 0) // 2
+    layers = stock_attention_layers(model)
+    stats: dict[str, dict] = {}
+    weights = {name: arch.split_heads(m) for name, m in layers.items()}
+
+    def make_hook(name):
+        def hook(module, args, kwargs):
+            x = (args[0] if args else kwargs["hidden_states"]).reshape(-1, weights[name].q_w.shape[1]).double()
+            x1 = torch.cat((x, x.new_ones(len(x), 1)), dim=1)
+            s = stats.setdefault(name, {"cov": 0.0, "q": 0.0, "k": 0.0, "n": 0})
+            s["cov"] = s["cov"] + x1.t() @ x1
+            if half:
+                w = weights[name]
+                for key, weight, bias in (("q", w.q_w, w.q_b), ("k", w.k_w, w.k_b)):
+                    out = x @ weight.double().t() + (0 if bias is None else bias.double())
+                    out = out.view(len(x), -1, d_h)
+                    norms = (out[..., :half] ** 2 + out[..., half : 2 * half] ** 2).sqrt().sum(0)
+                    s[key] = s[key] + norms
+            s["n"] += len(x)
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(name), with_kwargs=True) for name, m in layers.items()]
+    try:
+        for window in tqdm(windows, desc="calibration", disable=not progress):
+            model(window[None].to(model.device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    out = {}
+    for name, s in stats.items():
+        n = s["n"]
+        empty = torch.zeros(0, 0, dtype=torch.float64)
+        out[name] = LayerStats(
+            input_cov=s["cov"],
+            q_pair_norm=s["q"] / n if half else empty,
+            k_pair_norm=s["k"] / n if half else empty,
+            tokens=n,
+        )
+    return out

@@ -1,0 +1,189 @@
+"""`convert()`: a checkpoint in, a GQA / MQA / MLA checkpoint out (zero-shot: no healing yet).
+
+Steps: validate every option (before any weight loads) -> load the source (never modified) -> calibrate when the
+method needs activations -> re-express each attention layer -> write to a temporary folder, rename when complete.
+The output holds safetensors weights, the tokenizer, the generation config and conversion_report.json.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import resource
+import shutil
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..kv_memory import dtype_of, kv_cache_bytes
+from ..models.architectures import architecture_of, head_dim, rotary_dim
+from .calibration import calibration_windows, collect_stats, read_calibration_text
+from .exact import rebuild, stock_attention_layers
+from .methods import GQA_METHODS, MLA_METHODS, mean_pool, mla_layer
+
+logger = logging.getLogger(__name__)
+
+TARGETS = ("gqa", "mqa", "mla")
+FORMATS = ("auto", "native", "stock")
+STOCK_GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # configs with a native num_key_value_heads
+
+
+@dataclass
+class ConvertOptions:
+    """What to convert to, and how. Validated on construction (errors name the option and its value)."""
+
+    to: str
+    kv_heads: int | None = None  # gqa: KV heads after conversion (mqa: 1)
+    kv_lora_rank: int | None = None  # mla: latent dims d_c
+    rope_dim: int | None = None  # mla: dims of the shared RoPE key d_r (default: one source head's d_h, 0 without RoPE)
+    kv_budget: float | None = None  # mla: fraction of the source's KV values per token (instead of kv_lora_rank)
+    method: str | None = None  # gqa: mean; mla: calibrated (default) or mha2mla
+    calib_data: str | None = None  # text file or folder of .txt files; default: the corpus shipped with the package
+    calib_samples: int = 16
+    calib_len: int = 256
+    format: str = "auto"  # native: our config fields; stock: plain transformers config (llama-family GQA only)
+    dtype: str | None = None  # of the saved weights; default: the source's
+    seed: int = 0
+    overwrite: bool = False
+
+    def __post_init__(self) -> None:
+        if self.to not in TARGETS:
+            raise ValueError(f"to={self.to!r} is not one of {TARGETS}")
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r} is not one of {FORMATS}")
+        methods = MLA_METHODS if self.to == "mla" else GQA_METHODS
+        self.method = self.method or methods[0]
+        if self.method not in methods:
+            raise ValueError(f"method={self.method!r} is not one of {methods} for to={self.to!r}")
+        if self.to == "mqa":
+            if self.kv_heads not in (None, 1):
+                raise ValueError(f"kv_heads={self.kv_heads!r}: MQA has exactly one KV head")
+            self.kv_heads = 1
+        if self.to == "gqa" and self.kv_heads is None:
+            raise ValueError("to='gqa' needs kv_heads")
+        if self.to == "mla":
+            if (self.kv_lora_rank is None) == (self.kv_budget is None):
+                raise ValueError(
+                    f"to='mla' needs exactly one of kv_lora_rank={self.kv_lora_rank!r} and kv_budget={self.kv_budget!r}"
+                )
+            if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
+                raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
+        for name in ("kv_heads", "kv_lora_rank", "calib_samples", "calib_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name}={value!r} must be a positive integer")
+        if self.rope_dim is not None and (not isinstance(self.rope_dim, int) or self.rope_dim < 0 or self.rope_dim % 2):
+            raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")
+        if self.dtype is not None:
+            dtype_of(self.dtype)  # raises naming the value
+
+
+def load_source(source: str):
+    """(model, tokenizer): 'default' (embedded stories260k), 'smollm2', a local folder (safetensors only), or a Hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..models import load_default, load_smollm2
+
+    if source == "default":
+        return load_default()
+    if source == "smollm2":
+        return load_smollm2()
+    # use_safetensors: a folder holding only pickled .bin weights is refused, never unpickled
+    model = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True).eval()
+    return model, AutoTokenizer.from_pretrained(source)
+
+
+def convert(source: str, out: str | os.PathLike, **options) -> dict:
+    """Convert `source` and write the result to `out`; returns the conversion report (also in the output folder)."""
+    opts = ConvertOptions(**options)
+    out = Path(out)
+    if out.exists() and not opts.overwrite:
+        raise ValueError(f"out={str(out)!r} exists: pass overwrite=True (--overwrite) to replace it")
+    started = time.perf_counter()
+    torch.manual_seed(opts.seed)
+    model, tokenizer = load_source(source)
+    config = model.config
+    arch = architecture_of(config)
+    if arch.replaces_stock:
+        raise ValueError(f"model_type={config.model_type!r} is already MLA: there is nothing to convert")
+    layers = stock_attention_layers(model)
+    d_h = head_dim(config)
+    source_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    report = {"source": str(source), "options": asdict(opts), "model_type": config.model_type}
+
+    if opts.to in ("gqa", "mqa"):
+        if source_kv % opts.kv_heads:
+            raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
+        lifted = {name: mean_pool(arch.split_heads(m), config, opts.kv_heads) for name, m in layers.items()}
+        new = rebuild(model, "gqa", {"num_key_value_heads": opts.kv_heads}, lifted)
+        report["kv_heads"] = {"before": source_kv, "after": opts.kv_heads}
+    else:
+        rope_dim, kv_lora_rank = _mla_sizes(opts, config, source_kv, d_h)
+        calib_text = read_calibration_text(opts.calib_data)
+        windows = calibration_windows(calib_text, tokenizer, opts.calib_samples, opts.calib_len)
+        stats = collect_stats(model, windows)
+        lifted, per_layer_pairs, fields = {}, [], {}
+        for name, module in layers.items():
+            lifted[name], fields = mla_layer(opts.method, arch.split_heads(module), config, stats[name],
+                                             kv_lora_rank, rope_dim)  # fmt: skip
+            per_layer_pairs.append(fields["mla_rope_pairs"])
+        fields["mla_rope_pairs"] = per_layer_pairs if rope_dim else None
+        new = rebuild(model, "mla", fields, lifted)
+        report["mla"] = {"kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": rope_dim,
+                         "qk_nope_head_dim": fields["qk_nope_head_dim"], "rope_pairs_per_layer": per_layer_pairs}  # fmt: skip
+        report["calibration"] = {"data": opts.calib_data or "package corpus (TinyStories sample)",
+                                 "samples": opts.calib_samples, "length": opts.calib_len}  # fmt: skip
+
+    stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
+                                              and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
+    if stock_format:
+        if opts.to == "mla" or config.model_type not in STOCK_GQA_TYPES:
+            raise ValueError(f"format='stock' exists for GQA/MQA of {STOCK_GQA_TYPES} only, not {config.model_type!r}")
+        del new.config.attention_variant  # a plain config: our module's weight names are the stock ones
+    if opts.dtype is not None:
+        new = new.to(dtype_of(opts.dtype))
+    report["format"] = "stock" if stock_format else "native"
+    report["kv_bytes_per_token_fp16"] = {
+        "before": kv_cache_bytes(config, 1),
+        "after": kv_cache_bytes(new.config, 1),
+    }
+    report["kv_ratio"] = report["kv_bytes_per_token_fp16"]["after"] / report["kv_bytes_per_token_fp16"]["before"]
+    report["wall_time_s"] = round(time.perf_counter() - started, 3)
+    report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    _write_atomically(new, tokenizer, report, out)
+    logger.info("converted %s -> %s (%s, %s)", source, out, opts.to, opts.method)
+    return report
+
+
+def _mla_sizes(opts: ConvertOptions, config, source_kv: int, d_h: int) -> tuple[int, int]:
+    """(rope_dim, kv_lora_rank) from the options, checked against the source."""
+    arch = architecture_of(config)
+    max_rope = source_kv * rotary_dim(config) if arch.rotary else 0
+    rope_dim = opts.rope_dim if opts.rope_dim is not None else min(d_h, max_rope)
+    if rope_dim > max_rope:
+        raise ValueError(f"rope_dim={rope_dim} exceeds the source's {max_rope} RoPE dims (KV heads x rotary dims)")
+    if opts.kv_lora_rank is not None:
+        return rope_dim, opts.kv_lora_rank
+    budget = int(round(opts.kv_budget * 2 * source_kv * d_h))  # values per token per layer
+    if budget - rope_dim < 1:
+        raise ValueError(f"kv_budget={opts.kv_budget} gives {budget} values per token: no room beside rope_dim={rope_dim}")
+    return rope_dim, budget - rope_dim
+
+
+def _write_atomically(model, tokenizer, report: dict, out: Path) -> None:
+    """Save into a temporary sibling folder, then rename it to `out`: never a half-written output."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        (staging / "conversion_report.json").write_text(json.dumps(report, indent=2, default=str))
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)

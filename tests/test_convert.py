@@ -1,0 +1,156 @@
+"""hf-attn convert: exactness at full rank, stock GQA export, method ordering, reports, and bad input."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_attn_patch
+from hf_attn_patch.attention import GroupedQueryAttention, MultiHeadLatentAttention
+from hf_attn_patch.converters.convert import convert
+from hf_attn_patch.converters.evaluate import evaluate, windows_of
+from hf_attn_patch.converters.methods import mean_pool
+from hf_attn_patch.models import load_default
+from hf_attn_patch.models.architectures import architecture_of
+from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
+
+from .conftest import tiny_model
+from .test_models import CORPORA
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return load_default()
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def test_mla_at_full_rank_with_every_rope_pair_is_exact(stories, tmp_path):
+    """GQA source, kv_lora_rank = 2*H_kv*d_h (64) and every rotary pair kept (rope_dim = H_kv*d_h = 32): exact."""
+    model, tokenizer = stories
+    report = convert("default", tmp_path / "out", to="mla", kv_lora_rank=64, rope_dim=32, calib_samples=2)
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    layer = converted.model.layers[0].self_attn
+    assert isinstance(layer, MultiHeadLatentAttention) and (layer.kv_lora_rank, layer.qk_rope_head_dim) == (64, 32)
+    ids = tokenizer("Once upon a time, there was a little dog named Max. He liked to run.", return_tensors="pt")
+    torch.testing.assert_close(logits(converted, ids.input_ids), logits(model, ids.input_ids), atol=1e-4, rtol=0)
+    assert report["kv_ratio"] == pytest.approx((64 + 32) / (2 * 4 * 8))
+
+
+def test_gqa_stock_format_loads_without_the_patch(stories, tmp_path):
+    model, tokenizer = stories
+    report = convert("default", tmp_path / "gqa", to="gqa", kv_heads=2)
+    assert report["format"] == "stock" and report["kv_ratio"] == 0.5
+    config = json.loads((tmp_path / "gqa" / "config.json").read_text())
+    assert "attention_variant" not in config and config["num_key_value_heads"] == 2
+    with hf_attn_patch.unpatched():
+        stock = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa").eval()
+    assert type(stock.model.layers[0].self_attn).__name__ == "LlamaAttention"
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa").eval()
+    ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
+    assert torch.equal(logits(stock, ids), logits(ours, ids))
+
+
+def test_gqa_native_format_for_gpt2(tmp_path):
+    source = tiny_model("gpt2")
+    source.save_pretrained(tmp_path / "src")
+    (tmp_path / "src" / "tokenizer.json").write_text((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
+    (tmp_path / "src" / "tokenizer_config.json").write_text((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
+    report = convert(str(tmp_path / "src"), tmp_path / "mqa", to="mqa")
+    assert report["format"] == "native"
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "mqa")
+    attn = converted.transformer.h[0].attn
+    assert isinstance(attn, GroupedQueryAttention) and attn.spec.num_key_value_heads == 1
+
+
+def test_mean_pooling_is_exact_when_grouped_heads_are_equal():
+    model = tiny_model("llama", num_key_value_heads=6)
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():  # make KV heads 2k and 2k+1 equal
+        for proj in (attn.k_proj, attn.v_proj):
+            w = proj.weight.view(6, 8, -1)
+            w[1::2] = w[0::2]
+    weights = architecture_of(model.config).split_heads(attn)
+    pooled = mean_pool(weights, model.config, kv_heads=3)
+    assert torch.equal(pooled["k_proj.weight"], attn.k_proj.weight.view(6, 8, -1)[0::2].reshape(24, -1))
+    with pytest.raises(ValueError, match="kv_heads=4 must divide the source's 6 KV heads"):
+        mean_pool(weights, model.config, kv_heads=4)
+
+
+@pytest.mark.skipif(not CORPORA.exists(), reason="../shared/corpora not present")
+def test_calibrated_beats_the_mha2mla_baseline(stories, tmp_path):
+    model, tokenizer = stories
+    text = (CORPORA / "tinystories_sample.txt").read_text()[-60_000:]  # calibration reads the start of the corpus
+    windows = windows_of(text, tokenizer, ctx=256, max_tokens=1024)
+    ppl = {}
+    for method in ("mha2mla", "calibrated"):
+        convert("default", tmp_path / method, to="mla", kv_budget=0.25, method=method)
+        converted = AutoModelForCausalLM.from_pretrained(tmp_path / method).eval()
+        ppl[method] = evaluate(converted, windows, progress=False).perplexity
+    source = evaluate(model, windows, progress=False).perplexity
+    assert source < ppl["calibrated"] < ppl["mha2mla"]  # measured 5.4 < 105 < 169 (zero-shot, no healing)
+
+
+def test_report_and_source_untouched(tmp_path):
+    digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in DEFAULT_MODEL_DIR.iterdir()}
+    report = convert("default", tmp_path / "out", to="mla", kv_budget=0.5, method="calibrated", calib_samples=4)
+    saved = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
+    assert saved["mla"]["kv_lora_rank"] == 32 - 8 and saved["mla"]["qk_rope_head_dim"] == 8
+    assert saved["kv_bytes_per_token_fp16"] == {"before": 640, "after": 320} == report["kv_bytes_per_token_fp16"]
+    assert saved["calibration"]["samples"] == 4 and saved["wall_time_s"] > 0
+    assert len(saved["mla"]["rope_pairs_per_layer"]) == 5
+    assert digest == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in DEFAULT_MODEL_DIR.iterdir()}
+    assert not list(tmp_path.glob(".*partial*"))  # no staging folder left behind
+
+
+@pytest.mark.parametrize(
+    "options,message",
+    [
+        (dict(to="gqa"), "to='gqa' needs kv_heads"),
+        (dict(to="gqa", kv_heads=3), "kv_heads=3 must divide the source's num_key_value_heads=4"),
+        (dict(to="mqa", kv_heads=2), "kv_heads=2: MQA has exactly one KV head"),
+        (dict(to="mla"), "needs exactly one of kv_lora_rank=None and kv_budget=None"),
+        (dict(to="mla", kv_budget=1.5), "kv_budget=1.5 must be a fraction"),
+        (dict(to="mla", kv_lora_rank=8, rope_dim=40), "rope_dim=40 exceeds the source's 32 RoPE dims"),
+        (dict(to="mla", kv_lora_rank=8, rope_dim=3), "rope_dim=3 must be an even"),
+        (dict(to="mla", kv_lora_rank=500), "kv_lora_rank=500 exceeds the rank"),
+        (dict(to="mla", kv_budget=0.5, method="mean"), "method='mean' is not one of"),
+        (dict(to="mla", kv_budget=0.5, format="stock"), "format='stock' exists for GQA/MQA"),
+        (dict(to="tree"), "to='tree' is not one of"),
+        (dict(to="mla", kv_budget=0.5, calib_samples=1000, calib_len=512), "fewer than calib_samples x calib_len"),
+    ],
+)
+def test_bad_options_are_named(options, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        convert("default", tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_bad_calibration_data_and_existing_output(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n")
+    with pytest.raises(ValueError, match="is empty"):
+        convert("default", tmp_path / "out", to="mla", kv_budget=0.5, calib_data=str(empty))
+    (tmp_path / "exists").mkdir()
+    with pytest.raises(ValueError, match="exists: pass overwrite=True"):
+        convert("default", tmp_path / "exists", to="mqa")
+
+
+def test_convert_cli(tmp_path):
+    out = tmp_path / "cli"
+    cmd = [sys.executable, "-m", "hf_attn_patch.cli", "convert", "default", str(out), "--to", "mla",
+           "--kv-budget", "0.5", "--calib-samples", "2"]  # fmt: skip
+    result = subprocess.run(cmd, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert (out / "model.safetensors").exists() and '"kv_ratio": 0.5' in result.stdout
+    again = subprocess.run(cmd, capture_output=True, text=True)
+    assert again.returncode != 0 and "--overwrite" in again.stderr
