@@ -39,7 +39,7 @@ class ConvertOptions:
     to: str
     kv_heads: int | None = None  # gqa: KV heads after conversion (mqa: 1)
     kv_lora_rank: int | None = None  # mla: latent dims d_c
-    rope_dim: int | None = None  # mla: dims of the shared RoPE key d_r (default: one source head's d_h, 0 without RoPE)
+    rope_dim: int | None = None  # mla: shared RoPE key dims d_r (default: one head's d_h, at most 1/3 of kv_budget)
     kv_budget: float | None = None  # mla: fraction of the source's KV values per token (instead of kv_lora_rank)
     method: str | None = None  # gqa: mean; mla: calibrated (default) or mha2mla
     calib_data: str | None = None  # text file or folder of .txt files; default: the corpus shipped with the package
@@ -163,12 +163,13 @@ def _mla_sizes(opts: ConvertOptions, config, source_kv: int, d_h: int) -> tuple[
     """(rope_dim, kv_lora_rank) from the options, checked against the source."""
     arch = architecture_of(config)
     max_rope = source_kv * rotary_dim(config) if arch.rotary else 0
-    rope_dim = opts.rope_dim if opts.rope_dim is not None else min(d_h, max_rope)
+    budget = None if opts.kv_budget is None else int(round(opts.kv_budget * 2 * source_kv * d_h))  # values/token
+    default_rope = min(d_h, max_rope) if budget is None else min(d_h, max_rope, 2 * (budget // 6))  # <= 1/3 of it
+    rope_dim = opts.rope_dim if opts.rope_dim is not None else default_rope
     if rope_dim > max_rope:
         raise ValueError(f"rope_dim={rope_dim} exceeds the source's {max_rope} RoPE dims (KV heads x rotary dims)")
     if opts.kv_lora_rank is not None:
         return rope_dim, opts.kv_lora_rank
-    budget = int(round(opts.kv_budget * 2 * source_kv * d_h))  # values per token per layer
     if budget - rope_dim < 1:
         raise ValueError(f"kv_budget={opts.kv_budget} gives {budget} values per token: no room beside rope_dim={rope_dim}")
     return rope_dim, budget - rope_dim

@@ -134,6 +134,32 @@ def cmd_demo(args) -> None:
     if not same:
         raise SystemExit(1)
     _demo_paged_cache(model, tokenizer, args.max_new_tokens)
+    _demo_conversion()
+
+
+def _demo_conversion() -> None:
+    """Convert the embedded model to MLA at half its KV bytes (zero-shot) and show the saving and its cost."""
+    import tempfile
+    from pathlib import Path
+
+    from transformers import AutoModelForCausalLM
+
+    from .converters.calibration import DEFAULT_CORPUS, read_calibration_text
+    from .converters.convert import convert
+    from .converters.evaluate import evaluate, windows_of
+    from .models import load_default
+
+    source, tokenizer = load_default()
+    held_out = windows_of(read_calibration_text(DEFAULT_CORPUS)[-60_000:], tokenizer, ctx=256, max_tokens=1024)
+    print("\n== hf-attn convert default OUT --to mla --kv-budget 0.5 (zero-shot: no healing)")
+    with tempfile.TemporaryDirectory() as tmp:
+        report = convert("default", Path(tmp) / "mla", to="mla", kv_budget=0.5)
+        converted = AutoModelForCausalLM.from_pretrained(Path(tmp) / "mla").eval()
+    kv = report["kv_bytes_per_token_fp16"]
+    before, after = evaluate(source, held_out, progress=False), evaluate(converted, held_out, source, progress=False)
+    print(f"   KV bytes per token (fp16, all layers): {kv['before']} -> {kv['after']} ({report['kv_ratio']:.0%})")
+    print(f"   perplexity on held-out TinyStories: {before.perplexity:.2f} -> {after.perplexity:.2f} "
+          f"(KL {after.kl_to_reference:.2f}); healing by distillation is what recovers it (not built yet)")  # fmt: skip
 
 
 def _demo_paged_cache(model, tokenizer, max_new_tokens: int) -> None:
@@ -182,7 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--to", required=True, choices=["gqa", "mqa", "mla"])
     cv.add_argument("--kv-heads", type=_positive_int, help="gqa: KV heads after conversion")
     cv.add_argument("--kv-lora-rank", type=_positive_int, help="mla: latent dims")
-    cv.add_argument("--rope-dim", type=int, help="mla: dims of the shared RoPE key (even; default: one head's d_h)")
+    cv.add_argument("--rope-dim", type=int, help="mla: dims of the shared RoPE key (even; default: one head's d_h, at most a third of --kv-budget)")
     cv.add_argument("--kv-budget", type=float, help="mla: fraction of the source's KV bytes (instead of --kv-lora-rank)")
     cv.add_argument("--method", help="gqa/mqa: mean; mla: calibrated (default) or mha2mla")
     cv.add_argument("--calib-data", help="text file or folder of .txt files (default: the package's corpus)")

@@ -97,7 +97,7 @@ def test_calibrated_beats_the_mha2mla_baseline(stories, tmp_path):
         converted = AutoModelForCausalLM.from_pretrained(tmp_path / method).eval()
         ppl[method] = evaluate(converted, windows, progress=False).perplexity
     source = evaluate(model, windows, progress=False).perplexity
-    assert source < ppl["calibrated"] < ppl["mha2mla"]  # measured 5.4 < 105 < 169 (zero-shot, no healing)
+    assert source < ppl["calibrated"] < ppl["mha2mla"]  # measured 5.4 < 145 < 169 (zero-shot, no healing)
 
 
 def test_report_and_source_untouched(tmp_path):

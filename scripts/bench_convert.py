@@ -1,0 +1,116 @@
+"""Zero-shot conversion quality: our methods vs the baselines, same run, same calibration, same evaluation.
+
+    .venv/bin/python scripts/bench_convert.py [--quick] [--out bench_convert.png]
+
+For each model and target: perplexity and mean KL(source || converted) per token on held-out text, KV bytes per
+token (fp16, all layers), conversion wall time and the process's peak RSS so far. Calibration: the package corpus
+(TinyStories sample, first 16 x 256 tokens) for both models. Evaluation: stories260k on the last 60,000 characters
+of the TinyStories sample (never calibrated on); SmolLM2-135M on the first 200,000 characters of WikiText-2 test,
+4 windows of 512 tokens. No healing here (the heal step is not built yet). Writes a PNG of perplexity vs KV bytes.
+--quick: stories260k only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+import hf_attn_patch  # noqa: F401
+from hf_attn_patch.converters.convert import convert, load_source
+from hf_attn_patch.converters.evaluate import evaluate, windows_of
+from hf_attn_patch.kv_memory import kv_cache_bytes
+
+CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"
+
+TARGETS = {
+    "default": [
+        ("GQA 4->2", dict(to="gqa", kv_heads=2, method="mean")),
+        ("MQA 4->1", dict(to="mqa", method="mean")),
+        ("MLA 50%", dict(to="mla", kv_budget=0.5, method="mha2mla")),
+        ("MLA 50%", dict(to="mla", kv_budget=0.5, method="calibrated")),
+        ("MLA 25%", dict(to="mla", kv_budget=0.25, method="mha2mla")),
+        ("MLA 25%", dict(to="mla", kv_budget=0.25, method="calibrated")),
+    ],
+    "smollm2": [
+        ("MQA 3->1", dict(to="mqa", method="mean")),
+        ("MLA 50%", dict(to="mla", kv_budget=0.5, method="mha2mla")),
+        ("MLA 50%", dict(to="mla", kv_budget=0.5, method="calibrated")),
+        ("MLA 25%", dict(to="mla", kv_budget=0.25, method="mha2mla")),
+        ("MLA 25%", dict(to="mla", kv_budget=0.25, method="calibrated")),
+        ("MLA 12.5%", dict(to="mla", kv_budget=0.125, method="mha2mla")),
+        ("MLA 12.5%", dict(to="mla", kv_budget=0.125, method="calibrated")),
+    ],
+}
+
+
+def eval_windows(name: str, tokenizer) -> torch.Tensor:
+    if name == "default":
+        text = (CORPORA / "tinystories_sample.txt").read_text()[-60_000:]
+        return windows_of(text, tokenizer, ctx=256, max_tokens=2048)
+    text = (CORPORA / "wikitext2_test.txt").read_text()[:200_000]
+    return windows_of(text, tokenizer, ctx=512, max_tokens=4 * 512)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(Path(__file__).with_suffix(".png")), help="PNG of perplexity vs KV bytes")
+    args = parser.parse_args()
+    torch.set_num_threads(2)
+    rows = []
+    for name in ["default"] if args.quick else ["default", "smollm2"]:
+        source, tokenizer = load_source(name)
+        windows = eval_windows(name, tokenizer)
+        base = evaluate(source, windows, progress=False)
+        base_bytes = kv_cache_bytes(source.config, 1)
+        label = "stories260k" if name == "default" else "SmolLM2-135M"
+        rows.append((label, "source", "-", base_bytes, base.perplexity, 0.0, 0.0))
+        print(f"{label}: source perplexity {base.perplexity:.2f}, {base_bytes} KV bytes/token (fp16)", flush=True)
+        for target, options in TARGETS[name]:
+            with tempfile.TemporaryDirectory() as tmp:
+                start = time.perf_counter()
+                report = convert(name, Path(tmp) / "out", **options)
+                seconds = time.perf_counter() - start
+                converted = AutoModelForCausalLM.from_pretrained(Path(tmp) / "out").eval()
+            result = evaluate(converted, windows, reference=source, progress=False)
+            after = report["kv_bytes_per_token_fp16"]["after"]
+            rows.append((label, target, options["method"], after, result.perplexity, result.kl_to_reference, seconds))
+            print(f"  {target:<10} {options['method']:<11} {after:>6} B  ppl {result.perplexity:>10.2f}  "
+                  f"KL {result.kl_to_reference:6.3f}  {seconds:5.1f} s  peak RSS {report['peak_rss_mb']} MB",
+                  flush=True)  # fmt: skip
+    print("\n| model | target | method | KV B/token | perplexity | KL to source | convert s |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for label, target, method, kv, ppl, kl, seconds in rows:
+        print(f"| {label} | {target} | {method} | {kv} | {ppl:.2f} | {kl:.3f} | {seconds:.1f} |")
+    _plot(rows, args.out)
+
+
+def _plot(rows, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r[0] for r in rows})
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for method, marker in (("source", "*"), ("mean", "s"), ("mha2mla", "o"), ("calibrated", "^")):
+            pts = [(r[3], r[4]) for r in rows if r[0] == model and (r[2] == method or r[1] == method)]
+            if pts:
+                ax.plot(*zip(*sorted(pts)), marker=marker, linestyle="-" if len(pts) > 1 else "", label=method)
+        ax.set(xlabel="KV cache bytes per token (fp16, all layers)", ylabel="perplexity (zero-shot)", title=model)
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"\nplot: {path}")
+
+
+if __name__ == "__main__":
+    main()
