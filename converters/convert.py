@@ -1,7 +1,8 @@
-"""`convert()`: a checkpoint in, a GQA / MQA / MLA checkpoint out (zero-shot: no healing yet).
+"""`convert()`: a checkpoint in, a GQA / MQA / MLA checkpoint out, optionally healed by distillation.
 
 Steps: validate every option (before any weight loads) -> load the source (never modified) -> calibrate when the
-method needs activations -> re-express each attention layer -> write to a temporary folder, rename when complete.
+method needs activations -> re-express each attention layer -> heal (optional) -> write to a temporary folder,
+rename when complete.
 The output holds safetensors weights, the tokenizer, the generation config and conversion_report.json.
 """
 
@@ -45,6 +46,10 @@ class ConvertOptions:
     calib_data: str | None = None  # text file or folder of .txt files; default: the corpus shipped with the package
     calib_samples: int = 16
     calib_len: int = 256
+    heal_steps: int = 0  # distillation steps from the source after conversion (0: zero-shot)
+    heal_lr: float = 1e-4
+    heal_batch_size: int = 4  # windows of calib_len tokens per step, cut from the calibration text
+    heal_train: str = "attention"  # attention: only the converted layers; all: every weight
     format: str = "auto"  # native: our config fields; stock: plain transformers config (llama-family GQA only)
     dtype: str | None = None  # of the saved weights; default: the source's
     seed: int = 0
@@ -72,7 +77,13 @@ class ConvertOptions:
                 )
             if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
                 raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
-        for name in ("kv_heads", "kv_lora_rank", "calib_samples", "calib_len"):
+        if not isinstance(self.heal_steps, int) or self.heal_steps < 0:
+            raise ValueError(f"heal_steps={self.heal_steps!r} must be a non-negative integer")
+        if self.heal_train not in ("attention", "all"):
+            raise ValueError(f"heal_train={self.heal_train!r} is not one of ('attention', 'all')")
+        if not self.heal_lr > 0:
+            raise ValueError(f"heal_lr={self.heal_lr!r} must be positive")
+        for name in ("kv_heads", "kv_lora_rank", "calib_samples", "calib_len", "heal_batch_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -138,6 +149,9 @@ def convert(source: str, out: str | os.PathLike, **options) -> dict:
         report["calibration"] = {"data": opts.calib_data or "package corpus (TinyStories sample)",
                                  "samples": opts.calib_samples, "length": opts.calib_len}  # fmt: skip
 
+    if opts.heal_steps:
+        report["heal"] = _heal(new, model, tokenizer, opts)
+
     stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
                                               and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
     if stock_format:
@@ -157,6 +171,20 @@ def convert(source: str, out: str | os.PathLike, **options) -> dict:
     _write_atomically(new, tokenizer, report, out)
     logger.info("converted %s -> %s (%s, %s)", source, out, opts.to, opts.method)
     return report
+
+
+def _heal(student, teacher, tokenizer, opts: ConvertOptions) -> dict:
+    """Distill the source into the converted model on windows of the calibration text; a summary for the report."""
+    from .heal import heal
+
+    text = read_calibration_text(opts.calib_data)
+    tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
+    windows = calibration_windows(text, tokenizer, tokens // opts.calib_len, opts.calib_len)
+    result = heal(student, teacher, windows, steps=opts.heal_steps, lr=opts.heal_lr,
+                  batch_size=opts.heal_batch_size, train=opts.heal_train)  # fmt: skip
+    return {"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 2),
+            "first_loss": result.losses[0], "last_loss": result.losses[-1], "train": opts.heal_train,
+            "lr": opts.heal_lr, "windows": len(windows)}  # fmt: skip
 
 
 def _mla_sizes(opts: ConvertOptions, config, source_kv: int, d_h: int) -> tuple[int, int]:

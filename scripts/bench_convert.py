@@ -6,8 +6,10 @@ For each model and target: perplexity and mean KL(source || converted) per token
 token (fp16, all layers), conversion wall time and the process's peak RSS so far. Calibration: the package corpus
 (TinyStories sample, first 16 x 256 tokens) for both models. Evaluation: stories260k on the last 60,000 characters
 of the TinyStories sample (never calibrated on); SmolLM2-135M on the first 200,000 characters of WikiText-2 test,
-4 windows of 512 tokens. No healing here (the heal step is not built yet). Writes a PNG of perplexity vs KV bytes.
---quick: stories260k only.
+4 windows of 512 tokens. Then the same fixed healing budget for every target of a model (KL distillation from the
+source on the calibration text, attention weights only): stories260k 100 steps of 4 x 256 tokens, lr 1e-3;
+SmolLM2-135M 20 steps of 2 x 256 tokens, lr 1e-4, for the MLA 50% targets only (2 cores: about a minute each).
+Writes a PNG of perplexity vs KV bytes. --quick: stories260k only.
 """
 
 from __future__ import annotations
@@ -21,8 +23,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
+from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.converters.convert import convert, load_source
 from hf_attn_patch.converters.evaluate import evaluate, windows_of
+from hf_attn_patch.converters.heal import heal
 from hf_attn_patch.kv_memory import kv_cache_bytes
 
 CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"
@@ -48,6 +52,12 @@ TARGETS = {
 }
 
 
+HEALING = {  # model -> (steps, batch, lr, which targets)
+    "default": (100, 4, 1e-3, lambda target: True),
+    "smollm2": (20, 2, 1e-4, lambda target: target == "MLA 50%"),
+}
+
+
 def eval_windows(name: str, tokenizer) -> torch.Tensor:
     if name == "default":
         text = (CORPORA / "tinystories_sample.txt").read_text()[-60_000:]
@@ -66,10 +76,12 @@ def main() -> None:
     for name in ["default"] if args.quick else ["default", "smollm2"]:
         source, tokenizer = load_source(name)
         windows = eval_windows(name, tokenizer)
+        heal_steps, heal_batch, heal_lr, heals = HEALING[name]
+        heal_windows = calibration_windows(read_calibration_text(None)[:120_000], tokenizer, 64, 256)
         base = evaluate(source, windows, progress=False)
         base_bytes = kv_cache_bytes(source.config, 1)
         label = "stories260k" if name == "default" else "SmolLM2-135M"
-        rows.append((label, "source", "-", base_bytes, base.perplexity, 0.0, 0.0))
+        rows.append((label, "source", "-", base_bytes, base.perplexity, 0.0, 0.0, None))
         print(f"{label}: source perplexity {base.perplexity:.2f}, {base_bytes} KV bytes/token (fp16)", flush=True)
         for target, options in TARGETS[name]:
             with tempfile.TemporaryDirectory() as tmp:
@@ -78,15 +90,22 @@ def main() -> None:
                 seconds = time.perf_counter() - start
                 converted = AutoModelForCausalLM.from_pretrained(Path(tmp) / "out").eval()
             result = evaluate(converted, windows, reference=source, progress=False)
+            healed = None
+            if heals(target):
+                heal(converted, source, heal_windows, steps=heal_steps, lr=heal_lr, batch_size=heal_batch,
+                     progress=False)  # fmt: skip
+                healed = evaluate(converted, windows, progress=False).perplexity
             after = report["kv_bytes_per_token_fp16"]["after"]
-            rows.append((label, target, options["method"], after, result.perplexity, result.kl_to_reference, seconds))
+            rows.append((label, target, options["method"], after, result.perplexity, result.kl_to_reference, seconds,
+                         healed))  # fmt: skip
             print(f"  {target:<10} {options['method']:<11} {after:>6} B  ppl {result.perplexity:>10.2f}  "
-                  f"KL {result.kl_to_reference:6.3f}  {seconds:5.1f} s  peak RSS {report['peak_rss_mb']} MB",
-                  flush=True)  # fmt: skip
-    print("\n| model | target | method | KV B/token | perplexity | KL to source | convert s |")
-    print("|---|---|---|---:|---:|---:|---:|")
-    for label, target, method, kv, ppl, kl, seconds in rows:
-        print(f"| {label} | {target} | {method} | {kv} | {ppl:.2f} | {kl:.3f} | {seconds:.1f} |")
+                  f"KL {result.kl_to_reference:6.3f}  {seconds:5.1f} s  healed ppl {healed or float('nan'):>9.2f}  "
+                  f"peak RSS {report['peak_rss_mb']} MB", flush=True)  # fmt: skip
+    print("\n| model | target | method | KV B/token | perplexity | KL to source | convert s | healed perplexity |")
+    print("|---|---|---|---:|---:|---:|---:|---:|")
+    for label, target, method, kv, ppl, kl, seconds, healed in rows:
+        healed_text = "-" if healed is None else f"{healed:.2f}"
+        print(f"| {label} | {target} | {method} | {kv} | {ppl:.2f} | {kl:.3f} | {seconds:.1f} | {healed_text} |")
     _plot(rows, args.out)
 
 
@@ -100,10 +119,14 @@ def _plot(rows, path: str) -> None:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
         for method, marker in (("source", "*"), ("mean", "s"), ("mha2mla", "o"), ("calibrated", "^")):
-            pts = [(r[3], r[4]) for r in rows if r[0] == model and (r[2] == method or r[1] == method)]
+            mine = [r for r in rows if r[0] == model and (r[2] == method or r[1] == method)]
+            pts = [(r[3], r[4]) for r in mine]
             if pts:
                 ax.plot(*zip(*sorted(pts)), marker=marker, linestyle="-" if len(pts) > 1 else "", label=method)
-        ax.set(xlabel="KV cache bytes per token (fp16, all layers)", ylabel="perplexity (zero-shot)", title=model)
+            healed = [(r[3], r[7]) for r in mine if r[7] is not None]
+            if healed:
+                ax.plot(*zip(*sorted(healed)), marker=marker, linestyle=":", label=f"{method}, healed")
+        ax.set(xlabel="KV cache bytes per token (fp16, all layers)", ylabel="perplexity (zero-shot, and healed: dotted)", title=model)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()

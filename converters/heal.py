@@ -1,0 +1,112 @@
+"""Healing: distill the source model into the converted one (the user's "uptrain"), through accelerate.
+
+loss = KL(teacher || student) per token (+ lm_weight * next-token cross-entropy), averaged over the batch. accelerate
+places the models and handles mixed precision and data parallelism, so the same loop runs on one CPU or, started
+with `accelerate launch`, on many GPUs (FSDP / DeepSpeed through accelerate's own config file).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ..attention import GroupedQueryAttention, MultiHeadLatentAttention
+
+logger = logging.getLogger(__name__)
+
+TRAINABLE = ("attention", "all")
+
+
+@dataclass
+class HealResult:
+    steps: int
+    tokens: int
+    seconds: float
+    losses: list[float] = field(default_factory=list)
+
+
+def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-4, batch_size: int = 1,
+         train: str = "attention", lm_weight: float = 0.0, gradient_checkpointing: bool = False,
+         checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool = False,
+         progress: bool = True) -> HealResult:  # fmt: skip
+    """Train `student` in place for `steps` optimizer steps on token windows [n, L]; `teacher` stays frozen.
+
+    train="attention" updates only the converted attention layers; "all" updates every weight.
+    With checkpoint_dir, the optimizer/model state is saved every `checkpoint_every` steps; resume=True continues
+    from the last one saved there.
+    """
+    from accelerate import Accelerator
+
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be a positive integer")
+    if train not in TRAINABLE:
+        raise ValueError(f"train={train!r} is not one of {TRAINABLE}")
+    if not lr > 0:
+        raise ValueError(f"lr={lr!r} must be positive")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir")
+    use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=not torch.cuda.is_available())
+    params = _trainable(student, train)
+    if not params:
+        raise ValueError("the student has no converted attention layers to train (train='attention')")
+    for p in student.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    if gradient_checkpointing:
+        student.gradient_checkpointing_enable()
+    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    student, optimizer = accelerator.prepare(student, optimizer)
+    teacher = teacher.to(accelerator.device).eval()
+    start_step = 0
+    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if resume and (ckpt / "step.txt").exists():
+        accelerator.load_state(str(ckpt))
+        start_step = int((ckpt / "step.txt").read_text())
+    student.train()
+    result = HealResult(steps=0, tokens=0, seconds=0.0)
+    started = time.perf_counter()
+    bar = tqdm(range(start_step, steps), desc="heal", disable=not progress or not accelerator.is_main_process)
+    for step in bar:
+        rows = torch.arange(step * batch_size, (step + 1) * batch_size) % len(windows)
+        ids = windows[rows].to(accelerator.device)
+        with torch.no_grad():
+            target = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
+        with accelerator.autocast():
+            logits = student(ids).logits[:, :-1].float()
+        log_q = torch.log_softmax(logits, dim=-1)
+        loss = (target.exp() * (target - log_q)).sum(-1).mean()
+        if lm_weight:
+            loss = loss + lm_weight * torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        result.losses.append(loss.item())
+        result.tokens += ids.numel()
+        result.steps = step + 1
+        bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{result.tokens / (time.perf_counter() - started):.0f}")
+        if ckpt is not None and checkpoint_every and result.steps % checkpoint_every == 0:
+            accelerator.save_state(str(ckpt))
+            (ckpt / "step.txt").write_text(str(result.steps))
+    student.eval()
+    if gradient_checkpointing:
+        student.gradient_checkpointing_disable()
+    for p in student.parameters():
+        p.requires_grad_(True)
+    result.seconds = time.perf_counter() - started
+    logger.info("healed %d steps, %d tokens, %.1f s, last loss %.4f", result.steps, result.tokens, result.seconds,
+                result.losses[-1] if result.losses else float("nan"))  # fmt: skip
+    return result
+
+
+def _trainable(model, train: str) -> list[torch.nn.Parameter]:
+    if train == "all":
+        return list(model.parameters())
+    layers = [m for m in model.modules() if isinstance(m, (GroupedQueryAttention, MultiHeadLatentAttention))]
+    return [p for layer in layers for p in layer.parameters()]
