@@ -16,6 +16,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..attention import GroupedQueryAttention, MultiHeadLatentAttention
+from ..models.architectures import architecture_of
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +55,7 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=not torch.cuda.is_available())
     params = _trainable(student, train)
     if not params:
-        raise ValueError("the student has no converted attention layers to train (train='attention')")
+        raise ValueError("the student has no attention layers to train (train='attention')")
     for p in student.parameters():
         p.requires_grad_(False)
     for p in params:
@@ -106,7 +107,10 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
 
 
 def _trainable(model, train: str) -> list[torch.nn.Parameter]:
+    """Every weight, or those of the attention layers: ours, or the stock class of a stock-format GQA export."""
     if train == "all":
         return list(model.parameters())
-    layers = [m for m in model.modules() if isinstance(m, (GroupedQueryAttention, MultiHeadLatentAttention))]
+    stock_name = architecture_of(model.config).attention_class
+    layers = [m for m in model.modules()
+              if isinstance(m, (GroupedQueryAttention, MultiHeadLatentAttention)) or type(m).__name__ == stock_name]
     return [p for layer in layers for p in layer.parameters()]

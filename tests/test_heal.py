@@ -66,3 +66,14 @@ def test_convert_with_healing_reports_it(tmp_path):
     report = convert("default", tmp_path / "healed", to="mla", kv_budget=0.5, heal_steps=8, heal_lr=1e-3)
     assert report["heal"]["steps"] == 8 and report["heal"]["last_loss"] < report["heal"]["first_loss"]
     assert (tmp_path / "healed" / "model.safetensors").exists()
+
+
+def test_stock_format_gqa_heals_its_attention(tmp_path):
+    source, tokenizer = load_default()
+    convert("default", tmp_path / "gqa", to="gqa", kv_heads=2)
+    student = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa")
+    assert type(student.model.layers[0].self_attn).__name__ == "LlamaAttention"  # a stock config
+    before = student.model.layers[0].self_attn.k_proj.weight.clone()
+    windows = calibration_windows(read_calibration_text(None)[:20_000], tokenizer, 4, 64)
+    heal(student, source, windows, steps=2, lr=1e-3, progress=False)
+    assert not torch.equal(student.model.layers[0].self_attn.k_proj.weight, before)
