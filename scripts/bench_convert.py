@@ -15,6 +15,7 @@ Writes a PNG of perplexity vs KV bytes. --quick: stories260k only.
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -70,7 +71,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".png")), help="PNG of perplexity vs KV bytes")
+    parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the rows saved next to it")
     args = parser.parse_args()
+    rows_file = Path(args.out).with_suffix(".json")
+    if args.plot_only:
+        _plot([tuple(r) for r in json.loads(rows_file.read_text())], args.out)
+        return
     torch.set_num_threads(2)
     rows = []
     for name in ["default"] if args.quick else ["default", "smollm2"]:
@@ -106,6 +112,7 @@ def main() -> None:
     for label, target, method, kv, ppl, kl, seconds, healed in rows:
         healed_text = "-" if healed is None else f"{healed:.2f}"
         print(f"| {label} | {target} | {method} | {kv} | {ppl:.2f} | {kl:.3f} | {seconds:.1f} | {healed_text} |")
+    rows_file.write_text(json.dumps(rows, indent=1))
     _plot(rows, args.out)
 
 
@@ -118,14 +125,18 @@ def _plot(rows, path: str) -> None:
     models = sorted({r[0] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
-        for method, marker in (("source", "*"), ("mean", "s"), ("mha2mla", "o"), ("calibrated", "^")):
+        styles = (("source", "*", "black"), ("mean", "s", "tab:orange"), ("mha2mla", "o", "tab:green"),
+                  ("calibrated", "^", "tab:red"))  # fmt: skip
+        for method, marker, color in styles:
             mine = [r for r in rows if r[0] == model and (r[2] == method or r[1] == method)]
             pts = [(r[3], r[4]) for r in mine]
             if pts:
-                ax.plot(*zip(*sorted(pts)), marker=marker, linestyle="-" if len(pts) > 1 else "", label=method)
+                ax.plot(*zip(*sorted(pts)), marker=marker, color=color, linestyle="-" if len(pts) > 1 else "",
+                        label=method)  # fmt: skip
             healed = [(r[3], r[7]) for r in mine if r[7] is not None]
             if healed:
-                ax.plot(*zip(*sorted(healed)), marker=marker, linestyle=":", label=f"{method}, healed")
+                ax.plot(*zip(*sorted(healed)), marker=marker, color=color, linestyle=":", fillstyle="none",
+                        label=f"{method}, healed")  # fmt: skip
         ax.set(xlabel="KV cache bytes per token (fp16, all layers)", ylabel="perplexity (zero-shot, and healed: dotted)", title=model)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
