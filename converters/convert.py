@@ -103,8 +103,12 @@ def load_source(source: str):
         return load_default()
     if source == "smollm2":
         return load_smollm2()
-    # use_safetensors: a folder holding only pickled .bin weights is refused, never unpickled
-    model = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True).eval()
+    if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
+        raise ValueError(f"{source!r} is not a model folder: it has no config.json")
+    try:  # use_safetensors: a folder holding only pickled .bin weights is refused, never unpickled
+        model = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True).eval()
+    except OSError as err:
+        raise ValueError(f"{source!r} is not a model folder, 'default', 'smollm2' or a reachable Hub id ({err})") from err
     return model, AutoTokenizer.from_pretrained(source)
 
 

