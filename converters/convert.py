@@ -3,7 +3,7 @@
 Steps: validate every option (before any weight loads) -> load the source (never modified) -> calibrate when the
 method needs activations -> re-express each attention layer -> heal (optional) -> write to a temporary folder,
 rename when complete.
-The output holds safetensors weights, the tokenizer, the generation config and conversion_report.json.
+The output holds safetensors weights, the tokenizer, the generation config, conversion_report.json and a model card.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from ..kv_memory import dtype_of, kv_cache_bytes
 from ..models.architectures import architecture_of, head_dim, rotary_dim
 from .calibration import calibration_windows, collect_stats, read_calibration_text
 from .exact import rebuild, stock_attention_layers
+from .hub import model_card
 from .methods import GQA_METHODS, MLA_METHODS, mean_pool, mla_layer
 
 logger = logging.getLogger(__name__)
@@ -215,6 +216,7 @@ def _write_atomically(model, tokenizer, report: dict, out: Path) -> None:
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2, default=str))
+        (staging / "README.md").write_text(model_card(report))
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)

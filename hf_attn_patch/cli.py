@@ -32,6 +32,18 @@ def _load_config(source: str):
         raise SystemExit(f"error: MODEL_OR_CONFIG={source!r} is neither a local model/config nor a reachable Hub id ({err})")
 
 
+def cmd_push(args) -> None:
+    import json
+
+    from .converters.hub import push
+
+    try:
+        result = push(args.folder, args.repo, private=args.private, dry_run=args.dry_run)
+    except ValueError as err:
+        raise SystemExit(f"error: {err}")
+    print(json.dumps(result, indent=2))
+
+
 def cmd_eval(args) -> None:
     import json
 
@@ -204,6 +216,13 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--seed", type=int)
     cv.add_argument("--overwrite", action="store_true", default=None)
     cv.set_defaults(func=cmd_convert)
+
+    ps = sub.add_parser("push", help="upload a converted folder to the Hub (create_repo + upload_folder)")
+    ps.add_argument("folder", metavar="OUT")
+    ps.add_argument("repo", metavar="REPO", help="owner/name")
+    ps.add_argument("--private", action="store_true")
+    ps.add_argument("--dry-run", action="store_true", help="list what would be uploaded; upload nothing")
+    ps.set_defaults(func=cmd_push)
 
     ev = sub.add_parser("eval", help="perplexity on a text, and mean KL per token against a reference model (JSON)")
     ev.add_argument("model", metavar="MODEL", help="model folder, 'default', 'smollm2' or a Hub id")
