@@ -25,7 +25,7 @@ from ..models.architectures import architecture_of, head_dim, rotary_dim
 from .calibration import calibration_windows, collect_stats, read_calibration_text
 from .exact import rebuild, stock_attention_layers
 from .hub import model_card
-from .methods import GQA_METHODS, MLA_METHODS, mean_pool, mla_layer
+from .methods import GQA_METHODS, MLA_METHODS, aligned_pool, mean_pool, mla_layer
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class ConvertOptions:
     kv_lora_rank: int | None = None  # mla: latent dims d_c
     rope_dim: int | None = None  # mla: shared RoPE key dims d_r (default: one head's d_h, at most 1/3 of kv_budget)
     kv_budget: float | None = None  # mla: fraction of the source's KV values per token (instead of kv_lora_rank)
-    method: str | None = None  # gqa: mean; mla: calibrated (default) or mha2mla
+    method: str | None = None  # gqa: mean (default) or aligned; mla: calibrated (default) or mha2mla
     calib_data: str | None = None  # text file or folder of .txt files; default: the corpus shipped with the package
     calib_samples: int = 16
     calib_len: int = 256
@@ -134,14 +134,17 @@ def convert(source: str, out: str | os.PathLike, **options) -> dict:
     if opts.to in ("gqa", "mqa"):
         if source_kv % opts.kv_heads:
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
-        lifted = {name: mean_pool(arch.split_heads(m), config, opts.kv_heads) for name, m in layers.items()}
+        if opts.method == "aligned":
+            stats = _calibrate(model, tokenizer, opts, report)
+            lifted = {name: aligned_pool(arch.split_heads(m), config, opts.kv_heads, stats[name])
+                      for name, m in layers.items()}  # fmt: skip
+        else:
+            lifted = {name: mean_pool(arch.split_heads(m), config, opts.kv_heads) for name, m in layers.items()}
         new = rebuild(model, "gqa", {"num_key_value_heads": opts.kv_heads}, lifted)
         report["kv_heads"] = {"before": source_kv, "after": opts.kv_heads}
     else:
         rope_dim, kv_lora_rank = _mla_sizes(opts, config, source_kv, d_h)
-        calib_text = read_calibration_text(opts.calib_data)
-        windows = calibration_windows(calib_text, tokenizer, opts.calib_samples, opts.calib_len)
-        stats = collect_stats(model, windows)
+        stats = _calibrate(model, tokenizer, opts, report)
         lifted, per_layer_pairs, fields = {}, [], {}
         for name, module in layers.items():
             lifted[name], fields = mla_layer(opts.method, arch.split_heads(module), config, stats[name],
@@ -151,8 +154,6 @@ def convert(source: str, out: str | os.PathLike, **options) -> dict:
         new = rebuild(model, "mla", fields, lifted)
         report["mla"] = {"kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": rope_dim,
                          "qk_nope_head_dim": fields["qk_nope_head_dim"], "rope_pairs_per_layer": per_layer_pairs}  # fmt: skip
-        report["calibration"] = {"data": opts.calib_data or "package corpus (TinyStories sample)",
-                                 "samples": opts.calib_samples, "length": opts.calib_len}  # fmt: skip
 
     if opts.heal_steps:
         report["heal"] = _heal(new, model, tokenizer, opts)
@@ -176,6 +177,14 @@ def convert(source: str, out: str | os.PathLike, **options) -> dict:
     _write_atomically(new, tokenizer, report, out)
     logger.info("converted %s -> %s (%s, %s)", source, out, opts.to, opts.method)
     return report
+
+
+def _calibrate(model, tokenizer, opts: ConvertOptions, report: dict) -> dict:
+    """Activation statistics of every attention layer on the calibration text (recorded in the report)."""
+    windows = calibration_windows(read_calibration_text(opts.calib_data), tokenizer, opts.calib_samples, opts.calib_len)
+    report["calibration"] = {"data": opts.calib_data or "package corpus (TinyStories sample)",
+                             "samples": opts.calib_samples, "length": opts.calib_len}  # fmt: skip
+    return collect_stats(model, windows)
 
 
 def _heal(student, teacher, tokenizer, opts: ConvertOptions) -> dict:

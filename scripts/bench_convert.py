@@ -35,7 +35,9 @@ CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"
 TARGETS = {
     "default": [
         ("GQA 4->2", dict(to="gqa", kv_heads=2, method="mean")),
+        ("GQA 4->2", dict(to="gqa", kv_heads=2, method="aligned")),
         ("MQA 4->1", dict(to="mqa", method="mean")),
+        ("MQA 4->1", dict(to="mqa", method="aligned")),
         ("MLA 50%", dict(to="mla", kv_budget=0.5, method="mha2mla")),
         ("MLA 50%", dict(to="mla", kv_budget=0.5, method="calibrated")),
         ("MLA 25%", dict(to="mla", kv_budget=0.25, method="mha2mla")),
@@ -43,6 +45,7 @@ TARGETS = {
     ],
     "smollm2": [
         ("MQA 3->1", dict(to="mqa", method="mean")),
+        ("MQA 3->1", dict(to="mqa", method="aligned")),
         ("MLA 50%", dict(to="mla", kv_budget=0.5, method="mha2mla")),
         ("MLA 50%", dict(to="mla", kv_budget=0.5, method="calibrated")),
         ("MLA 25%", dict(to="mla", kv_budget=0.25, method="mha2mla")),
@@ -125,8 +128,8 @@ def _plot(rows, path: str) -> None:
     models = sorted({r[0] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     for ax, model in zip(axes[0], models):
-        styles = (("source", "*", "black"), ("mean", "s", "tab:orange"), ("mha2mla", "o", "tab:green"),
-                  ("calibrated", "^", "tab:red"))  # fmt: skip
+        styles = (("source", "*", "black"), ("mean", "s", "tab:orange"), ("aligned", "D", "tab:blue"),
+                  ("mha2mla", "o", "tab:green"), ("calibrated", "^", "tab:red"))  # fmt: skip
         for method, marker, color in styles:
             mine = [r for r in rows if r[0] == model and (r[2] == method or r[1] == method)]
             pts = [(r[3], r[4]) for r in mine]

@@ -156,3 +156,38 @@ def test_convert_cli(tmp_path):
     assert (out / "model.safetensors").exists() and '"kv_ratio": 0.5' in result.stdout
     again = subprocess.run(cmd, capture_output=True, text=True)
     assert again.returncode != 0 and "--overwrite" in again.stderr
+
+
+def test_aligned_pooling_is_exact_for_rotated_heads():
+    """KV heads that are rotations of each other (V: any orthogonal map; K: one rotation per RoPE pair) merge
+    exactly once aligned; mean pooling of the same heads does not."""
+    from hf_attn_patch.converters.calibration import collect_stats
+    from hf_attn_patch.converters.exact import rebuild
+    from hf_attn_patch.converters.methods import aligned_pool
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", num_key_value_heads=6, attention_bias=True)  # MHA, head_dim 8 (4 RoPE pairs)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            attn = layer.self_attn
+            k, v = attn.k_proj.weight.view(6, 8, -1), attn.v_proj.weight.view(6, 8, -1)
+            kb, vb = attn.k_proj.bias.view(6, 8), attn.v_proj.bias.view(6, 8)
+            for j in (1, 3, 5):  # head j becomes a rotated copy of head j - 1
+                q_rot = torch.linalg.qr(torch.randn(8, 8))[0]
+                v[j], vb[j] = q_rot.t() @ v[j - 1], q_rot.t() @ vb[j - 1]
+                r = torch.zeros(8, 8)
+                for i in range(4):
+                    t = torch.rand(()) * 6.28
+                    r[[[i], [i + 4]], [i, i + 4]] = torch.tensor([[t.cos(), -t.sin()], [t.sin(), t.cos()]])
+                k[j], kb[j] = r.t() @ k[j - 1], r.t() @ kb[j - 1]
+    arch = architecture_of(model.config)
+    windows = torch.randint(3, 97, (4, 16))
+    stats = collect_stats(model, windows, progress=False)
+    layers = {n: m for n, m in model.named_modules() if type(m).__name__ == "LlamaAttention"}
+    lifted = {n: aligned_pool(arch.split_heads(m), model.config, 3, stats[n]) for n, m in layers.items()}
+    merged = rebuild(model, "gqa", {"num_key_value_heads": 3}, lifted)
+    ids = torch.randint(3, 97, (2, 11))
+    torch.testing.assert_close(logits(merged, ids), logits(model, ids), atol=1e-4, rtol=0)
+    pooled = {n: mean_pool(arch.split_heads(m), model.config, 3) for n, m in layers.items()}
+    naive = rebuild(model, "gqa", {"num_key_value_heads": 3}, pooled)
+    assert (logits(naive, ids) - logits(model, ids)).abs().max() > 1e-2
