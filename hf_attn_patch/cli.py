@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
     kv.add_argument("--dtype", default="float16")
     kv.set_defaults(func=cmd_kv_report)
 
-    cv = sub.add_parser("convert", help="convert a checkpoint to GQA / MQA / MLA (zero-shot; writes OUT atomically)")
+    cv = sub.add_parser("convert", help="convert a checkpoint to GQA / MQA / MLA, optionally healed by distillation (writes OUT atomically)")
     cv.add_argument("source", metavar="SRC", help="model folder (safetensors), 'default', 'smollm2' or a Hub id")
     cv.add_argument("out", metavar="OUT")
     cv.add_argument("--to", required=True, choices=["gqa", "mqa", "mla"])
