@@ -51,6 +51,9 @@ class ConvertOptions:
     heal_lr: float = 1e-4
     heal_batch_size: int = 4  # windows of calib_len tokens per step, cut from the calibration text
     heal_train: str = "attention"  # attention: only the converted layers; all: every weight
+    checkpoint_dir: str | None = None  # healing state saved here every checkpoint_every steps
+    checkpoint_every: int = 0
+    resume: bool = False  # continue healing from the last state in checkpoint_dir
     format: str = "auto"  # native: our config fields; stock: plain transformers config (llama-family GQA only)
     dtype: str | None = None  # of the saved weights; default: the source's
     seed: int = 0
@@ -84,6 +87,10 @@ class ConvertOptions:
             raise ValueError(f"heal_train={self.heal_train!r} is not one of ('attention', 'all')")
         if not self.heal_lr > 0:
             raise ValueError(f"heal_lr={self.heal_lr!r} must be positive")
+        if (self.resume or self.checkpoint_every) and self.checkpoint_dir is None:
+            raise ValueError("resume / checkpoint_every need checkpoint_dir")
+        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
+            raise ValueError(f"checkpoint_every={self.checkpoint_every!r} must be a non-negative integer")
         for name in ("kv_heads", "kv_lora_rank", "calib_samples", "calib_len", "heal_batch_size"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
@@ -195,7 +202,8 @@ def _heal(student, teacher, tokenizer, opts: ConvertOptions) -> dict:
     tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
     windows = calibration_windows(text, tokenizer, tokens // opts.calib_len, opts.calib_len)
     result = heal(student, teacher, windows, steps=opts.heal_steps, lr=opts.heal_lr,
-                  batch_size=opts.heal_batch_size, train=opts.heal_train)  # fmt: skip
+                  batch_size=opts.heal_batch_size, train=opts.heal_train, checkpoint_dir=opts.checkpoint_dir,
+                  checkpoint_every=opts.checkpoint_every, resume=opts.resume)  # fmt: skip
     return {"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 2),
             "first_loss": result.losses[0], "last_loss": result.losses[-1], "train": opts.heal_train,
             "lr": opts.heal_lr, "windows": len(windows)}  # fmt: skip

@@ -77,3 +77,20 @@ def test_stock_format_gqa_heals_its_attention(tmp_path):
     windows = calibration_windows(read_calibration_text(None)[:20_000], tokenizer, 4, 64)
     heal(student, source, windows, steps=2, lr=1e-3, progress=False)
     assert not torch.equal(student.model.layers[0].self_attn.k_proj.weight, before)
+
+
+def test_convert_heals_with_checkpoints_and_resumes(tmp_path):
+    """--checkpoint-dir/--checkpoint-every/--resume through convert: an interrupted run resumed equals a straight one."""
+    options = dict(to="mla", kv_budget=0.5, heal_lr=1e-3, heal_batch_size=2)
+    convert("default", tmp_path / "straight", heal_steps=4, **options)
+    convert("default", tmp_path / "first", heal_steps=2, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
+            **options)  # fmt: skip
+    report = convert("default", tmp_path / "resumed", heal_steps=4, checkpoint_dir=str(tmp_path / "ckpt"),
+                     resume=True, **options)  # fmt: skip
+    assert report["heal"]["steps"] == 4
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight")
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed")
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="need checkpoint_dir"):
+        convert("default", tmp_path / "bad", heal_steps=2, resume=True, **options)
