@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from ..models.architectures import AttentionWeights, head_dim
+from ..models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
 from .calibration import LayerStats
-from .mla_lift import lift_mla, stacked_kv
+from .mla_lift import lift_mla, stacked_kv, with_bias_column
 
 GQA_METHODS = ("mean", "aligned")
 MLA_METHODS = ("calibrated", "mha2mla")
@@ -49,8 +49,6 @@ def mean_pool(w: AttentionWeights, config, kv_heads: int) -> dict[str, torch.Ten
 
 def aligned_pool(w: AttentionWeights, config, kv_heads: int, stats: LayerStats) -> dict[str, torch.Tensor]:
     """GroupedQueryAttention state dict: each group's K/V heads rotated onto its first head, then averaged."""
-    from ..models.architectures import architecture_of, rotary_dim
-
     if w.q_norm is not None:
         raise ValueError("aligned pooling with per-head q/k norms (qwen3) is not supported: use method='mean'")
     d_h = head_dim(config)
@@ -58,15 +56,12 @@ def aligned_pool(w: AttentionWeights, config, kv_heads: int, stats: LayerStats) 
     if source_kv % kv_heads:
         raise ValueError(f"kv_heads={kv_heads} must divide the source's {source_kv} KV heads")
     half = (rotary_dim(config) if architecture_of(config).rotary else 0) // 2
-    rope_dims = list(range(2 * half))
     plain_dims = list(range(2 * half, d_h))  # non-RoPE dims (partial rotary, or all dims without RoPE)
     cov = stats.input_cov  # [D + 1, D + 1], last row/column: the bias input
-    f64 = lambda t: None if t is None else t.to(torch.float64)  # noqa: E731
-    aug = lambda wt, b: torch.cat((f64(wt), (f64(b) if b is not None else wt.new_zeros(len(wt)).double())[:, None]), 1)  # noqa: E731
-    k_aug = aug(w.k_w, w.k_b).view(source_kv, d_h, -1)
-    v_aug = aug(w.v_w, w.v_b).view(source_kv, d_h, -1)
-    q_aug = aug(w.q_w, w.q_b).view(heads, d_h, -1)
-    o_w = f64(w.o_w).view(-1, heads, d_h).clone()  # [D, H, d_h]
+    k_aug = with_bias_column(w.k_w, w.k_b).view(source_kv, d_h, -1)
+    v_aug = with_bias_column(w.v_w, w.v_b).view(source_kv, d_h, -1)
+    q_aug = with_bias_column(w.q_w, w.q_b).view(heads, d_h, -1)
+    o_w = w.o_w.to(torch.float64).view(-1, heads, d_h).clone()  # [D, H, d_h]
     per_kv = heads // source_kv  # query heads per source KV head
     merge = source_kv // kv_heads
     for g in range(kv_heads):
@@ -91,11 +86,16 @@ def aligned_pool(w: AttentionWeights, config, kv_heads: int, stats: LayerStats) 
     merged_v = v_aug.view(kv_heads, merge, d_h, -1).mean(1).reshape(kv_heads * d_h, -1)
     q_flat = q_aug.reshape(heads * d_h, -1)
     dtype = w.q_w.dtype
+    def weight(aug: torch.Tensor) -> torch.Tensor:
+        return aug[:, :-1].to(dtype)
+
+    def bias(aug: torch.Tensor, source_bias) -> torch.Tensor | None:
+        return None if source_bias is None else aug[:, -1].to(dtype)
+
     out = AttentionWeights(
-        q_flat[:, :-1].to(dtype), merged_k[:, :-1].to(dtype), merged_v[:, :-1].to(dtype), o_w.reshape(-1, heads * d_h).to(dtype),
-        None if w.q_b is None else q_flat[:, -1].to(dtype), None if w.k_b is None else merged_k[:, -1].to(dtype),
-        None if w.v_b is None else merged_v[:, -1].to(dtype), w.o_b, w.scaling,
-    )  # fmt: skip
+        weight(q_flat), weight(merged_k), weight(merged_v), o_w.reshape(-1, heads * d_h).to(dtype),
+        bias(q_flat, w.q_b), bias(merged_k, w.k_b), bias(merged_v, w.v_b), w.o_b, w.scaling,
+    )
     return out.gqa_state_dict()
 
 

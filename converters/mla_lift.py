@@ -44,8 +44,8 @@ def lift_mla(
     f64 = lambda t: None if t is None else t.to(torch.float64)  # noqa: E731 - exact arithmetic, cast back at the end
     q_w, k_w, v_w, o_w = map(f64, (w.q_w, w.k_w, w.v_w, w.o_w))
     q_b, k_b, v_b, o_b = map(f64, (w.q_b, w.k_b, w.v_b, w.o_b))
-    q_aug = _with_bias_column(q_w, q_b).view(heads, d_h, hidden + 1)
-    k_aug = _with_bias_column(k_w, k_b).view(kv_heads, d_h, hidden + 1)
+    q_aug = with_bias_column(q_w, q_b).view(heads, d_h, hidden + 1)
+    k_aug = with_bias_column(k_w, k_b).view(kv_heads, d_h, hidden + 1)
 
     nope, zeroed = _nope_layout(kv_heads, d_h, half, pairs, drop_common=basis is None)
     d_nope, d_r = len(nope), 2 * len(pairs)
@@ -148,7 +148,9 @@ def all_pairs(config, kv_heads: int) -> list[tuple[int, int]]:
     return [(g, i) for g in range(kv_heads) for i in range(half)]
 
 
-def _with_bias_column(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """[out, in] weight and [out] bias -> [out, in + 1] (zeros when there is no bias), so rows move with their bias."""
-    bias = bias if bias is not None else weight.new_zeros(weight.shape[0])
+def with_bias_column(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """[out, in] weight and [out] bias -> float64 [out, in + 1] (zeros when there is no bias), so rows move with
+    their bias under any linear re-mixing of outputs."""
+    weight = weight.to(torch.float64)
+    bias = bias.to(torch.float64) if bias is not None else weight.new_zeros(weight.shape[0])
     return torch.cat((weight, bias[:, None]), dim=1)
