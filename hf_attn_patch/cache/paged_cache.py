@@ -1,9 +1,9 @@
 """PagedKVCache: a transformers `Cache` whose KV lives in fixed-size blocks allocated as tokens arrive.
 
-Layout. Each attention layer owns storage `keys [num_blocks, block_size, H_k, d_k]` and `values [..., H_v, d_v]`
-(MLA layers: H = 1, d_k = kv_lora_rank, d_v = qk_rope_head_dim; the latent and the RoPE key only). All layers of a
-*group* (full attention, or one sliding window size) share one block table per row: physical block b of a row holds
-positions [k*bs, (k+1)*bs) of that row in every layer of the group. Block ids come from one BlockPool.
+Layout. Each attention layer owns one storage `[num_blocks, block_size, H, d_k + d_v]`, keys and values side by
+side (MLA layers: H = 1, d_k = kv_lora_rank, d_v = qk_rope_head_dim; the latent and the RoPE key only). All layers of
+a *group* (full attention, or one sliding window size) share one block table per row and one BlockPool: the k-th
+block of a row's table holds its positions [k*bs, (k+1)*bs) in every layer of the group.
 
 Rows. Every row has the same logical length L (as generate() keeps it). A row's first `pad` positions are left
 padding: they map to the null block (zero keys, masked anyway) and take no memory. Sliding-window groups free the
@@ -13,8 +13,9 @@ Sharing. Beam reordering, num_return_sequences forks and prefix hits share block
 write into a shared, partly filled block copies it first (copy-on-write). Full prompt blocks are named by a hash
 chain (prefix_cache.py); a later request whose prompt starts with them reuses them and skips their prefill.
 
-Attention reads a row's blocks through a gather (the pure-torch path); the returned K/V are [B, H, L, d] as
-DynamicCache returns them, so every attention implementation and both MLA paths work unchanged.
+Attention reads a row's blocks through a gather (the pure-torch path; one row in consecutive slots is read as a
+view); the returned K/V are [B, H, L, d] as DynamicCache returns them, so every attention implementation and both
+MLA paths work unchanged. Under the registered "paged_kv" attention the cache returns storage handles instead.
 """
 
 from __future__ import annotations
