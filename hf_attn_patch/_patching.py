@@ -13,6 +13,10 @@ What is replaced, and why no official hook does it:
   `GenerationMixin._prepare_cache_for_generation` builds a PagedKVCache for it: cache names are a fixed tuple.
 - `GenerationMixin._prefill` tells a PagedKVCache where each row's prompt starts (left padding) and which prompt
   blocks it already holds (prefix caching) before the prefill forward; generate() then feeds only the rest.
+- `GenerationMixin._assisted_decoding`: our speculative loop (speculative/decoding.py) for every batch size;
+  transformers' own still runs what ours does not cover (different tokenizers, MTP, output_scores...) at batch 1.
+- `GenerationMixin.generate`: takes our keywords (`speculative_stats=`, `draft_length=`) off the call and hands
+  them to the decoding loop, since generate() rejects keywords the model does not know.
 - Official hooks, recorded the same way: `AttentionInterface.register("paged_kv", ...)` and
   `AttentionMaskInterface.register("paged_kv", sdpa_mask)` (attention that reads the paged blocks itself).
 """
@@ -20,6 +24,7 @@ What is replaced, and why no official hook does it:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 
@@ -146,6 +151,47 @@ def _prefill_with_paged(original):
     return _prefill
 
 
+GENERATE_KEYWORDS = ("speculative_stats", "draft_length")
+
+
+def _generate_with_options(original):
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        from .speculative.decoding import generate_options
+
+        token = generate_options.set({name: kwargs.pop(name) for name in GENERATE_KEYWORDS if name in kwargs})
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            generate_options.reset(token)
+
+    return generate
+
+
+def _assisted_any_batch(original):
+    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
+                           streamer=None, inputs_tensor=None, assistant_model=None, assistant_tokenizer=None,
+                           tokenizer=None, **model_kwargs):  # fmt: skip
+        from .speculative.decoding import speculative_decoding, unsupported_reason
+
+        batch = input_ids.shape[0]
+        reason = unsupported_reason(generation_config, model_kwargs, assistant_tokenizer, streamer, batch)
+        if reason is None and synced_gpus:
+            reason = "synced_gpus"
+        if reason is None and self.config.is_encoder_decoder:
+            reason = "encoder-decoder models"
+        if reason is None:
+            return speculative_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
+                                        streamer=streamer, assistant_model=assistant_model, **model_kwargs)  # fmt: skip
+        if batch > 1:
+            raise ValueError(f"speculative decoding with batch_size={batch} does not support {reason}")
+        return original(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
+                        streamer, inputs_tensor, assistant_model, assistant_tokenizer, tokenizer, **model_kwargs)  # fmt: skip
+
+    _assisted_decoding.__wrapped__ = original
+    return _assisted_decoding
+
+
 def patch() -> None:
     """Install the patch (idempotent)."""
     if _originals:
@@ -158,7 +204,8 @@ def patch() -> None:
     _replace(PreTrainedConfig, "__post_init__", _validating_post_init(vars(PreTrainedConfig)["__post_init__"]))
     names = generation_config_module.ALL_CACHE_IMPLEMENTATIONS
     _replace(generation_config_module, "ALL_CACHE_IMPLEMENTATIONS", names + (PAGED_CACHE_NAME,))
-    for name, wrap in (("_prepare_cache_for_generation", _prepare_cache_with_paged), ("_prefill", _prefill_with_paged)):
+    for name, wrap in (("_prepare_cache_for_generation", _prepare_cache_with_paged), ("_prefill", _prefill_with_paged),
+                       ("_assisted_decoding", _assisted_any_batch), ("generate", _generate_with_options)):  # fmt: skip
         _replace(GenerationMixin, name, wrap(vars(GenerationMixin)[name]))
     # The registered attention function over paged memory, and the mask function beside it (without one, padded
     # batches would silently get mask=None).

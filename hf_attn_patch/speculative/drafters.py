@@ -1,0 +1,143 @@
+"""Drafters: propose up to k next tokens per row for the target model to verify.
+
+The interface is four methods, so a new drafter (say a converted MQA/MLA or layer-pruned copy of the target) plugs
+in by subclassing `Drafter`:
+- `start(sequences, attention_mask)`: once, after the target's prefill;
+- `propose(sequences, k, process, do_sample) -> Draft`: tokens [B, k], per-row lengths [B] (<= k) and, for
+  drafters that sample, their processed probabilities q [B, k, V] (None = point mass on each token);
+- `accepted(counts)`: row b's first counts[b] drafts were accepted (the sequences are extended after this call);
+- `select(rows)`: only these rows remain in the batch.
+`process(tokens [B, W], logits [B, V]) -> scores [B, V]` applies generate()'s logits processors (temperature,
+top-k, top-p, ...), so q is processed exactly as the target's p is.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .ragged import RaggedModel, truncated
+from .sequences import Sequences
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [B, k] long
+    lengths: torch.Tensor  # [B] long, row b proposes tokens[b, :lengths[b]]
+    probs: torch.Tensor | None = None  # [B, k, V] drafter probabilities after processing, None for a point mass
+
+
+class Drafter:
+    """Base class (see the module docstring for the protocol)."""
+
+    def start(self, sequences: Sequences, attention_mask: torch.Tensor) -> None:
+        pass
+
+    def propose(self, sequences: Sequences, k: int, process, do_sample: bool) -> Draft:
+        raise NotImplementedError
+
+    def accepted(self, counts: torch.Tensor) -> None:
+        pass
+
+    def select(self, rows: torch.Tensor) -> None:
+        pass
+
+
+class PromptLookupDrafter(Drafter):
+    """n-gram lookup (prompt lookup decoding): find the row's last n tokens earlier in the row (prompt or output,
+    the most recent occurrence, longest n first) and propose what followed them. Free to run; a point mass."""
+
+    def __init__(self, max_ngram: int = 3, min_ngram: int = 1):
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"n-gram sizes: need 1 <= min_ngram ({min_ngram}) <= max_ngram ({max_ngram})")
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+
+    def propose(self, sequences: Sequences, k: int, process, do_sample: bool) -> Draft:
+        batch = sequences.tokens.shape[0]
+        tokens = sequences.tokens.new_zeros((batch, k))
+        lengths = torch.zeros(batch, dtype=torch.long)
+        for b in range(batch):
+            continuation = self._lookup(sequences.row(b), k)
+            tokens[b, : len(continuation)] = continuation
+            lengths[b] = len(continuation)
+        return Draft(tokens, lengths.to(tokens.device))
+
+    def _lookup(self, row: torch.Tensor, k: int) -> torch.Tensor:
+        for n in range(min(self.max_ngram, len(row) - 1), self.min_ngram - 1, -1):
+            windows = row[:-1].unfold(0, n, 1)  # every earlier n-gram that has at least one token after it
+            hits = (windows == row[-n:]).all(1).nonzero()
+            if hits.numel():
+                start = int(hits[-1]) + n
+                return row[start : start + k]
+        return row[:0]
+
+
+class ModelDrafter(Drafter):
+    """A smaller model sharing the tokenizer (`assistant_model=`), or the target's first `num_layers` layers with its
+    final norm and LM head (`assistant_early_exit=`, layer-skip self-drafting). Keeps its own cache, whose rows
+    are rolled back per row like the target's (ragged.RaggedModel)."""
+
+    def __init__(self, model, vocab_size: int, num_layers: int | None = None):
+        self.model, self.vocab_size, self.num_layers = model, vocab_size, num_layers
+        if num_layers is not None:
+            total = model.config.get_text_config(decoder=True).num_hidden_layers
+            if not 1 <= num_layers < total:
+                raise ValueError(f"assistant_early_exit={num_layers}: must be in [1, {total - 1}] for this model")
+
+    def start(self, sequences: Sequences, attention_mask: torch.Tensor) -> None:
+        from transformers import DynamicCache
+
+        with truncated(self.model, self.num_layers):
+            cache = DynamicCache(config=self.model.config)
+        mask = attention_mask.long()
+        self.state = RaggedModel(self.model, cache, mask[:, :0], torch.zeros_like(mask[:, 0]), self.num_layers)
+        self._proposed = 0
+        width = sequences.tokens.shape[1]
+        if width > 1:  # the prompt minus its last token, which is fed with the first draft step
+            self.state.forward(sequences.tokens[:, : width - 1], mask[:, : width - 1].bool())
+        self.synced = sequences.lengths - 1
+
+    def propose(self, sequences: Sequences, k: int, process, do_sample: bool) -> Draft:
+        pending = sequences.lengths - self.synced  # >= 1 tokens per row not yet in the drafter's cache
+        n = int(pending.max())
+        feed = sequences.tokens[:, -n:]
+        valid = torch.arange(n, device=feed.device)[None, :] >= (n - pending)[:, None]
+        self.state.mark()
+        drafts, probs = [], []
+        logits = self.state.forward(feed, valid, last_only=True)[:, -1]
+        for j in range(k):
+            step_tokens = sequences.with_drafts(torch.stack(drafts, 1) if drafts else feed[:, :0])
+            scores = process(step_tokens, self._fit_vocab(logits))
+            if do_sample:
+                q = scores.softmax(-1)
+                token = torch.multinomial(q, 1).squeeze(1)
+                probs.append(q)
+            else:
+                token = scores.argmax(-1)
+            drafts.append(token)
+            if j < k - 1:
+                logits = self.state.forward(token[:, None], last_only=True)[:, -1]
+        self._base_lengths, self._pending, self._proposed = sequences.lengths.clone(), pending, k
+        tokens = torch.stack(drafts, 1)
+        return Draft(tokens, torch.full_like(pending, k), torch.stack(probs, 1) if do_sample else None)
+
+    def accepted(self, counts: torch.Tensor) -> None:
+        if not self._proposed:
+            return
+        in_cache = counts.clamp(max=self._proposed - 1)  # the last draft token was never fed to the drafter
+        self.state.keep(self._pending + in_cache)
+        self.synced = self._base_lengths + in_cache
+        self._proposed = 0
+
+    def select(self, rows: torch.Tensor) -> None:
+        self.state.select(rows)
+        self.synced = self.synced[rows]
+
+    def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's logits over the target's vocabulary (embedding matrices are often padded differently)."""
+        if logits.shape[-1] == self.vocab_size:
+            return logits
+        if logits.shape[-1] > self.vocab_size:
+            return logits[:, : self.vocab_size]
+        return torch.nn.functional.pad(logits, (0, self.vocab_size - logits.shape[-1]), value=float("-inf"))

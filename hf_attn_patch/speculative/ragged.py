@@ -1,0 +1,122 @@
+"""A model plus its KV cache whose batch rows advance by different numbers of tokens.
+
+Speculative verification appends the same number of columns to every row, but each row keeps its own number of
+them. Rejected columns are not moved: they become holes, masked out of attention by the 2-D attention mask, and
+the columns that no row kept are cropped off the end. Position ids count only a row's valid tokens, so every
+kept token sees exactly the keys and positions plain decoding would give it.
+
+Invariants: `mask` [B, C] has one column per cache column (C == cache.get_seq_length());
+`next_position[b]` = number of valid tokens of row b (the position its next token gets).
+Layers with a sliding window count cache columns, holes included, so batches > 1 refuse them (see
+`check_supported`); batch 1 never has holes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+
+import torch
+from torch import nn
+
+
+def check_supported(config, batch_size: int) -> None:
+    """Raise before any work when holes would change the model's math (sliding windows count columns)."""
+    layer_types = getattr(config, "layer_types", None) or []
+    sliding = getattr(config, "sliding_window", None) is not None and (
+        not layer_types or any("sliding" in str(kind) for kind in layer_types)
+    )
+    if sliding and batch_size > 1 and getattr(config, "use_sliding_window", True):
+        raise ValueError(
+            f"speculative decoding with batch_size={batch_size} does not support sliding-window attention "
+            f"(config.sliding_window={config.sliding_window}): rows would attend to different windows; use batch 1"
+        )
+
+
+def decoder_layers(model) -> nn.ModuleList:
+    """The model's list of decoder layers: the ModuleList whose length is config.num_hidden_layers."""
+    count = model.config.get_text_config(decoder=True).num_hidden_layers
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) == count:
+            return module
+    raise ValueError(f"{type(model).__name__}: no ModuleList of {count} decoder layers found for early exit")
+
+
+@contextlib.contextmanager
+def truncated(model, num_layers: int | None):
+    """Within the block the model runs only its first `num_layers` decoder layers (then final norm and LM head)."""
+    if num_layers is None:
+        yield
+        return
+    layers = decoder_layers(model)
+    owner = next(m for m in model.modules() if any(child is layers for child in m.children()))
+    name = next(n for n, child in owner.named_children() if child is layers)
+    config = model.config.get_text_config(decoder=True)
+    original_count = config.num_hidden_layers
+    setattr(owner, name, layers[:num_layers])
+    config.num_hidden_layers = num_layers
+    try:
+        yield
+    finally:
+        setattr(owner, name, layers)
+        config.num_hidden_layers = original_count
+
+
+class RaggedModel:
+    """Forward passes of `model` over `cache` where rows keep different numbers of the appended columns."""
+
+    def __init__(self, model, cache, mask: torch.Tensor, next_position: torch.Tensor, num_layers: int | None = None):
+        self.model, self.cache, self.num_layers = model, cache, num_layers
+        self.mask = mask.to(torch.long)  # [B, C]
+        self.next_position = next_position.to(torch.long)  # [B]
+        params = inspect.signature(model.forward).parameters
+        self._takes_positions = "position_ids" in params
+        self._takes_logits_to_keep = "logits_to_keep" in params
+        self._mark = None
+
+    @property
+    def columns(self) -> int:
+        return self.mask.shape[1]
+
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, last_only: bool = False):
+        """Append tokens [B, n] (valid [B, n] bool; invalid ones are holes) -> float32 logits [B, n or 1, V].
+
+        Positions of valid tokens continue each row's count (`keep` may roll them back)."""
+        valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid
+        positions = self.next_position[:, None] + valid.long().cumsum(1) - 1
+        positions = positions.clamp(min=0)
+        self.mask = torch.cat([self.mask, valid.long()], dim=1)
+        self.next_position = self.next_position + valid.long().sum(1)
+        inputs = {"input_ids": tokens, "attention_mask": self.mask, "past_key_values": self.cache, "use_cache": True}
+        if self._takes_positions:
+            inputs["position_ids"] = positions
+        if last_only and self._takes_logits_to_keep:
+            inputs["logits_to_keep"] = 1
+        with truncated(self.model, self.num_layers):
+            logits = self.model(**inputs).logits
+        return (logits[:, -1:] if last_only else logits).float()
+
+    def mark(self) -> None:
+        """Remember where the next appended columns start (and the row positions there), for `keep`."""
+        self._mark = (self.columns, self.next_position.clone())
+
+    def keep(self, counts: torch.Tensor) -> None:
+        """Of the columns appended since `mark()`, row b keeps its first counts[b] valid ones; the rest become holes
+        and the columns no row kept are cropped from the cache."""
+        start, positions = self._mark
+        appended = self.mask[:, start:].bool()
+        kept = appended & (appended.long().cumsum(1) <= counts[:, None])
+        self.mask = torch.cat([self.mask[:, :start], kept.long()], dim=1)
+        used = kept.any(0).nonzero()
+        new_columns = start + (int(used[-1]) + 1 if used.numel() else 0)
+        if new_columns < self.columns:
+            self.cache.crop(new_columns - self.columns)
+            self.mask = self.mask[:, :new_columns]
+        self.next_position = positions + kept.sum(1)
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep only the given batch rows (finished rows leave the batch)."""
+        self.cache.batch_select_indices(rows)
+        self.mask = self.mask[rows]
+        self.next_position = self.next_position[rows]
+        self._mark = None
