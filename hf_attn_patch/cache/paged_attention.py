@@ -2,9 +2,10 @@
 
 With `model.set_attn_implementation("paged_kv")` and a PagedKVCache, the cache's update() returns *handles*
 instead of gathered K/V: views of the layer's whole block storage, carrying the step's slot table. The attention
-function resolves them. Here that is the pure-torch reference (gather by slot table, then SDPA): the CPU path and
-the oracle that GPU kernels (Triton, flash-attn's block_table decode) are checked against when they plug in here.
-Any module that needs the tensors themselves (our MLA's absorbed path) calls `gather_paged` first.
+function resolves them. On CPU that is the pure-torch reference (gather by slot table, then SDPA). For a one-token
+decode step on CUDA it calls `hf_attn_patch.kernels.paged_decode_attention` (backend "auto": Triton's paged decode
+kernel where triton imports, else the torch twin) on the storage and the slot table, with no gather. Any module that
+needs the tensors themselves (our MLA's absorbed path) calls `gather_paged` first.
 """
 
 from __future__ import annotations
@@ -51,6 +52,62 @@ def read_paged(storage, key_dim: int, read_slots, contiguous_from: int | None, l
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, **kwargs):
-    """Reference: gather K/V by the slot table, then SDPA (GQA-aware through module.num_key_value_groups)."""
+    """query [B, H_q, T, d_k] -> ([B, T, H_q, d_v], None), as sdpa_attention_forward returns.
+
+    A one-token decode step on CUDA whose call the kernel supports goes to the paged-decode kernel; everything
+    else (CPU, prefill, plain tensors) is the reference: gather K/V by the slot table, then SDPA (GQA-aware
+    through module.num_key_value_groups)."""
+    if _decode_kernel_applies(query, key, attention_mask, kwargs):
+        return _decode_with_kernel(query, key, attention_mask, kwargs.get("scaling")), None
     key, value = gather_paged(key, value)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def _use_decode_kernel(query: torch.Tensor) -> bool:
+    """The kernel path is for CUDA; CPU keeps the reference bit for bit (tests swap this to reach the path)."""
+    return query.is_cuda
+
+
+# Keyword arguments the kernel does not implement: with any of them set, the reference path runs (and SDPA
+# raises for softcap as it always did). sliding_window needs nothing: sdpa_mask already put it into the mask.
+_REFERENCE_ONLY_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "head_mask", "output_attentions")
+
+
+def _decode_kernel_applies(query, key, attention_mask, kwargs) -> bool:
+    if not (is_paged_handle(key) and query.dim() == 4 and query.shape[2] == 1 and _use_decode_kernel(query)):
+        return False
+    if kwargs.get("dropout") or any(kwargs.get(name) for name in _REFERENCE_ONLY_KWARGS):
+        return False
+    if query.dtype != key.paged_storage.dtype:
+        return False
+    if attention_mask is not None:  # sdpa_mask's bool [B or 1, 1, 1, >= L] (True: attend); anything else: reference
+        if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1:3] != (1, 1):
+            return False
+        if attention_mask.shape[-1] < key.paged_length:
+            return False
+    return True
+
+
+def _decode_with_kernel(query, key, attention_mask, scaling):
+    """One decode token through the paged-decode kernel: query [B, H_q, 1, d_k] -> [B, 1, H_q, d_v].
+
+    Our handles carry a per-token slot table (read_slots [B, L]): it is the block table of block_size 1, exact for
+    every row (left-padded rows are not block-aligned in logical positions, and padding points at the null block's
+    slot 0, so a block_size > 1 table cannot be derived from it in general). Every row has the same logical length
+    L; left padding is hidden by the mask's key_mask, exactly as SDPA hides it.
+    """
+    from hf_attn_patch.kernels import paged_decode_attention  # lazy: the kernels package is not needed on CPU
+
+    storage, key_dim, length = key.paged_storage, key.paged_key_dim, key.paged_length
+    batch = query.shape[0]
+    slots = key.paged_read_slots
+    if slots is None:  # one row in consecutive slots from paged_contiguous_from
+        first = key.paged_contiguous_from
+        slots = torch.arange(first, first + length, device=query.device).unsqueeze(0)
+    context_lens = torch.full((batch,), length, dtype=torch.int32, device=query.device)
+    key_mask = None if attention_mask is None else attention_mask[:, 0, 0, :length].expand(batch, length)
+    out = paged_decode_attention(
+        query[:, :, 0], storage[..., :key_dim], storage[..., key_dim:], slots, context_lens, block_size=1,
+        scale=scaling, key_mask=key_mask, validate=False,  # the cache built the slots: skip the device sync
+    )  # fmt: skip
+    return out.unsqueeze(1)
