@@ -11,11 +11,15 @@ read once for all G heads (GQA/MQA reuse). Per head it keeps the online-softmax 
     m = max_j s_j,  l = sum_j 2^(s_j - m),  acc = sum_j 2^(s_j - m) v_j,   s_j = log2(e) * cap(scale * q . k_j)
 With S = 1 it writes acc / l; with S > 1 it writes acc / l and lse = m + log2(l) per split, and a reduce kernel
 combines the splits: out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M), M = max_s lse_s.
+
+Dots take the tiles as loaded (fp16/bf16 -> fp32 accumulate; fp32 with input_precision="ieee", not TF32). Under the
+interpreter only, bf16 tiles are cast to fp32 before tl.dot, because the interpreter's numpy dot mis-reads bf16.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -31,6 +35,15 @@ def _online_softmax_step(s, valid, m, l, acc):
     alpha = tl.exp2(m - m_safe)
     p = tl.exp2(s - m_safe[:, None])
     return m_new, l * alpha + tl.sum(p, 1), acc * alpha[:, None], p
+
+
+@triton.jit
+def _operand(x, UPCAST: tl.constexpr):
+    """A tl.dot operand: as loaded, or fp32 (UPCAST: only for bf16 under the interpreter, whose numpy dot
+    mis-reads bf16; the values are the same bf16 numbers, so the result is what a bf16 x bf16 -> fp32 dot gives)."""
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
 
 
 @triton.jit
@@ -54,7 +67,7 @@ def _paged_decode_kernel(
     PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(CTX + b).to(tl.int32)
@@ -68,6 +81,7 @@ def _paged_decode_kernel(
     dk, dv = tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
     q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dk[None, :],
                 mask=gmask[:, None] & (dk[None, :] < D_K), other=0.0)  # fmt: skip
+    q = _operand(q, UPCAST)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
@@ -75,13 +89,13 @@ def _paged_decode_kernel(
         slot, valid = _token_slots(BT, KMASK, b, n0, hi, stride_btb, stride_kmb, PAGE, BLOCK_N, HAS_MASK)
         k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + dk[None, :],
                     mask=valid[:, None] & (dk[None, :] < D_K), other=0.0)  # fmt: skip
-        s = tl.dot(q, tl.trans(k), input_precision=PREC) * scale  # [G, N] fp32
+        s = tl.dot(q, tl.trans(_operand(k, UPCAST)), input_precision=PREC) * scale  # [G, N] fp32
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (e^(2x) + 1) (saturates, never NaN)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         m, l, acc, p = _online_softmax_step(s * 1.4426950408889634, valid, m, l, acc)
         v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
                     mask=valid[:, None] & (dv[None, :] < D_V), other=0.0)  # fmt: skip
-        acc += tl.dot(p.to(v.dtype), v, input_precision=PREC)
+        acc += tl.dot(_operand(p.to(v.dtype), UPCAST), _operand(v, UPCAST), input_precision=PREC)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # no visible key: 0
     if SPLIT:
         tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + dv[None, :], out,
@@ -101,7 +115,7 @@ def _mla_decode_kernel(
     scale, tokens_per_split, heads_total,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
-    HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr,
+    HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):  # fmt: skip
     """FlashMLA-style: one latent row [c | k_rope] per token is the key (d_c + d_r) and c is the value, so each
     c tile is loaded once and used for both q_latent . c and p @ c; BLOCK_H heads share every tile."""
@@ -116,6 +130,7 @@ def _mla_decode_kernel(
                  mask=hmask[:, None] & (dc[None, :] < D_C), other=0.0)  # fmt: skip
     qr = tl.load(QR + b * stride_qrb + heads[:, None] * stride_qrh + dr[None, :],
                  mask=hmask[:, None] & (dr[None, :] < D_R), other=0.0)  # fmt: skip
+    ql, qr = _operand(ql, UPCAST), _operand(qr, UPCAST)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
@@ -124,9 +139,11 @@ def _mla_decode_kernel(
         row = C + slot[:, None] * stride_cs
         c = tl.load(row + dc[None, :], mask=valid[:, None] & (dc[None, :] < D_C), other=0.0)
         kr = tl.load(row + D_C + dr[None, :], mask=valid[:, None] & (dr[None, :] < D_R), other=0.0)
-        s = tl.dot(ql, tl.trans(c), input_precision=PREC) + tl.dot(qr, tl.trans(kr), input_precision=PREC)
+        c_op = _operand(c, UPCAST)
+        s = tl.dot(ql, tl.trans(c_op), input_precision=PREC) + tl.dot(qr, tl.trans(_operand(kr, UPCAST)),
+                                                                      input_precision=PREC)  # fmt: skip
         m, l, acc, p = _online_softmax_step(s * (scale * 1.4426950408889634), valid, m, l, acc)
-        acc += tl.dot(p.to(c.dtype), c, input_precision=PREC)
+        acc += tl.dot(_operand(p.to(c.dtype), UPCAST), c_op, input_precision=PREC)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if SPLIT:
         tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + dc[None, :], out,
@@ -194,8 +211,13 @@ def _split_plan(programs: int, max_len: int, device: torch.device, block_n: int,
     return -(-max(max_len, 1) // per_split), per_split
 
 
+def _upcast(dtype: torch.dtype) -> bool:
+    return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
+
+
 def _precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs: exact fp32 dots, not TF32
+    # fp32 inputs (and interpreted bf16, upcast): exact fp32 dots, not TF32; 16-bit inputs ignore it
+    return "ieee" if dtype == torch.float32 or _upcast(dtype) else "tf32"
 
 
 def _key_mask_arg(key_mask, like):
@@ -240,7 +262,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
         PAGE=block_size, GROUP=group, BLOCK_G=_pow2(group), BLOCK_N=block_n, D_K=d_k, D_V=d_v,
         BLOCK_DK=_pow2(d_k), BLOCK_DV=_pow2(d_v), HAS_MASK=has_mask, HAS_SOFTCAP=softcap is not None,
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, PREC=_precision(query.dtype),
-        num_warps=4,
+        UPCAST=_upcast(query.dtype), num_warps=4,
     )  # fmt: skip
     if splits > 1:
         _reduce(partial_out, partial_lse, out, splits)
@@ -274,7 +296,7 @@ def mla_decode(q_latent, q_rope, latent_cache, block_tables, context_lens, *, bl
         *partial_out.stride()[:3], *partial_lse.stride()[:2], float(scale), per_split, heads,
         PAGE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, D_C=d_c, D_R=d_r, BLOCK_DC=_pow2(d_c),
         BLOCK_DR=_pow2(d_r), HAS_MASK=has_mask, SPLIT=splits > 1, PREC=_precision(q_latent.dtype),
-        num_warps=8 if d_c > 256 else 4,
+        UPCAST=_upcast(q_latent.dtype), num_warps=8 if d_c > 256 else 4,
     )  # fmt: skip
     if splits > 1:
         _reduce(partial_out, partial_lse, out, splits)

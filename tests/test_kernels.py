@@ -42,10 +42,11 @@ def make_paged(context_lens, heads_kv, d_k, d_v, block_size, dtype=torch.float32
         tables[b, :k] = torch.tensor(order[:k], dtype=torch.int32)
         order = order[k:]
         slots = reference.token_slots(tables[b : b + 1].clamp(min=0), block_size, n)[0]
-        dense_k.append(storage[slots, :, :d_k])
+        dense_k.append(storage[slots, :, :d_k])  # on CPU
         dense_v.append(storage[slots, :, d_k:])
+    storage = storage.to(device)
     return SimpleNamespace(
-        storage=storage.to(device), key=storage[..., :d_k].to(device), value=storage[..., d_k:].to(device),
+        storage=storage, key=storage[..., :d_k], value=storage[..., d_k:],  # views of one combined storage
         tables=tables.to(device), context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
         dense_k=dense_k, dense_v=dense_v, block_size=block_size,
     )  # fmt: skip
