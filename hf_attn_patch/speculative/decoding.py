@@ -160,6 +160,8 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
         k = lengths.choose()
         round_start = time.perf_counter()
         draft = drafter.propose(sequences, k, process, do_sample) if k else _empty_draft(pending)
+        k = int(draft.lengths.max()) if k else 0  # verify no wider than the longest proposal (n-gram misses)
+        draft = Draft(draft.tokens[:, :k], draft.lengths, None if draft.probs is None else draft.probs[:, :k])
         drafted = time.perf_counter()
 
         target.mark()
