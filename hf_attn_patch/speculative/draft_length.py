@@ -4,8 +4,8 @@ Row b accepts each draft token with probability a_b (estimated online, recent ro
 draft length k emits E_b(k) = 1 + a_b + ... + a_b^k tokens for that row. A round costs t(k) = t0 + t1 * k
 (verification forward plus drafting; fitted online by least squares with forgetting). We pick
 k* = argmax_k sum_b E_b(k) / t(k) over 0..max_length, where k = 0 is plain decoding, so a drafter that is
-rarely right or too slow costs little. While k* = 0, a k = 1 round every `probe_every` rounds keeps the
-estimates fresh.
+rarely right or too slow costs little. While k* = 0, a k = 1 probe keeps the estimates fresh;
+the gap between probes doubles (up to 64 rounds) each time a probe accepts nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ class DraftLength:
         self.attempted = torch.full((batch_size,), 2.0, dtype=torch.float64)
         self._sums = torch.zeros(5, dtype=torch.float64)  # weighted sums of 1, k, k^2, t, k*t for t(k) = t0 + t1 k
         self._rounds_at_zero = 0
+        self._probe_gap = probe_every
+        self._probing = False
 
     def acceptance(self) -> torch.Tensor:
         return self.accepted / self.attempted
@@ -39,14 +41,21 @@ class DraftLength:
         a = self.acceptance().clamp(max=0.999)[:, None]
         emitted = ((1 - a ** (ks + 1)) / (1 - a)).sum(0)  # [K]: expected tokens of the whole batch
         best = int((emitted / (t0 + t1 * ks).clamp(min=1e-9)).argmax())
-        self._rounds_at_zero = self._rounds_at_zero + 1 if best == 0 else 0
-        if best == 0 and self._rounds_at_zero % self.probe_every == 0:
-            best = 1
+        if best > 0:
+            self._rounds_at_zero, self._probe_gap = 0, self.probe_every
+        else:
+            self._rounds_at_zero += 1
+            if self._rounds_at_zero % self._probe_gap == 0:
+                best, self._rounds_at_zero, self._probing = 1, 0, True
         self.current = best
         return best
 
     def update(self, k: int, accepted: torch.Tensor, seconds: float) -> None:
         """After a round with draft length k: accepted draft tokens per row [B] and the round's time."""
+        if self._probing:
+            self._probing = False
+            if int(accepted.sum()) == 0:
+                self._probe_gap = min(2 * self._probe_gap, 64)
         if k > 0:
             rejected = (accepted < k).double()  # a shorter proposal (n-gram miss) is a rejection at its end
             self.accepted = self.forget * self.accepted + accepted.double().cpu()
