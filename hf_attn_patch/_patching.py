@@ -18,7 +18,8 @@ What is replaced, and why no official hook does it:
 - `GenerationMixin.generate`: takes our keywords (`speculative_stats=`, `draft_length=`) off the call and hands
   them to the decoding loop, since generate() rejects keywords the model does not know.
 - Official hooks, recorded the same way: `AttentionInterface.register("paged_kv", ...)` and
-  `AttentionMaskInterface.register("paged_kv", sdpa_mask)` (attention that reads the paged blocks itself).
+  `AttentionMaskInterface.register("paged_kv", sdpa_mask)` (attention that reads the paged blocks itself), and
+  `AttentionInterface.register("hf_attn_engine", ...)` (the engine's packed forward).
 """
 
 from __future__ import annotations
@@ -213,6 +214,10 @@ def patch() -> None:
 
     _register(AttentionInterface._global_mapping, PAGED_ATTENTION, paged_attention_forward)
     _register(AttentionMaskInterface._global_mapping, PAGED_ATTENTION, sdpa_mask)
+    # The engine's packed attention (no mask function: its step plan is the mask).
+    from .engine.attention import ENGINE_ATTENTION, engine_attention_forward
+
+    _register(AttentionInterface._global_mapping, ENGINE_ATTENTION, engine_attention_forward)
     logger.debug("hf_attn_patch: patched %d objects", len(_originals))
 
 

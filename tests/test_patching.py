@@ -42,7 +42,7 @@ def test_unpatch_restores_every_original_object():
     originals = {(id(owner), name): original for owner, name, original in patched_objects()}
     # one attention class per architecture, config validation, the cache name, two generate() hooks,
     # the "paged_kv" attention and mask functions
-    assert len(originals) == len(ARCHITECTURES) + 8
+    assert len(originals) == len(ARCHITECTURES) + 9
     hf_attn_patch.patch()  # idempotent: nothing re-recorded, nothing wrapped twice
     assert {(id(o), n): orig for o, n, orig in patched_objects()} == originals
     modules = [arch.attention_module() for arch in ARCHITECTURES.values()]

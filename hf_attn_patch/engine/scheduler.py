@@ -1,0 +1,180 @@
+"""Iteration-level scheduling under a token budget, with chunked prefill, prefix caching and preemption.
+
+Policy (FIFO by arrival, documented in the README):
+1. Running requests first, oldest first: a decoding request gets its 1 token; a request still in prefill gets the
+   next chunk of its prompt (at most `prefill_chunk` tokens and what is left of the step's `max_batch_tokens`).
+2. Then waiting requests join, oldest first, while budget, blocks and `max_num_seqs` allow. A waiting request
+   that does not fit blocks the ones behind it (no overtaking), so nothing starves.
+3. When a running request needs a block and none is free, the newest running request is preempted: its blocks are
+   released and it goes back to the front of the waiting queue with its generated tokens (recompute; its full
+   blocks are usually still in the prefix cache). A request is never lost or corrupted: its tokens are the truth.
+Without chunked prefill, a prompt is prefilled in one step (alone if it exceeds the budget).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..cache.prefix_cache import block_hashes
+from .kv import EngineKV
+from .params import SamplingParams
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival: float = field(default_factory=time.perf_counter)
+    generated: list[int] = field(default_factory=list)
+    computed: int = 0  # leading tokens whose K/V is in the cache
+    table: list[int] = field(default_factory=list)  # block ids, position p lives in table[p // block_size]
+    hashes: list[bytes] = field(default_factory=list)  # names of table's leading full blocks (prefix cache)
+    text: str = ""
+    logprobs: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    prefix_hit_tokens: int = 0
+    preemptions: int = 0
+    first_token_time: float | None = None
+    generator: torch.Generator | None = None
+    grammar: object = None  # a grammar state (hf_attn_patch.grammar) when the request is constrained
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.generated
+
+    @property
+    def remaining(self) -> int:
+        """Tokens to run through the model before the next sample (1 when decoding)."""
+        return len(self.prompt_ids) + len(self.generated) - self.computed
+
+
+class Scheduler:
+    def __init__(self, kv: EngineKV, max_batch_tokens: int, max_num_seqs: int, chunked_prefill: bool,
+                 prefill_chunk: int | None, prefix_caching: bool):  # fmt: skip
+        self.kv, self.max_batch_tokens, self.max_num_seqs = kv, max_batch_tokens, max_num_seqs
+        self.chunked_prefill, self.prefix_caching = chunked_prefill, prefix_caching
+        self.prefill_chunk = prefill_chunk or max_batch_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """This step's (request, number of tokens to compute)."""
+        budget, plan = self.max_batch_tokens, []
+        for request in sorted(self.running, key=lambda r: r.arrival):
+            if request not in self.running:  # preempted by an older request earlier in this loop
+                continue
+            n = self._take(request, budget, alone=not plan)
+            if n and self._reserve(request, n, keep=[r for r, _ in plan]):
+                plan.append((request, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            hits = self._attach_prefix(request) if request.computed == 0 and not request.table else 0
+            n = self._take(request, budget, alone=not plan)
+            if not n or not self._fits(request, n):
+                self._release(request)
+                break
+            self.waiting.popleft()
+            request.prefix_hit_tokens = max(request.prefix_hit_tokens, hits)
+            self._grow(request, n)
+            self.running.append(request)
+            plan.append((request, n))
+            budget -= n
+        return plan
+
+    def finish(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+
+    def register_full_blocks(self, request: Request) -> None:
+        """Name the request's newly completed blocks so later prompts can reuse them (one block per name)."""
+        if not self.prefix_caching:
+            return
+        size, tokens = self.kv.block_size, None
+        while len(request.hashes) < request.computed // size:
+            i = len(request.hashes)
+            tokens = request.tokens if tokens is None else tokens
+            parent = request.hashes[-1] if request.hashes else b""
+            name = _block_name(parent, tokens[i * size : (i + 1) * size])
+            kept = self.kv.pool.register(request.table[i], name)
+            if kept != request.table[i]:  # an identical block exists: share it, free ours
+                self.kv.pool.incref(kept)
+                self.kv.pool.free(request.table[i])
+                request.table[i] = kept
+            request.hashes.append(name)
+
+    # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _take(self, request: Request, budget: int, alone: bool) -> int:
+        need = request.remaining
+        if need == 1 or self.chunked_prefill:
+            return min(need, budget, self.prefill_chunk)
+        return need if need <= budget or alone else 0
+
+    def _blocks_needed(self, request: Request, n: int) -> int:
+        return max(0, -(-(request.computed + n) // self.kv.block_size) - len(request.table))
+
+    def _fits(self, request: Request, n: int) -> bool:
+        return self._blocks_needed(request, n) <= self.kv.pool.num_available()
+
+    def _grow(self, request: Request, n: int) -> None:
+        request.table.extend(self.kv.pool.allocate(self._blocks_needed(request, n)))
+
+    def _reserve(self, request: Request, n: int, keep: list[Request]) -> bool:
+        """Blocks for n more tokens of a running request, preempting the newest others if needed."""
+        while not self._fits(request, n):
+            victims = [r for r in self.running if r is not request and r not in keep]
+            if not victims:
+                self._preempt(request)
+                return False
+            self._preempt(max(victims, key=lambda r: r.arrival))
+        self._grow(request, n)
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.preemptions += 1
+        self.preemptions += 1
+        position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
+        self.waiting.insert(position, request)
+
+    def _release(self, request: Request) -> None:
+        for block in request.table:
+            self.kv.pool.free(block)
+        request.table, request.hashes, request.computed = [], [], 0
+
+    def _attach_prefix(self, request: Request) -> int:
+        """Reuse cached blocks of the request's leading full blocks (not the one holding its last token)."""
+        if not self.prefix_caching:
+            return 0
+        size, tokens = self.kv.block_size, request.tokens
+        parent = b""
+        for i in range((len(tokens) - 1) // size):
+            name = _block_name(parent, tokens[i * size : (i + 1) * size])
+            block = self.kv.pool.lookup(name)
+            if block is None:
+                break
+            self.kv.pool.incref(block)
+            request.table.append(block)
+            request.hashes.append(name)
+            parent = name
+        request.computed = len(request.table) * size
+        return request.computed
+
+
+def _block_name(parent: bytes, tokens: list[int]) -> bytes:
+    """h_i = H(h_{i-1} || tokens of block i): the paged cache's hash chain (cache/prefix_cache.py)."""
+    return block_hashes(tokens, len(tokens), parent)[0]
