@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..cache.paged_attention import gather_paged
+from ..engine.attention import engine_mla_forward, is_engine_handle
 from .gqa import RMSNorm, attention_function
 from .rope import apply_rope, deinterleave, select_rope_pairs
 from .spec import AttentionSpec
@@ -136,7 +137,10 @@ class MultiHeadLatentAttention(nn.Module):
         c, k_rope = self._latent(hidden_states)
         q_rope, k_rope = self._rope(q_rope, k_rope, position_embeddings)
         if cache is not None:
-            c, k_rope = gather_paged(*cache.update(c, k_rope, self.layer_idx))  # paged handles -> tensors
+            c, k_rope = cache.update(c, k_rope, self.layer_idx)
+            if is_engine_handle(c):  # the engine's packed forward: per-request segments over latent pages
+                return self.o_proj(engine_mla_forward(self, q_nope, q_rope, c).reshape(batch, length, -1)), None
+            c, k_rope = gather_paged(c, k_rope)  # paged handles -> tensors
         if self.use_absorbed(length):
             out, weights = self._absorbed(q_nope, q_rope, c, k_rope, attention_mask)
         else:

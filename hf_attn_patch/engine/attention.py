@@ -1,11 +1,13 @@
-"""The registered attention function of the engine's packed forward ("hf_attn_engine").
+"""The registered attention function of the engine's packed forward ("hf_attn_engine"), and its MLA twin.
 
-query [1, H, T, d] holds the new tokens of many requests side by side. Per the step's plan (kv.StepPlan):
-- decodes (one query token each) are batched: their contexts are gathered as [Bd, Lmax] slots with a length mask;
-- prefill chunks (n query tokens at the end of a context of ctx tokens) each attend causally: query i, at position
-  ctx - n + i, sees context positions <= ctx - n + i.
+query [1, H, T, d] holds the new tokens of many requests side by side. Per the step's plan (kv.StepPlan) the
+tokens form segments:
+- decodes (one query token each) are batched: contexts gathered as [Bd, Lmax] slots with a length mask;
+- each prefill chunk (n query tokens at the end of a context of ctx tokens) attends causally: query i, at
+  position ctx - n + i, sees context positions <= ctx - n + i.
 Pure torch (gather + SDPA, GQA through enable_gqa); the CPU path, and the reference a GPU varlen kernel replaces.
 No mask function is registered under this name, so transformers builds no mask: the plan is the mask.
+MLA layers store [latent | RoPE key] per token and attend over the latent (absorbed) per segment.
 """
 
 from __future__ import annotations
@@ -16,29 +18,56 @@ import torch.nn.functional as F
 ENGINE_ATTENTION = "hf_attn_engine"
 
 
-def engine_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """-> (output [1, T, H, d_v], None)."""
-    plan, storage, dk = key.engine_plan, key.engine_storage, key.engine_key_dim
-    if getattr(module, "sliding_window", None) or kwargs.get("sliding_window"):
-        raise ValueError("the engine does not serve sliding-window attention layers")
-    heads, tokens = query.shape[1], query.shape[2]
-    out = query.new_empty((tokens, heads, storage.shape[-1] - dk))
+def is_engine_handle(tensor) -> bool:
+    return getattr(tensor, "engine_plan", None) is not None
+
+
+def segments(handle):
+    """Yield (queries selector, keys [b, H_kv, L, d_k], values [b, H_kv, L, d_v], visible [b, 1, q, L] bool)."""
+    plan, storage, dk = handle.engine_plan, handle.engine_storage, handle.engine_key_dim
     if plan.decode_tokens.numel():
-        q = query[0][:, plan.decode_tokens].transpose(0, 1)[:, :, None]  # [Bd, H, 1, d]
         both = storage[plan.decode_slots].transpose(1, 2)  # [Bd, H_kv, Lmax, d_k + d_v]
-        visible = torch.arange(plan.decode_slots.shape[1], device=q.device)[None, :] < plan.decode_lengths[:, None]
-        o = _sdpa(q, both[..., :dk], both[..., dk:], visible[:, None, None, :], scaling)
-        out[plan.decode_tokens] = o[:, :, 0].to(out.dtype)
+        width = plan.decode_slots.shape[1]
+        visible = torch.arange(width, device=both.device)[None, :] < plan.decode_lengths[:, None]
+        yield plan.decode_tokens, both[..., :dk], both[..., dk:], visible[:, None, None, :]
     for start, count, slots in plan.chunks:
-        q = query[:, :, start : start + count]  # [1, H, n, d]
         both = storage[slots].transpose(0, 1)[None]  # [1, H_kv, ctx, d_k + d_v]
         ctx = slots.numel()
-        visible = torch.arange(ctx, device=q.device)[None, :] <= torch.arange(ctx - count, ctx, device=q.device)[:, None]
-        o = _sdpa(q, both[..., :dk], both[..., dk:], visible[None, None], scaling)
-        out[start : start + count] = o[0].transpose(0, 1).to(out.dtype)
+        positions = torch.arange(ctx, device=both.device)
+        visible = positions[None, :] <= positions[ctx - count :, None]
+        yield slice(start, start + count), both[..., :dk], both[..., dk:], visible[None, None]
+
+
+def select_queries(x: torch.Tensor, selector) -> torch.Tensor:
+    """x [1, H, T, d] -> [b, H, q, d]: decodes as a batch of single queries, a chunk as one row of n."""
+    if isinstance(selector, slice):
+        return x[:, :, selector]
+    return x[0][:, selector].transpose(0, 1)[:, :, None]
+
+
+def place_outputs(out: torch.Tensor, selector, o: torch.Tensor) -> None:
+    """Write o [b, q, H, d_v] (attention output, token-major) into out [T, H, d_v]."""
+    out[selector] = (o[0] if isinstance(selector, slice) else o[:, 0]).to(out.dtype)
+
+
+def engine_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """-> (output [1, T, H, d_v], None)."""
+    if getattr(module, "sliding_window", None) or kwargs.get("sliding_window"):
+        raise ValueError("the engine does not serve sliding-window attention layers")
+    out = query.new_empty((query.shape[2], query.shape[1], value.shape[-1]))
+    for selector, k, v, visible in segments(key):
+        q = select_queries(query, selector)
+        o = F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=visible, scale=scaling,
+                                           enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+        place_outputs(out, selector, o.transpose(1, 2))
     return out[None], None
 
 
-def _sdpa(q, k, v, mask, scaling):
-    return F.scaled_dot_product_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, scale=scaling,
-                                          enable_gqa=k.shape[1] != q.shape[1])  # fmt: skip
+def engine_mla_forward(module, q_nope, q_rope, latent_handle) -> torch.Tensor:
+    """MLA over the engine's latent pages: q [1, H, T, *] -> [1, T, H, d_v], absorbed attention per segment."""
+    out = q_nope.new_empty((q_nope.shape[2], q_nope.shape[1], module.v_head_dim))
+    for selector, latent, k_rope, visible in segments(latent_handle):
+        o, _ = module._absorbed(select_queries(q_nope, selector), select_queries(q_rope, selector), latent, k_rope,
+                                visible)  # fmt: skip
+        place_outputs(out, selector, o)
+    return out[None]

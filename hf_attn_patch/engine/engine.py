@@ -37,8 +37,6 @@ class Engine:
                             ("max_num_seqs", max_num_seqs)):  # fmt: skip
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name}={value!r} must be a positive integer")
-        if getattr(config, "attention_variant", None) == "mla" or config.model_type in ("deepseek_v2", "deepseek_v3"):
-            raise ValueError(f"Engine: MLA models ({config.model_type}) are not served yet; use generate()")
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ValueError(f"Engine: sliding-window attention (sliding_window={config.sliding_window}) not served")
         dtype = next(model.parameters()).dtype
