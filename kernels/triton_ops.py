@@ -215,9 +215,9 @@ def _upcast(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs (and interpreted bf16, upcast): exact fp32 dots, not TF32; 16-bit inputs ignore it
-    return "ieee" if dtype == torch.float32 or _upcast(dtype) else "tf32"
+def _precision(dtype: torch.dtype) -> str | None:
+    # fp32 inputs (and interpreted bf16, upcast): exact fp32 dots, not TF32; 16-bit inputs: Triton's default
+    return "ieee" if dtype == torch.float32 or _upcast(dtype) else None
 
 
 def _key_mask_arg(key_mask, like):
@@ -236,15 +236,19 @@ def _reduce(partial_out, partial_lse, out, splits):
 
 
 def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, *, block_size, scale,
-                           softcap=None, sliding_window=None, key_mask=None, num_splits=None):  # fmt: skip
-    """query [B, H_q, d_k]; key_cache [slots, H_kv, d_k]; value_cache [slots, H_kv, d_v] -> [B, H_q, d_v]."""
+                           softcap=None, sliding_window=None, key_mask=None, num_splits=None, block_n=None,
+                           num_warps=None):  # fmt: skip
+    """query [B, H_q, d_k]; key_cache [slots, H_kv, d_k]; value_cache [slots, H_kv, d_v] -> [B, H_q, d_v].
+
+    num_splits / block_n / num_warps override the launch plan (defaults: see _split_plan; 32 tokens per tile and
+    8 warps up to d = 128, else 16: these compile for sm_90 without register spills, checked offline)."""
     batch, heads_q, d_k = query.shape
     heads_kv, d_v = key_cache.shape[1], value_cache.shape[2]
     group = heads_q // heads_kv
     out = query.new_empty(batch, heads_q, d_v)
     if batch == 0:
         return out
-    block_n = 32 if max(d_k, d_v) <= 128 else 16  # keeps the K and V tiles at <= 8 KiB in fp16
+    block_n = block_n or (32 if max(d_k, d_v) <= 128 else 16)  # K and V tiles of <= 8 KiB each in fp16
     splits, per_split = _split_plan(batch * heads_kv, block_tables.shape[1] * block_size, query.device, block_n,
                                     num_splits)  # fmt: skip
     mask, stride_km, has_mask = _key_mask_arg(key_mask, context_lens)
@@ -262,7 +266,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
         PAGE=block_size, GROUP=group, BLOCK_G=_pow2(group), BLOCK_N=block_n, D_K=d_k, D_V=d_v,
         BLOCK_DK=_pow2(d_k), BLOCK_DV=_pow2(d_v), HAS_MASK=has_mask, HAS_SOFTCAP=softcap is not None,
         HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, PREC=_precision(query.dtype),
-        UPCAST=_upcast(query.dtype), num_warps=4,
+        UPCAST=_upcast(query.dtype), num_warps=num_warps or 8,
     )  # fmt: skip
     if splits > 1:
         _reduce(partial_out, partial_lse, out, splits)
@@ -270,7 +274,7 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
 
 
 def mla_decode(q_latent, q_rope, latent_cache, block_tables, context_lens, *, block_size, scale, key_mask=None,
-               num_splits=None):  # fmt: skip
+               num_splits=None, num_warps=None):  # fmt: skip
     """q_latent [B, H, d_c], q_rope [B, H, d_r], latent_cache [slots, 1, d_c + d_r] -> [B, H, d_c]."""
     batch, heads, d_c = q_latent.shape
     d_r = q_rope.shape[2]
@@ -296,7 +300,7 @@ def mla_decode(q_latent, q_rope, latent_cache, block_tables, context_lens, *, bl
         *partial_out.stride()[:3], *partial_lse.stride()[:2], float(scale), per_split, heads,
         PAGE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, D_C=d_c, D_R=d_r, BLOCK_DC=_pow2(d_c),
         BLOCK_DR=_pow2(d_r), HAS_MASK=has_mask, SPLIT=splits > 1, PREC=_precision(q_latent.dtype),
-        UPCAST=_upcast(q_latent.dtype), num_warps=8 if d_c > 256 else 4,
+        UPCAST=_upcast(q_latent.dtype), num_warps=num_warps or (8 if d_c > 256 else 4),
     )  # fmt: skip
     if splits > 1:
         _reduce(partial_out, partial_lse, out, splits)
