@@ -97,6 +97,21 @@ def cmd_kv_report(args) -> None:
     print(kv_report(configs, args.seq_len, args.batch_size, args.dtype))
 
 
+def cmd_serve(args) -> None:
+    from .converters.convert import load_source
+    from .engine import Engine
+    from .engine.server import serve
+
+    try:
+        model, tokenizer = load_source(args.model)
+        engine = Engine(model, tokenizer, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
+                        max_memory=args.max_memory)  # fmt: skip
+    except ValueError as err:
+        raise SystemExit(f"error: {err}")
+    print(f"serving {args.model} at http://{args.host}:{args.port}/v1 ({engine.kv.num_blocks} KV blocks)")
+    serve(engine, args.model, args.host, args.port, args.max_queue)
+
+
 def cmd_demo(args) -> None:
     import torch
 
@@ -258,6 +273,16 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--max-tokens", type=_positive_int, default=4096, help="tokens evaluated at most (default 4096)")
     ev.add_argument("--reference", metavar="MODEL", help="model to measure KL(reference || model) against")
     ev.set_defaults(func=cmd_eval)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible server (continuous batching engine) for a model")
+    sv.add_argument("model", metavar="MODEL", help="model folder (e.g. a converted one), 'default', 'smollm2' or a Hub id")
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=_positive_int, default=8000)
+    sv.add_argument("--max-batch-tokens", type=_positive_int, default=512, help="tokens per engine step")
+    sv.add_argument("--block-size", type=_positive_int, default=16)
+    sv.add_argument("--max-memory", type=_positive_int, default=512 * 1024 * 1024, help="KV cache bytes")
+    sv.add_argument("--max-queue", type=_positive_int, default=256, help="requests in flight before 429")
+    sv.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="KV tables and a story from the embedded model, stock vs our attention")
     demo.add_argument("--max-new-tokens", type=_positive_int, default=60)

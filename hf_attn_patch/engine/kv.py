@@ -46,7 +46,8 @@ class EngineLayer(CacheLayerMixin):
         plan = self.kv.plan
         if self.storage is None:
             heads, dk, dv = key_states.shape[1], key_states.shape[-1], value_states.shape[-1]
-            self.storage = key_states.new_zeros((self.kv.num_slots, heads, dk + dv))
+            self.storage = key_states.new_empty((self.kv.num_slots, heads, dk + dv))
+            self.storage[: self.kv.block_size] = 0  # the null block: decode padding reads it (masked, must be finite)
         dk = key_states.shape[-1]
         both = torch.cat([key_states[0], value_states[0]], dim=-1).transpose(0, 1)  # [T, H_kv, d_k + d_v]
         self.storage.index_copy_(0, plan.slot_mapping, both.to(self.storage.dtype))

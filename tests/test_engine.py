@@ -1,0 +1,115 @@
+"""Engine: every request's greedy output equals plain generate() for that prompt alone, whatever the batching."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_attn_patch.engine import Engine, SamplingParams
+from hf_attn_patch.models.pretrained import load_default
+
+from .conftest import tiny_model
+
+MLA = dict(attention_variant="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+PROMPTS = [
+    "Once upon a time, there was a little girl named Lily. She loved to play outside in the sunshine.",
+    "The cat sat",
+    "Tom and his dog went to the park. Tom and his dog",
+    "Once upon a time, there was a little girl named Lily. She loved",
+]
+
+
+@pytest.fixture(scope="module")
+def stories():
+    return load_default()
+
+
+def _reference(model, prompt_ids: list[int], max_new: int) -> list[int]:
+    out = model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids) :].tolist()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [dict(max_batch_tokens=32, prefill_chunk=8), dict(max_batch_tokens=64, chunked_prefill=False),
+     dict(max_batch_tokens=64, num_blocks=40), dict(max_batch_tokens=512, max_num_seqs=2)],
+    ids=["chunked", "whole-prefill", "preempting", "two-at-a-time"],
+)  # fmt: skip
+def test_greedy_equals_generate_alone(stories, options):
+    model, tok = stories
+    engine = Engine(model, tok, block_size=4, **options)
+    outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0))
+    for out in outputs:
+        assert out.token_ids == _reference(model, out.prompt_token_ids, 40)[: len(out.token_ids)]
+        assert out.finish_reason in ("length", "stop")
+    if "num_blocks" in options:
+        assert engine.scheduler.preemptions > 0  # 39 blocks of 4 tokens cannot hold all four requests
+    assert engine.kv.pool.num_live() == 0  # finished requests freed every block
+
+
+def test_prefix_cache_reuses_a_shared_prompt(stories):
+    model, tok = stories
+    engine = Engine(model, tok, block_size=4)
+    first = engine.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0))[0]
+    again = engine.generate(PROMPTS[0], SamplingParams(max_tokens=20, temperature=0))[0]
+    assert first.prefix_hit_tokens == 0 and again.prefix_hit_tokens >= 16
+    assert again.token_ids == first.token_ids == _reference(model, first.prompt_token_ids, 20)[:20]
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [("gpt2", {}), ("opt", {}), ("gpt_neox", {}), ("qwen3", {}), ("llama", MLA), ("deepseek_v3", {})],
+    ids=["gpt2", "opt", "gpt_neox", "qwen3", "llama-mla", "deepseek_v3"],
+)
+def test_architectures(model_type, overrides, stories):
+    model = tiny_model(model_type, **overrides)
+    engine = Engine(model, stories[1], block_size=4, max_batch_tokens=16)
+    prompts = [[5, 9, 13, 22, 40, 7, 8, 9, 10, 11], [3, 4, 5], [50, 60, 70, 80, 90, 11, 12]]
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == _reference(model, prompt, 12)
+
+
+def test_requests_join_and_leave_between_steps(stories):
+    model, tok = stories
+    engine = Engine(model, tok, block_size=4, max_batch_tokens=24)
+    first = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=30, temperature=0))
+    for _ in range(5):
+        engine.step()
+    second = engine.add_request(PROMPTS[2], SamplingParams(max_tokens=10, temperature=0))
+    doomed = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=30, temperature=0))
+    engine.step()
+    engine.abort(doomed)
+    final = {}
+    for out in engine.stream():
+        final[out.request_id] = out
+    assert final[doomed].finish_reason == "abort"
+    for rid, prompt, n in ((first, PROMPTS[0], 30), (second, PROMPTS[2], 10)):
+        assert final[rid].token_ids == _reference(model, tok(prompt).input_ids, n)[:n]
+
+
+def test_sampling_is_seeded_and_stops_apply(stories):
+    model, tok = stories
+    engine = Engine(model, tok)
+    params = SamplingParams(max_tokens=30, temperature=0.8, top_k=20, top_p=0.9, seed=7, logprobs=True)
+    a, b = engine.generate([PROMPTS[1], PROMPTS[1]], [params, params])
+    assert a.token_ids == b.token_ids and len(a.logprobs) == len(a.token_ids)
+    assert all(lp <= 0 for lp in a.logprobs)
+    stopped = engine.generate(PROMPTS[0], SamplingParams(max_tokens=40, temperature=0, stop=["."]))[0]
+    assert stopped.finish_reason == "stop" and "." not in stopped.text
+
+
+def test_bad_input_is_refused_before_work(stories):
+    model, tok = stories
+    with pytest.raises(ValueError, match="SamplingParams.temperature=-1"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="max_batch_tokens=0"):
+        Engine(model, tok, max_batch_tokens=0)
+    engine = Engine(model, tok, block_size=4, num_blocks=8)
+    with pytest.raises(ValueError, match="needs 26 blocks; the engine has 7"):
+        engine.add_request([1] * 4, SamplingParams(max_tokens=100))
+    with pytest.raises(ValueError, match="prompt: expected a non-empty"):
+        engine.add_request([], SamplingParams())
+    with pytest.raises(ValueError, match="sliding-window"):
+        Engine(tiny_model("mistral"), tok)
+    assert not engine.has_unfinished()
