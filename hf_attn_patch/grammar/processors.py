@@ -1,0 +1,241 @@
+"""Grammar-constrained decoding as transformers LogitsProcessors.
+
+One :class:`GrammarState` per row. Every call re-synchronises the states from ``input_ids`` (the contract speculative
+decoding relies on): for each row, the generated suffix ``input_ids[row, prompt_len:]`` (cut after its first EOS) is
+compared with the tokens the state has consumed; the state rolls back to the common prefix and accepts the new
+tokens. A row whose suffix changed completely (beam reordering) starts from a clone of the old row that shares the
+longest prefix with it. ``prompt_len`` is the sequence length at the first call (or after :meth:`reset`).
+
+Then the next-token masks of all rows are filled into one CPU bitmask and applied in place on ``scores``:
+- EOS is allowed only where the row's grammar accepts; a complete grammar allows only EOS (the row stops);
+- a dead end (a token in ``input_ids`` the grammar rejects, or no allowed token within the logits' width) allows only
+  EOS and records the reason in ``finish_reasons[row]``; an invalid token is never allowed.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+import torch
+from transformers import LogitsProcessor
+
+from . import bitmask as bm
+from .compiler import CompiledGrammar, compile_grammar
+from .errors import GrammarError
+from .spec import GrammarSpec
+from .state import GrammarState
+
+logger = logging.getLogger(__name__)
+
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][\w-]*\s*::=", re.MULTILINE)
+
+
+def _common_prefix(a: list, b: list) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # first index where they differ, by bisection on slice equality (C-speed compares)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if a[: mid + 1] == b[: mid + 1]:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+class GrammarConstrainedLogitsProcessor(LogitsProcessor):
+    """Constrain each row to a grammar. Subclasses build the specs from schemas / regexes / grammar text / choices.
+
+    specs: one GrammarSpec for every row, or a list with one per input row (expanded to beams /
+        num_return_sequences: row r uses specs[r // (batch // len(specs))]).
+    tokenizer: the model's Hugging Face tokenizer. backend: "auto" | "llguidance" | "xgrammar".
+    eos_token_id: int or list (default: the tokenizer's); must match the generation config's EOS so rows stop.
+    separators / whitespace_flexible: JSON formatting, see :func:`compile_grammar`.
+
+    After generation: ``finish_reasons[row]`` is None (still running or cut by length), "eos" (grammar complete), or
+    "dead_end: ..."; ``calls`` counts __call__s; ``states`` are the per-row GrammarStates.
+    """
+
+    def __init__(self, specs, tokenizer, *, backend: str = "auto", eos_token_id=None, separators=(", ", ": "),
+                 whitespace_flexible: bool = False):
+        specs = [specs] if isinstance(specs, GrammarSpec) else list(specs)
+        if not specs or not all(isinstance(s, GrammarSpec) for s in specs):
+            raise GrammarError(f"specs: expected a GrammarSpec or a non-empty list of them, got {specs!r:.100}")
+        # Compile now: unsupported features raise here, before generation.
+        self.grammars: list[CompiledGrammar] = [
+            compile_grammar(s, tokenizer, backend=backend, eos_token_id=eos_token_id, separators=separators,
+                            whitespace_flexible=whitespace_flexible)
+            for s in specs
+        ]
+        self.eos_token_ids = self.grammars[0].adapter.eos_token_ids
+        self.vocab_size = self.grammars[0].adapter.vocab_size
+        self.backend = self.grammars[0].backend_name
+        self.calls = 0
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget all rows: the next call fixes a new prompt length and batch size."""
+        self.prompt_len: int | None = None
+        self.states: list[GrammarState] = []
+        self.finish_reasons: list[str | None] = []
+        self._dead_at: list[int | None] = []
+        self._bitmask: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ rows
+    def _start(self, input_ids: torch.LongTensor) -> None:
+        batch = input_ids.shape[0]
+        n = len(self.grammars)
+        if batch % n:
+            raise ValueError(f"specs: {n} grammars (one per input row) do not divide the batch of {batch} rows")
+        per = batch // n
+        self.prompt_len = input_ids.shape[1]
+        self.states = [self.grammars[r // per].new_state() for r in range(batch)]
+        self.finish_reasons = [None] * batch
+        self._dead_at = [None] * batch
+        self._bitmask = bm.allocate_bitmask(batch, self.vocab_size)
+
+    def _targets(self, input_ids: torch.LongTensor) -> list[list[int]]:
+        rows = input_ids[:, self.prompt_len:].tolist()
+        eos = self.eos_token_ids
+        out = []
+        for seq in rows:
+            cut = min((seq.index(e) for e in eos if e in seq), default=None)
+            out.append(seq if cut is None else seq[: cut + 1])
+        return out
+
+    def _sync(self, targets: list[list[int]]) -> None:
+        """Bring every state to its row's target tokens: roll back what diverged, accept what is new."""
+        old = self.states
+        prefix = [_common_prefix(s.tokens, t) for s, t in zip(old, targets)]
+        source = list(range(len(old)))
+        for r, (s, t) in enumerate(zip(old, targets)):
+            if prefix[r] < len(s.tokens):  # diverged (beam reordering, rejected drafts): find the best old row
+                for j, o in enumerate(old):
+                    if j != r and len(o.tokens) > prefix[r]:
+                        p = _common_prefix(o.tokens, t)
+                        if p > prefix[r] + (len(o.tokens) - p) // 4:  # cheaper to clone than to roll back
+                            source[r], prefix[r] = j, p
+        # Clone from the untouched old states first, then mutate.
+        new = [old[r] if source[r] == r else old[source[r]].clone() for r in range(len(old))]
+        self.states = new
+        for r, (s, t) in enumerate(zip(new, targets)):
+            s.rollback(len(s.tokens) - prefix[r])
+            extra = t[prefix[r]:]
+            n = s.accept_tokens(extra) if extra else 0
+            if n < len(extra):
+                pos = len(s.tokens)
+                if self._dead_at[r] != pos:  # else: the EOS we forced after a dead end found at `pos`: keep that reason
+                    self._mark_dead(r, pos, f"token {extra[n]} at position {pos} rejected by the grammar")
+                continue
+            self._dead_at[r] = None
+            ended = s.is_terminated() and bool(s.tokens) and s.tokens[-1] in self.eos_token_ids
+            self.finish_reasons[r] = "eos" if ended else None
+
+    def _mark_dead(self, row: int, pos: int, reason: str) -> None:
+        self._dead_at[row] = pos
+        self.finish_reasons[row] = "dead_end: " + reason
+        logger.warning("grammar row %d: %s; forcing EOS", row, reason)
+
+    # ------------------------------------------------------------------ call
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        """input_ids [B, T], scores [B, V] (any device): returns scores with disallowed tokens at -inf (in place)."""
+        self.calls += 1
+        if self.prompt_len is None:
+            self._start(input_ids)
+        if input_ids.shape[0] != len(self.states):
+            raise ValueError(f"input_ids: batch of {input_ids.shape[0]} rows, but this processor tracks "
+                             f"{len(self.states)}; call reset() before reusing it for another batch")
+        if input_ids.shape[1] < self.prompt_len:
+            raise ValueError(f"input_ids: length {input_ids.shape[1]} is shorter than the prompt ({self.prompt_len}); "
+                             "call reset() before reusing the processor for another prompt")
+        self._sync(self._targets(input_ids.cpu()))
+        mask = self._bitmask
+        width = min(scores.shape[-1], self.vocab_size)
+        for r, s in enumerate(self.states):
+            if self._dead_at[r] is not None:
+                bm.only_tokens(mask, r, self.eos_token_ids)
+                continue
+            s.fill_bitmask(mask, r)
+            if not s.is_terminated() and not bm.any_allowed(mask, r, width):
+                self._mark_dead(r, len(s.tokens), "no token allowed by the grammar within the model's vocabulary")
+                bm.only_tokens(mask, r, self.eos_token_ids)
+        return bm.apply_bitmask_(scores, mask)
+
+    # ------------------------------------------------------------------ helpers for callers
+    def forced_tokens(self, row: int) -> list[int]:
+        """Tokens the grammar forces next for `row` (fast-forward), after the last call's synchronisation."""
+        if self._dead_at[row] is not None:
+            return []
+        return self.states[row].forced_tokens()
+
+    def validate_tokens(self, row: int, token_ids) -> int:
+        """How many leading `token_ids` row `row`'s grammar accepts after its current tokens (draft checking)."""
+        if self._dead_at[row] is not None:
+            return 0
+        return self.states[row].validate_tokens(token_ids)
+
+
+def _per_row(value, is_single) -> list:
+    """A single value, or a list with one value per input row."""
+    if is_single(value):
+        return [value]
+    if isinstance(value, (list, tuple)) and value and all(is_single(v) for v in value):
+        return list(value)
+    return None
+
+
+class JSONSchemaLogitsProcessor(GrammarConstrainedLogitsProcessor):
+    """Rows produce JSON valid under `schema` (dict or JSON text), or a list with one schema per input row."""
+
+    def __init__(self, schema, tokenizer, backend: str = "auto", **kwargs):
+        schemas = _per_row(schema, lambda v: isinstance(v, (dict, str, bool)))
+        if schemas is None:
+            raise GrammarError(f"schema: expected a JSON Schema (dict or JSON text) or a list of them, got {schema!r:.100}")
+        super().__init__([GrammarSpec.json_schema(s) for s in schemas], tokenizer, backend=backend, **kwargs)
+
+
+class RegexLogitsProcessor(GrammarConstrainedLogitsProcessor):
+    """Rows produce text fully matching `pattern` (a regex string), or a list with one pattern per input row."""
+
+    def __init__(self, pattern, tokenizer, backend: str = "auto", **kwargs):
+        patterns = _per_row(pattern, lambda v: isinstance(v, str))
+        if patterns is None:
+            raise GrammarError(f"pattern: expected a regex string or a list of them, got {pattern!r:.100}")
+        super().__init__([GrammarSpec.regex(p) for p in patterns], tokenizer, backend=backend, **kwargs)
+
+
+def grammar_spec(text: str, syntax: str = "auto") -> GrammarSpec:
+    """GrammarSpec for grammar text: syntax "lark", "gbnf" (GBNF / EBNF, ``root ::= ...``) or "auto" (``::=`` -> gbnf)."""
+    if syntax not in ("auto", "lark", "gbnf", "ebnf"):
+        raise GrammarError(f"syntax: expected 'auto', 'lark', 'gbnf' or 'ebnf', got {syntax!r}")
+    if not isinstance(text, str):
+        raise GrammarError(f"grammar: expected grammar text, got {type(text).__name__}")
+    if syntax == "auto":
+        syntax = "gbnf" if _GBNF_RULE.search(text) else "lark"
+    return GrammarSpec.lark(text) if syntax == "lark" else GrammarSpec.gbnf(text)
+
+
+class GrammarLogitsProcessor(GrammarConstrainedLogitsProcessor):
+    """Rows follow a context-free grammar: Lark text (``start: ...``) or GBNF / EBNF text (``root ::= ...``).
+
+    grammar: text, or a list with one text per input row. syntax: "auto" | "lark" | "gbnf".
+    """
+
+    def __init__(self, grammar, tokenizer, backend: str = "auto", syntax: str = "auto", **kwargs):
+        texts = _per_row(grammar, lambda v: isinstance(v, str))
+        if texts is None:
+            raise GrammarError(f"grammar: expected grammar text or a list of them, got {grammar!r:.100}")
+        super().__init__([grammar_spec(t, syntax) for t in texts], tokenizer, backend=backend, **kwargs)
+
+
+class ChoiceLogitsProcessor(GrammarConstrainedLogitsProcessor):
+    """Rows produce exactly one of `choices` (a list of strings), or a list with one choice list per input row."""
+
+    def __init__(self, choices, tokenizer, backend: str = "auto", **kwargs):
+        if isinstance(choices, (list, tuple)) and choices and all(isinstance(c, (list, tuple)) for c in choices):
+            per_row = list(choices)
+        else:
+            per_row = [choices]
+        super().__init__([GrammarSpec.choice(c) for c in per_row], tokenizer, backend=backend, **kwargs)

@@ -1,0 +1,77 @@
+"""What a row must follow: a small, validated description of a grammar, independent of the backend."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import GrammarError
+
+KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice")
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    """One constraint.
+
+    kind: one of ``json_schema`` (source: a JSON Schema dict or JSON text), ``json_object`` (any JSON object; source
+    ignored), ``regex`` (source: pattern, full match), ``lark`` (Lark text with a ``start`` rule), ``gbnf``
+    (GBNF / EBNF text with a ``root`` rule), ``choice`` (source: a tuple of strings; the output is exactly one).
+    key: a canonical string used to cache compiled grammars (two equal specs share one compilation).
+    """
+
+    kind: str
+    source: Any = None
+    key: str = field(default="", compare=False)
+
+    @staticmethod
+    def json_schema(schema) -> "GrammarSpec":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as err:
+                raise GrammarError(f"schema: not valid JSON ({err})") from None
+        if isinstance(schema, bool):
+            schema = {} if schema else {"not": {}}
+        if not isinstance(schema, dict):
+            raise GrammarError(f"schema: expected a JSON Schema dict, got {type(schema).__name__}: {schema!r:.80}")
+        try:
+            key = json.dumps(schema, sort_keys=True, ensure_ascii=False)
+        except (TypeError, ValueError) as err:
+            raise GrammarError(f"schema: not JSON-serialisable ({err})") from None
+        return GrammarSpec("json_schema", schema, "json_schema:" + key)
+
+    @staticmethod
+    def json_object() -> "GrammarSpec":
+        return GrammarSpec("json_object", None, "json_object")
+
+    @staticmethod
+    def regex(pattern: str) -> "GrammarSpec":
+        if not isinstance(pattern, str) or not pattern:
+            raise GrammarError(f"pattern: expected a non-empty regex string, got {pattern!r:.80}")
+        return GrammarSpec("regex", pattern, "regex:" + pattern)
+
+    @staticmethod
+    def lark(text: str) -> "GrammarSpec":
+        if not isinstance(text, str) or not text.strip():
+            raise GrammarError(f"grammar: expected non-empty Lark text, got {text!r:.80}")
+        return GrammarSpec("lark", text, "lark:" + text)
+
+    @staticmethod
+    def gbnf(text: str) -> "GrammarSpec":
+        if not isinstance(text, str) or not text.strip():
+            raise GrammarError(f"grammar: expected non-empty GBNF text, got {text!r:.80}")
+        return GrammarSpec("gbnf", text, "gbnf:" + text)
+
+    @staticmethod
+    def choice(options) -> "GrammarSpec":
+        if isinstance(options, str) or not hasattr(options, "__iter__"):
+            raise GrammarError(f"choices: expected a list of strings, got {options!r:.80}")
+        options = tuple(options)
+        if not options:
+            raise GrammarError("choices: expected at least one string, got an empty list")
+        bad = [o for o in options if not isinstance(o, str) or not o]
+        if bad:
+            raise GrammarError(f"choices: every choice must be a non-empty string, got {bad[0]!r:.80}")
+        return GrammarSpec("choice", options, "choice:" + json.dumps(options, ensure_ascii=False))
