@@ -160,17 +160,19 @@ def _split_reduce_kernel(
     PO, PL, O, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, num_splits,
     D_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):  # fmt: skip
-    """Program (b, h): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); empty splits have lse = -inf."""
+    """Program (b, h): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); empty splits have lse = -inf, o = 0.
+    The split outputs are streamed one row at a time (a [splits, d_v] tile would not fit in registers at d_v 512)."""
     b, h = tl.program_id(0), tl.program_id(1)
     s, dv = tl.arange(0, BLOCK_S), tl.arange(0, BLOCK_DV)
-    smask = s < num_splits
-    lse = tl.load(PL + b * stride_plb + h * stride_plh + s, mask=smask, other=float("-inf"))
-    top = tl.max(lse, 0)
-    w = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    o = tl.load(PO + b * stride_pob + h * stride_poh + s[:, None] * stride_pos + dv[None, :],
-                mask=smask[:, None] & (dv[None, :] < D_V), other=0.0)  # fmt: skip
-    total = tl.sum(w, 0)
-    out = tl.sum(w[:, None] * o, 0) / tl.where(total > 0, total, 1.0)
+    lse_row = PL + b * stride_plb + h * stride_plh
+    top = tl.max(tl.load(lse_row + s, mask=s < num_splits, other=float("-inf")), 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(tl.exp2(tl.load(lse_row + s, mask=s < num_splits, other=float("-inf")) - top), 0)
+    acc = tl.zeros([BLOCK_DV], tl.float32)
+    for i in range(0, num_splits):
+        weight = tl.exp2(tl.load(lse_row + i) - top)
+        acc += weight * tl.load(PO + b * stride_pob + h * stride_poh + i * stride_pos + dv, mask=dv < D_V, other=0.0)
+    out = acc / tl.where(total > 0, total, 1.0)
     tl.store(O + b * stride_ob + h * stride_oh + dv, out.to(O.dtype.element_ty), mask=dv < D_V)
 
 
