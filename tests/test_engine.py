@@ -113,3 +113,16 @@ def test_bad_input_is_refused_before_work(stories):
     with pytest.raises(ValueError, match="sliding-window"):
         Engine(tiny_model("mistral"), tok)
     assert not engine.has_unfinished()
+
+
+def test_speculative_ngram_steps_are_identical_and_fewer(stories):
+    model, tok = stories
+    prompts = ['The little bird said, "I want to fly!" The little bird',
+               "Tom and Sue went to the park. They played on the swings. They played on the slide."]  # fmt: skip
+    plain = Engine(model, tok, block_size=4)
+    reference = plain.generate(prompts, SamplingParams(max_tokens=60, temperature=0))
+    fast = Engine(model, tok, block_size=4, max_batch_tokens=64)
+    outputs = fast.generate(prompts, SamplingParams(max_tokens=60, temperature=0, num_speculative_tokens=5))
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
+    assert sum(o.metrics["speculative_accepted"] for o in outputs) > 0
+    assert fast.steps < plain.steps

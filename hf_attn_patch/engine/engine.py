@@ -20,6 +20,8 @@ import time
 
 import torch
 
+from ..speculative.drafters import ngram_lookup
+from ..speculative.rejection import verify_greedy, verify_sampling
 from .attention import ENGINE_ATTENTION
 from .kv import EngineKV, StepPlan, bytes_per_block
 from .params import RequestOutput, SamplingParams
@@ -102,9 +104,10 @@ class Engine:
     # -- running -----------------------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduling step and one packed forward; outputs of requests that gained a token or finished."""
+        """One scheduling step and one packed forward; outputs of requests that gained tokens or finished."""
         with self.lock:
             outputs, self._aborted = self._aborted, []
+            self._propose_drafts()
             scheduled = self.scheduler.schedule()
             if not scheduled:
                 return outputs
@@ -112,11 +115,20 @@ class Engine:
             logits = self._forward(scheduled, samplers)
             for request, n in scheduled:
                 request.computed += n
+            for request, _ in samplers:
+                rows, logits = logits[: 1 + len(request.draft)], logits[1 + len(request.draft) :]
+                outputs.append(self._advance(request, rows))
+            for request, _ in scheduled:
                 self.scheduler.register_full_blocks(request)
-            for (request, _), row in zip(samplers, logits):
-                outputs.append(self._advance(request, row))
             self.steps += 1
         return outputs
+
+    def _propose_drafts(self) -> None:
+        """n-gram lookup drafts for decoding requests that asked for speculation (verified in the same forward)."""
+        for request in self.scheduler.running:
+            k = min(request.params.num_speculative_tokens, request.params.max_tokens - len(request.generated) - 1)
+            if k > 0 and request.grammar is None and request.computed == len(request.tokens) - 1:
+                request.draft = ngram_lookup(torch.tensor(request.tokens), k).tolist()
 
     def stream(self):
         """Yield outputs step by step until every request has finished."""
@@ -140,11 +152,12 @@ class Engine:
     # -- internals ---------------------------------------------------------------------------------------------
 
     def _forward(self, scheduled, samplers) -> torch.Tensor:
-        """Packed forward of the scheduled tokens -> float32 logits [len(samplers), V] (last token of each)."""
+        """Packed forward of the scheduled tokens -> float32 logits [sum(1 + drafts), V]: per sampling request,
+        its last token's and (speculation) every draft position's."""
         tokens, positions, slots, decode, chunks, last = [], [], [], [], [], []
         for request, n in scheduled:
             start = len(tokens)
-            tokens += request.tokens[request.computed : request.computed + n]
+            tokens += (request.tokens + request.draft)[request.computed : request.computed + n]
             positions += range(request.computed, request.computed + n)
             slots.append(self.kv.slots(request.table, request.computed, request.computed + n))
             context = self.kv.slots(request.table, 0, request.computed + n)
@@ -152,8 +165,8 @@ class Engine:
                 decode.append((start, context))
             else:
                 chunks.append((start, n, context))
-            if request.remaining == n:
-                last.append(len(tokens) - 1)
+            if request.remaining == n:  # logits of its last token, and of each draft position before it
+                last.extend(range(len(tokens) - 1 - len(request.draft), len(tokens)))
         longest = max((c.numel() for _, c in decode), default=0)
         decode_slots = torch.zeros((len(decode), longest), dtype=torch.long)
         for i, (_, context) in enumerate(decode):
@@ -175,34 +188,28 @@ class Engine:
         return out.logits[0].float().cpu()
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestOutput:
-        """Sample the request's next token, apply its stops, and report it."""
-        now = time.perf_counter()
-        request.first_token_time = request.first_token_time or now
-        params = request.params
-        logits = logits[: self.vocab_size]
+        """logits [1 + drafts, V] -> sample (verify drafts), append tokens up to the first stop, report."""
+        request.first_token_time = request.first_token_time or time.perf_counter()
+        params, draft = request.params, request.draft
+        logits = logits[:, : self.vocab_size]
         if request.grammar is not None:
             logits = request.grammar.mask_logits(logits)
-        scores = _process(logits, params)
+        scores = torch.stack([_process(row, params) for row in logits])  # [1 + d, V]
+        drafts = torch.tensor([draft], dtype=torch.long)
         if params.greedy:
-            token = int(scores.argmax())
+            accepted, token = verify_greedy(scores[None], drafts, torch.tensor([len(draft)]))
         else:
-            token = int(torch.multinomial(scores.softmax(-1), 1, generator=request.generator))
-        request.generated.append(token)
-        if params.logprobs:
-            request.logprobs.append(float(scores.log_softmax(-1)[token]))
-        if request.grammar is not None:
-            request.grammar.accept(token)
-        before = request.text
-        request.text = self.tokenizer.decode(request.generated, skip_special_tokens=True)
-        reason = None
-        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
-            reason = "stop"
-        elif params.stop and (cut := _find_stop(request.text, params.stop, len(before))) is not None:
-            request.text, reason = request.text[:cut], "stop"
-        elif len(request.generated) >= params.max_tokens:
-            reason = "length"
-        elif request.grammar is not None and request.grammar.is_terminated():
-            reason = "stop"
+            accepted, token = verify_sampling(scores[None].softmax(-1), drafts, torch.tensor([len(draft)]), None,
+                                              request.generator)  # fmt: skip
+        accepted = int(accepted)
+        request.computed -= len(draft) - accepted  # the rejected drafts' K/V is overwritten later
+        request.proposed, request.accepted = request.proposed + len(draft), request.accepted + accepted
+        request.draft = []
+        before, reason = request.text, None
+        for position, token in enumerate(draft[:accepted] + [int(token)]):
+            reason = self._append(request, token, scores[position], len(before))
+            if reason is not None:
+                break
         new_text = request.text[len(before) :] if request.text.startswith(before) else request.text
         if reason is not None:
             request.finish_reason = reason
@@ -210,11 +217,32 @@ class Engine:
             self.requests.pop(request.id, None)
         return self._output(request, new_text, finished=reason is not None)
 
+    def _append(self, request: Request, token: int, scores: torch.Tensor, searched: int) -> str | None:
+        """Add one token; returns the finish reason it causes, if any."""
+        params = request.params
+        request.generated.append(token)
+        if params.logprobs:
+            request.logprobs.append(float(scores.log_softmax(-1)[token]))
+        if request.grammar is not None:
+            request.grammar.accept(token)
+        request.text = self.tokenizer.decode(request.generated, skip_special_tokens=True)
+        if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if params.stop and (cut := _find_stop(request.text, params.stop, searched)) is not None:
+            request.text = request.text[:cut]
+            return "stop"
+        if len(request.generated) >= params.max_tokens:
+            return "length"
+        if request.grammar is not None and request.grammar.is_terminated():
+            return "stop"
+        return None
+
     def _output(self, request: Request, new_text: str, finished: bool) -> RequestOutput:
         return RequestOutput(
             request.id, request.prompt_ids, list(request.generated), request.text, finished, request.finish_reason,
             list(request.logprobs) if request.params.logprobs else None, new_text, request.prefix_hit_tokens,
             {"arrival": request.arrival, "first_token": request.first_token_time, "preemptions": request.preemptions,
+             "speculative_proposed": request.proposed, "speculative_accepted": request.accepted,
              "finished": time.perf_counter() if finished else None},
         )  # fmt: skip
 

@@ -18,6 +18,7 @@ class SamplingParams:
     logprobs: bool = False  # log-probability of each chosen token (after temperature / top-k / top-p)
     response_format: dict | None = None  # OpenAI style: {"type": "json_schema", "json_schema": {"schema": ...}}
     grammar: object = None  # anything hf_attn_patch.grammar accepts as `grammar=`
+    num_speculative_tokens: int = 0  # n-gram lookup drafts verified per decode step (0 = off)
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -30,6 +31,8 @@ class SamplingParams:
             ("seed", self.seed is None or isinstance(self.seed, int), "an integer or None"),
             ("stop", all(isinstance(s, str) and s for s in self.stop), "a list of non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) for t in self.stop_token_ids), "a list of integers"),
+            ("num_speculative_tokens", isinstance(self.num_speculative_tokens, int) and self.num_speculative_tokens >= 0,
+             "an integer >= 0"),
         ]
         for name, ok, expected in checks:
             if not ok:

@@ -42,6 +42,9 @@ class Request:
     first_token_time: float | None = None
     generator: torch.Generator | None = None
     grammar: object = None  # a grammar state (hf_attn_patch.grammar) when the request is constrained
+    draft: list[int] = field(default_factory=list)  # speculative tokens verified in this step (after `tokens`)
+    proposed: int = 0  # speculative tokens proposed / accepted so far
+    accepted: int = 0
 
     @property
     def tokens(self) -> list[int]:
@@ -49,8 +52,8 @@ class Request:
 
     @property
     def remaining(self) -> int:
-        """Tokens to run through the model before the next sample (1 when decoding)."""
-        return len(self.prompt_ids) + len(self.generated) - self.computed
+        """Tokens to run through the model before the next sample (1 + drafts when decoding)."""
+        return len(self.prompt_ids) + len(self.generated) + len(self.draft) - self.computed
 
 
 class Scheduler:
@@ -119,7 +122,10 @@ class Scheduler:
 
     def _take(self, request: Request, budget: int, alone: bool) -> int:
         need = request.remaining
-        if need == 1 or self.chunked_prefill:
+        if request.computed >= len(request.tokens) - 1:  # decoding: its last token plus any drafts, never split
+            del request.draft[max(0, budget - 1) :]  # verify fewer drafts rather than wait
+            return request.remaining if request.remaining <= budget else 0
+        if self.chunked_prefill:
             return min(need, budget, self.prefill_chunk)
         return need if need <= budget or alone else 0
 
@@ -154,7 +160,7 @@ class Scheduler:
     def _release(self, request: Request) -> None:
         for block in request.table:
             self.kv.pool.free(block)
-        request.table, request.hashes, request.computed = [], [], 0
+        request.table, request.hashes, request.computed, request.draft = [], [], 0, []
 
     def _attach_prefix(self, request: Request) -> int:
         """Reuse cached blocks of the request's leading full blocks (not the one holding its last token)."""

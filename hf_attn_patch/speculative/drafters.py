@@ -58,19 +58,21 @@ class PromptLookupDrafter(Drafter):
         tokens = sequences.tokens.new_zeros((batch, k))
         lengths = torch.zeros(batch, dtype=torch.long)
         for b in range(batch):
-            continuation = self._lookup(sequences.row(b), k)
+            continuation = ngram_lookup(sequences.row(b), k, self.max_ngram, self.min_ngram)
             tokens[b, : len(continuation)] = continuation
             lengths[b] = len(continuation)
         return Draft(tokens, lengths.to(tokens.device))
 
-    def _lookup(self, row: torch.Tensor, k: int) -> torch.Tensor:
-        for n in range(min(self.max_ngram, len(row) - 1), self.min_ngram - 1, -1):
-            windows = row[:-1].unfold(0, n, 1)  # every earlier n-gram that has at least one token after it
-            hits = (windows == row[-n:]).all(1).nonzero()
-            if hits.numel():
-                start = int(hits[-1]) + n
-                return row[start : start + k]
-        return row[:0]
+
+def ngram_lookup(row: torch.Tensor, k: int, max_ngram: int = 3, min_ngram: int = 1) -> torch.Tensor:
+    """Up to k tokens that followed the most recent earlier occurrence of row's last n tokens (longest n first)."""
+    for n in range(min(max_ngram, len(row) - 1), min_ngram - 1, -1):
+        windows = row[:-1].unfold(0, n, 1)  # every earlier n-gram that has at least one token after it
+        hits = (windows == row[-n:]).all(1).nonzero()
+        if hits.numel():
+            start = int(hits[-1]) + n
+            return row[start : start + k]
+    return row[:0]
 
 
 class ModelDrafter(Drafter):
