@@ -39,7 +39,7 @@ class CompiledGrammar:
 
     def new_state(self) -> GrammarState:
         return GrammarState(self.backend.matcher(self._compiled), self.adapter.eos_token_ids, self.adapter.vocab_size,
-                            backend=self.backend.name)
+                            backend=self.backend.name, banned_token_ids=self.adapter.special_token_ids)
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_token_id=None,

@@ -4,7 +4,9 @@ One :class:`GrammarState` per row. Every call re-synchronises the states from ``
 decoding relies on): for each row, the generated suffix ``input_ids[row, prompt_len:]`` (cut after its first EOS) is
 compared with the tokens the state has consumed; the state rolls back to the common prefix and accepts the new
 tokens. A row whose suffix changed completely (beam reordering) starts from a clone of the old row that shares the
-longest prefix with it. ``prompt_len`` is the sequence length at the first call (or after :meth:`reset`).
+longest prefix with it. ``prompt_len`` is the sequence length at the first call; a call whose first ``prompt_len``
+columns differ from that prompt (or with another batch size) starts over, so one processor can serve several
+generate() calls (:meth:`reset` does it explicitly).
 
 Then the next-token masks of all rows are filled into one CPU bitmask and applied in place on ``scores``:
 - EOS is allowed only where the row's grammar accepts; a complete grammar allows only EOS (the row stops);
@@ -91,10 +93,16 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
             raise ValueError(f"specs: {n} grammars (one per input row) do not divide the batch of {batch} rows")
         per = batch // n
         self.prompt_len = input_ids.shape[1]
+        self._prompt = input_ids.clone()
         self.states = [self.grammars[r // per].new_state() for r in range(batch)]
         self.finish_reasons = [None] * batch
         self._dead_at = [None] * batch
         self._bitmask = bm.allocate_bitmask(batch, self.vocab_size)
+
+    def _same_request(self, ids: torch.Tensor) -> bool:
+        """Whether `ids` continues the prompt seen at the first call (else generate() reuses us for a new request)."""
+        return (ids.shape[0] == self._prompt.shape[0] and ids.shape[1] >= self.prompt_len
+                and torch.equal(ids[:, : self.prompt_len], self._prompt))
 
     def _targets(self, input_ids: torch.LongTensor) -> list[list[int]]:
         rows = input_ids[:, self.prompt_len:].tolist()
@@ -115,7 +123,7 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
                 for j, o in enumerate(old):
                     if j != r and len(o.tokens) > prefix[r]:
                         p = _common_prefix(o.tokens, t)
-                        if p > prefix[r] + (len(o.tokens) - p) // 4:  # cheaper to clone than to roll back
+                        if p > prefix[r]:  # a clone + short rollback beats re-advancing over the difference
                             source[r], prefix[r] = j, p
         # Clone from the untouched old states first, then mutate.
         new = [old[r] if source[r] == r else old[source[r]].clone() for r in range(len(old))]
@@ -142,15 +150,13 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
         """input_ids [B, T], scores [B, V] (any device): returns scores with disallowed tokens at -inf (in place)."""
         self.calls += 1
+        ids = input_ids.cpu()
+        if self.prompt_len is not None and not self._same_request(ids):
+            logger.debug("grammar processor: new prompt or batch size, starting over")
+            self.reset()
         if self.prompt_len is None:
-            self._start(input_ids)
-        if input_ids.shape[0] != len(self.states):
-            raise ValueError(f"input_ids: batch of {input_ids.shape[0]} rows, but this processor tracks "
-                             f"{len(self.states)}; call reset() before reusing it for another batch")
-        if input_ids.shape[1] < self.prompt_len:
-            raise ValueError(f"input_ids: length {input_ids.shape[1]} is shorter than the prompt ({self.prompt_len}); "
-                             "call reset() before reusing the processor for another prompt")
-        self._sync(self._targets(input_ids.cpu()))
+            self._start(ids)
+        self._sync(self._targets(ids))
         mask = self._bitmask
         width = min(scores.shape[-1], self.vocab_size)
         for r, s in enumerate(self.states):

@@ -27,8 +27,9 @@ class GrammarState:
     vocab_size: width of the masks (the tokenizer's vocabulary; bitmask words = ceil(vocab_size / 32)).
     """
 
-    def __init__(self, matcher, eos_token_ids, vocab_size: int, backend: str = ""):
+    def __init__(self, matcher, eos_token_ids, vocab_size: int, backend: str = "", banned_token_ids=()):
         self._m = matcher
+        self.banned_token_ids = tuple(banned_token_ids)
         self.eos_token_ids = tuple(eos_token_ids)
         self._eos = frozenset(self.eos_token_ids)
         self.vocab_size = vocab_size
@@ -107,7 +108,8 @@ class GrammarState:
     def fill_bitmask(self, bitmask: torch.Tensor, index: int = 0) -> bool:
         """Write the next-token mask into row `index` of `bitmask` (CPU int32 [*, ceil(vocab_size / 32)]).
 
-        EOS bits are set iff the grammar accepts here; a terminated state allows only EOS.
+        EOS bits are set iff the grammar accepts here; other special tokens are never set; a terminated state allows
+        only EOS.
         Returns False if no token at all is allowed (a dead end; the row is left all-zero).
         """
         if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.shape[-1] != (self.vocab_size + 31) // 32:
@@ -117,6 +119,7 @@ class GrammarState:
             bm.only_tokens(bitmask, index, self.eos_token_ids)
             return True
         self._m.fill(bitmask, index)
+        bm.set_tokens(bitmask, index, self.banned_token_ids, False)
         bm.set_tokens(bitmask, index, self.eos_token_ids, self._m.is_accepting())
         return bm.any_allowed(bitmask, index, self.vocab_size)
 
@@ -128,7 +131,8 @@ class GrammarState:
 
     def clone(self) -> "GrammarState":
         """An independent copy (same grammar, same position)."""
-        other = GrammarState(self._m.clone(), self.eos_token_ids, self.vocab_size, backend=self.backend)
+        other = GrammarState(self._m.clone(), self.eos_token_ids, self.vocab_size, backend=self.backend,
+                             banned_token_ids=self.banned_token_ids)
         other.tokens = list(self.tokens)
         other._terminated = self._terminated
         return other

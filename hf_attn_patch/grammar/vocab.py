@@ -116,16 +116,27 @@ def normalize_eos(tokenizer, eos_token_id) -> tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
+def _special_ids(tokenizer, eos_token_ids) -> tuple[int, ...]:
+    """Special / control token ids other than EOS: never part of a grammar's text (some backends let them through)."""
+    special = set(getattr(tokenizer, "all_special_ids", []) or [])
+    for tid, added in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items():
+        if getattr(added, "special", False):
+            special.add(int(tid))
+    return tuple(sorted(special - set(eos_token_ids)))
+
+
 class TokenizerAdapter:
     """The backends' views of one tokenizer (+ EOS ids). Build with :func:`get_adapter`, not directly.
 
     vocab_size: number of token ids the tokenizer knows (``len(tokenizer)``): the width of the grammar masks.
     eos_token_ids: the ids that end a row; allowed only where the grammar accepts.
+    special_token_ids: the other special tokens; never allowed.
     """
 
     def __init__(self, tokenizer, eos_token_ids: tuple[int, ...], fingerprint: str):
         self.vocab_size = len(tokenizer)
         self.eos_token_ids = eos_token_ids
+        self.special_token_ids = _special_ids(tokenizer, eos_token_ids)
         self.fingerprint = fingerprint
         self._tokenizer_ref = weakref.ref(tokenizer)
         self._llg = None
@@ -183,10 +194,28 @@ class _WrappedVocab:
         self.tokens, self.special_token_ids = token_bytes(tokenizer)
         self.eos_token_id = eos_token_ids[0]
         self.bos_token_id = getattr(tokenizer, "bos_token_id", None)
-        self._tokenizer = tokenizer
+        skip = set(self.special_token_ids)
+        self._by_bytes = {}
+        for tid, b in enumerate(self.tokens):
+            if b and tid not in skip:
+                self._by_bytes.setdefault(b, tid)
+        self._longest = max((len(b) for b in self._by_bytes), default=1)
 
-    def __call__(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text, add_special_tokens=False)
+    def __call__(self, text) -> list[int]:
+        """Greedy longest-match tokenization over the decoded vocabulary: byte-exact, with no SentencePiece prefix
+        space (the HF tokenizer's own encode() would add one)."""
+        data = text.encode("utf-8") if isinstance(text, str) else bytes(text)
+        out, i = [], 0
+        while i < len(data):
+            for n in range(min(self._longest, len(data) - i), 0, -1):
+                tid = self._by_bytes.get(data[i:i + n])
+                if tid is not None:
+                    out.append(tid)
+                    i += n
+                    break
+            else:
+                raise ValueError(f"byte {data[i]:#04x} has no token in this vocabulary")
+        return out
 
 
 def get_adapter(tokenizer, eos_token_id=None) -> TokenizerAdapter:
