@@ -2,7 +2,8 @@
 
 `import hf_attn_patch` calls `patch()`: a transformers model whose config carries `attention_variant` ("gqa" or
 "mla", with DeepSeek's MLA field names) is built with our attention modules; every other model is untouched.
-`unpatch()` restores transformers exactly.
+`generate()` gains a paged KV cache (`cache_implementation="paged_kv"`) and speculative decoding for any batch
+size; `Engine` serves many requests with continuous batching. `unpatch()` restores transformers exactly.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ if Version(transformers.__version__).release[:2] != Version(SUPPORTED_TRANSFORME
 
 from ._patching import is_patched, patch, unpatch, unpatched  # noqa: E402
 from .cache import CacheFullError, PagedKVCache  # noqa: E402
+from .engine import Engine, RequestOutput, SamplingParams  # noqa: E402
 from .kv_memory import kv_cache_bytes  # noqa: E402
+from .speculative import SpeculativeStats  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["CacheFullError", "PagedKVCache", "is_patched", "kv_cache_bytes", "patch", "unpatch", "unpatched"]
+__all__ = ["CacheFullError", "Engine", "PagedKVCache", "RequestOutput", "SamplingParams", "SpeculativeStats",
+           "is_patched", "kv_cache_bytes", "patch", "unpatch", "unpatched"]  # fmt: skip
 
 patch()
