@@ -1,0 +1,40 @@
+"""Our MLA's decode steps over PagedKVCache go through kernels.mla_decode on CUDA (gate opened here on CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_attn_patch.kernels as kernels
+from hf_attn_patch import PagedKVCache
+from hf_attn_patch.attention import mla
+
+from .conftest import tiny_model
+from .test_paged_cache import ragged
+
+MLA = dict(attention_variant="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
+
+
+@pytest.mark.parametrize("model_type, overrides", [("llama", MLA), ("deepseek_v3", {})], ids=["llama-mla", "deepseek_v3"])
+def test_mla_decode_goes_through_the_kernel_entry(model_type, overrides, monkeypatch):
+    model = tiny_model(model_type, **overrides)
+    ids, mask = ragged(lengths=(9, 4, 13))
+    kw = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=6, do_sample=False)
+    expected = model.generate(ids, **kw)
+    calls = []
+    original = kernels.mla_decode
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs["key_mask"] is not None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(kernels, "mla_decode", spy)
+    monkeypatch.setattr(mla, "use_decode_kernel", lambda query: True)
+    model.set_attn_implementation("paged_kv")  # the cache then hands attention its storage and slot table
+    out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
+    assert torch.equal(out, expected)
+    assert len(calls) == 5 * model.config.num_hidden_layers and all(calls)  # every decode step, padding masked
+
+
+def test_cpu_keeps_the_reference_path():
+    assert mla.use_decode_kernel(torch.zeros(1)) is False
