@@ -15,8 +15,9 @@ What is replaced, and why no official hook does it:
   blocks it already holds (prefix caching) before the prefill forward; generate() then feeds only the rest.
 - `GenerationMixin._assisted_decoding`: our speculative loop (speculative/decoding.py) for every batch size;
   transformers' own still runs what ours does not cover (different tokenizers, MTP, output_scores...) at batch 1.
-- `GenerationMixin.generate`: takes our keywords (`speculative_stats=`, `draft_length=`) off the call and hands
-  them to the decoding loop, since generate() rejects keywords the model does not know.
+- `GenerationMixin.generate`: takes our keywords off the call, since generate() rejects keywords the model does not
+  know: `response_format=` / `grammar=` (with `tokenizer=`) become a grammar logits processor; `speculative_stats=`
+  and `draft_length=` go to the speculative decoding loop.
 - Official hooks, recorded the same way: `AttentionInterface.register("paged_kv", ...)` and
   `AttentionMaskInterface.register("paged_kv", sdpa_mask)` (attention that reads the paged blocks itself), and
   `AttentionInterface.register("hf_attn_engine", ...)` (the engine's packed forward).
@@ -160,6 +161,9 @@ def _generate_with_options(original):
     def generate(self, *args, **kwargs):
         from .speculative.decoding import generate_options
 
+        if kwargs.get("response_format") is not None or kwargs.get("grammar") is not None:
+            _add_grammar_processor(self, kwargs)
+        kwargs.pop("response_format", None), kwargs.pop("grammar", None)
         token = generate_options.set({name: kwargs.pop(name) for name in GENERATE_KEYWORDS if name in kwargs})
         try:
             return original(self, *args, **kwargs)
@@ -167,6 +171,23 @@ def _generate_with_options(original):
             generate_options.reset(token)
 
     return generate
+
+
+def _add_grammar_processor(model, kwargs) -> None:
+    """generate(response_format=..., grammar=..., tokenizer=...): compile now (errors before any work) and append
+    the grammar processor to logits_processor."""
+    from transformers import LogitsProcessorList
+
+    from .grammar import processor_from_generate_kwargs
+
+    eos = kwargs.get("eos_token_id")
+    if eos is None and model.generation_config is not None:
+        eos = model.generation_config.eos_token_id
+    processor = processor_from_generate_kwargs(response_format=kwargs.get("response_format"),
+                                               grammar=kwargs.get("grammar"), tokenizer=kwargs.get("tokenizer"),
+                                               backend=kwargs.pop("grammar_backend", "auto"), eos_token_id=eos)  # fmt: skip
+    if processor is not None:
+        kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), processor])
 
 
 def _assisted_any_batch(original):

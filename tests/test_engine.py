@@ -126,3 +126,29 @@ def test_speculative_ngram_steps_are_identical_and_fewer(stories):
     assert [o.token_ids for o in outputs] == [o.token_ids for o in reference]
     assert sum(o.metrics["speculative_accepted"] for o in outputs) > 0
     assert fast.steps < plain.steps
+
+
+def test_per_request_grammar(stories):
+    import json
+
+    import jsonschema
+
+    model, tok = stories
+    schema = {"type": "object", "additionalProperties": False, "required": ["name"],
+              "properties": {"name": {"type": "string", "maxLength": 10}}}  # fmt: skip
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    engine = Engine(model, tok, block_size=4)
+    json_out, regex_out, free = engine.generate(PROMPTS[:3], [
+        SamplingParams(max_tokens=40, temperature=0, response_format=fmt),
+        SamplingParams(max_tokens=40, temperature=0.8, seed=3, grammar={"type": "regex", "pattern": "(yes|no), [a-z]{3,6}"}),
+        SamplingParams(max_tokens=10, temperature=0)])  # fmt: skip
+    jsonschema.validate(json.loads(json_out.text), schema)
+    assert json_out.finish_reason == "stop"
+    import re
+
+    assert re.fullmatch("(yes|no), [a-z]{3,6}", regex_out.text)
+    reference = model.generate(**tok(PROMPTS[0], return_tensors="pt"), max_new_tokens=40, do_sample=False,
+                               response_format=fmt, tokenizer=tok)  # fmt: skip
+    assert tok.decode(reference[0, len(json_out.prompt_token_ids) :], skip_special_tokens=True) == json_out.text
+    with pytest.raises(ValueError, match="response_format"):
+        engine.add_request("Hi", SamplingParams(response_format={"type": "nope"}))

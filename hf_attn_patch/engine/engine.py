@@ -251,7 +251,7 @@ class Engine:
             return None
         from .grammar_link import request_grammar
 
-        return request_grammar(self.tokenizer, self.vocab_size, params.response_format, params.grammar)
+        return request_grammar(self.tokenizer, self.eos_ids, params.response_format, params.grammar)
 
 
 def _process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

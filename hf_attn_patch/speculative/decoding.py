@@ -8,6 +8,8 @@ stop strings, checked token by token inside the accepted run) leave the batch at
 Keywords, as in transformers: `assistant_model=`, `assistant_early_exit=`, `prompt_lookup_num_tokens=`
 (`max_matching_ngram_size=`). Ours, accepted by generate() while patched: `draft_length="adaptive"` (default) or
 an int for a fixed length, and `speculative_stats=SpeculativeStats()` to receive acceptance and timing figures.
+Grammar processors (response_format= / grammar=) are driven per row by grammar_rows.py: drafts are checked
+against the grammar before verification and the states roll back what was rejected.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .draft_length import DraftLength
 from .drafters import Draft, ModelDrafter, PromptLookupDrafter
+from .grammar_rows import GrammarRows, grammar_processors
 from .ragged import RaggedModel, check_supported
 from .rejection import verify_greedy, verify_sampling
 from .sequences import Sequences
@@ -137,8 +140,18 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
         attention_mask = torch.ones_like(input_ids)
     sequences = Sequences(input_ids, attention_mask, pad_id)
 
-    def process(tokens, logits):
-        return logits_processor(tokens, logits) if len(logits_processor) else logits
+    grammars = {id(p): GrammarRows(p, batch) for p in grammar_processors(logits_processor)}
+
+    def process(tokens, logits, position=None):
+        """generate()'s processors in their order; grammars mask verification `position` j, or (position None)
+        a drafter's next draft token."""
+        for processor in logits_processor:
+            if id(processor) in grammars:
+                rows = grammars[id(processor)]
+                logits = rows.draft_mask(tokens, logits) if position is None else rows.apply(logits, position)
+            else:
+                logits = processor(tokens, logits)
+        return logits
 
     def pick(scores):
         return torch.multinomial(scores.softmax(-1), 1).squeeze(1) if do_sample else scores.argmax(-1)
@@ -147,27 +160,37 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     outputs = model._prefill(input_ids, generation_config, model_kwargs)
     target = RaggedModel(model, cache, attention_mask, attention_mask.long().sum(1))
     drafter.start(sequences, attention_mask)
-    first = pick(process(sequences.tokens, outputs.logits[:, -1].float()))
+    for rows in grammars.values():
+        rows.prepare(_empty_draft(input_ids[:, -1]), cut=False)
+    first = pick(process(sequences.tokens, outputs.logits[:, -1].float(), position=0))
     del outputs
     pending = first
     finished = _emit(sequences, [[t] for t in first.tolist()], eos_ids, max_new, other_criteria)
+    for rows in grammars.values():
+        rows.commit([[t] for t in first.tolist()])
     _stream(streamer, first)
 
     while True:
-        pending, active = _drop_finished(finished, pending, target, drafter, sequences, lengths)
+        pending, active = _drop_finished(finished, pending, target, drafter, sequences, lengths, grammars.values())
         if not active:
             break
         k = lengths.choose()
         round_start = time.perf_counter()
+        for rows in grammars.values():
+            rows.begin_draft(sequences.tokens.shape[1])
         draft = drafter.propose(sequences, k, process, do_sample) if k else _empty_draft(pending)
+        for rows in grammars.values():
+            rows.end_draft()
         k = int(draft.lengths.max()) if k else 0  # verify no wider than the longest proposal (n-gram misses)
         draft = Draft(draft.tokens[:, :k], draft.lengths, None if draft.probs is None else draft.probs[:, :k])
+        for rows in grammars.values():  # masks of every draft position; point-mass / greedy drafts end where invalid
+            draft = rows.prepare(draft, cut=draft.probs is None or not do_sample)
         drafted = time.perf_counter()
 
         target.mark()
         logits = target.forward(torch.cat([pending[:, None], draft.tokens], dim=1))  # [B, k+1, V]
         scores = torch.stack(
-            [process(sequences.with_drafts(draft.tokens[:, :j]), logits[:, j]) for j in range(k + 1)], dim=1
+            [process(sequences.with_drafts(draft.tokens[:, :j]), logits[:, j], j) for j in range(k + 1)], dim=1
         )
         if do_sample:
             accepted, next_token = verify_sampling(scores.softmax(-1), draft.tokens, draft.lengths, draft.probs)
@@ -178,6 +201,8 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
         counts, nexts, drafts = accepted.tolist(), next_token.tolist(), draft.tokens.tolist()
         new_tokens = [drafts[b][: counts[b]] + [nexts[b]] for b in range(len(counts))]
         finished = _emit(sequences, new_tokens, eos_ids, max_new, other_criteria)
+        for rows in grammars.values():
+            rows.commit(new_tokens)
         pending = next_token
         if streamer is not None:
             _stream(streamer, torch.tensor(new_tokens[0]))
@@ -235,7 +260,7 @@ def _cut_at_criteria(sequences: Sequences, new_tokens, finished, criteria) -> No
                 finished[b] = True
 
 
-def _drop_finished(finished, pending, target, drafter, sequences, lengths):
+def _drop_finished(finished, pending, target, drafter, sequences, lengths, grammars):
     if not any(finished):
         return pending, True
     keep = torch.tensor([b for b, f in enumerate(finished) if not f], dtype=torch.long, device=pending.device)
@@ -245,6 +270,8 @@ def _drop_finished(finished, pending, target, drafter, sequences, lengths):
     drafter.select(keep)
     sequences.select(keep)
     lengths.select(keep)
+    for rows in grammars:
+        rows.select(keep)
     return pending[keep], True
 
 
