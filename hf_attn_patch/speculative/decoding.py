@@ -159,7 +159,7 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     # Prefill exactly as generate() does (a PagedKVCache learns each row's padding and prefix hits there).
     outputs = model._prefill(input_ids, generation_config, model_kwargs)
     target = RaggedModel(model, cache, attention_mask, attention_mask.long().sum(1))
-    drafter.start(sequences, attention_mask)
+    drafter.start(sequences, attention_mask, cache)
     for rows in grammars.values():
         rows.prepare(_empty_draft(input_ids[:, -1]), cut=False)
     first = pick(process(sequences.tokens, outputs.logits[:, -1].float(), position=0))

@@ -2,7 +2,7 @@
 
 The interface is four methods, so a new drafter (say a converted MQA/MLA or layer-pruned copy of the target) plugs
 in by subclassing `Drafter`:
-- `start(sequences, attention_mask)`: once, after the target's prefill;
+- `start(sequences, attention_mask, target_cache)`: once, after the target's prefill;
 - `propose(sequences, k, process, do_sample) -> Draft`: tokens [B, k], per-row lengths [B] (<= k) and, for
   drafters that sample, their processed probabilities q [B, k, V] (None = point mass on each token);
 - `accepted(counts)`: row b's first counts[b] drafts were accepted (the sequences are extended after this call);
@@ -31,7 +31,7 @@ class Draft:
 class Drafter:
     """Base class (see the module docstring for the protocol)."""
 
-    def start(self, sequences: Sequences, attention_mask: torch.Tensor) -> None:
+    def start(self, sequences: Sequences, attention_mask: torch.Tensor, target_cache=None) -> None:
         pass
 
     def propose(self, sequences: Sequences, k: int, process, do_sample: bool) -> Draft:
@@ -87,14 +87,24 @@ class ModelDrafter(Drafter):
             if not 1 <= num_layers < total:
                 raise ValueError(f"assistant_early_exit={num_layers}: must be in [1, {total - 1}] for this model")
 
-    def start(self, sequences: Sequences, attention_mask: torch.Tensor) -> None:
+    def start(self, sequences: Sequences, attention_mask: torch.Tensor, target_cache=None) -> None:
+        """Prefill the drafter's cache with the prompt. Early exit over a DynamicCache target needs no prefill: the
+        target's first layers already hold exactly the drafter's keys and values for the prompt (shared tensors:
+        caches grow by concatenation and shrink by slicing, never in place)."""
         from transformers import DynamicCache
 
         with truncated(self.model, self.num_layers):
             cache = DynamicCache(config=self.model.config)
         mask = attention_mask.long()
-        self.state = RaggedModel(self.model, cache, mask[:, :0], torch.zeros_like(mask[:, 0]), self.num_layers)
         self._proposed = 0
+        if self.num_layers is not None and type(target_cache) is DynamicCache:
+            for mine, theirs in zip(cache.layers, target_cache.layers):
+                mine.lazy_initialization(theirs.keys, theirs.values)
+                mine.keys, mine.values = theirs.keys, theirs.values
+            self.state = RaggedModel(self.model, cache, mask, mask.sum(1), self.num_layers)
+            self.synced = sequences.lengths.clone()
+            return
+        self.state = RaggedModel(self.model, cache, mask[:, :0], torch.zeros_like(mask[:, 0]), self.num_layers)
         width = sequences.tokens.shape[1]
         if width > 1:  # the prompt minus its last token, which is fed with the first draft step
             self.state.forward(sequences.tokens[:, : width - 1], mask[:, : width - 1].bool())
