@@ -206,9 +206,9 @@ def test_adaptive_draft_length_follows_acceptance():
     good, bad = DraftLength(8, batch_size=2), DraftLength(8, batch_size=2)
     for _ in range(20):
         k = good.choose()
-        good.update(k, torch.tensor([k, k]), seconds=1.0 + 0.05 * k)
+        good.update(k, torch.tensor([k, k]), torch.tensor([k, k]), seconds=1.0 + 0.05 * k)
         k = bad.choose()
-        bad.update(k, torch.tensor([0, 0]), seconds=1.0 + 0.3 * k)
+        bad.update(k, torch.tensor([0, 0]), torch.tensor([k, k]), seconds=1.0 + 0.3 * k)
     assert good.choose() == 8
     assert bad.choose() <= 1
     fixed = DraftLength(5, batch_size=1, adaptive=False)

@@ -123,7 +123,10 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     schedule = options.get("draft_length", "adaptive")
     if schedule != "adaptive" and not (isinstance(schedule, int) and schedule >= 1):
         raise ValueError(f"draft_length: expected 'adaptive' or an int >= 1, got {schedule!r}")
-    lengths = DraftLength(max_draft if schedule == "adaptive" else schedule, batch, adaptive=schedule == "adaptive")
+    # n-gram drafts cost nothing to make: start at the longest; model drafters start at 4 and adapt
+    start = max_draft if isinstance(drafter, PromptLookupDrafter) else None
+    lengths = DraftLength(max_draft if schedule == "adaptive" else schedule, batch, adaptive=schedule == "adaptive",
+                          start=start)  # fmt: skip
 
     do_sample = generation_config.do_sample
     pad_id = generation_config._pad_token_tensor
@@ -208,7 +211,7 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
             _stream(streamer, torch.tensor(new_tokens[0]))
 
         done = time.perf_counter()
-        lengths.update(k, accepted, done - round_start)
+        lengths.update(k, accepted, draft.lengths, done - round_start)
         stats.rounds += 1
         stats.row_steps += len(counts)
         stats.proposed += int(draft.lengths.sum())

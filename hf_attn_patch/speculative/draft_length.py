@@ -25,6 +25,7 @@ class DraftLength:
         self.attempted = torch.full((batch_size,), 2.0, dtype=torch.float64)
         self._sums = torch.zeros(5, dtype=torch.float64)  # weighted sums of 1, k, k^2, t, k*t for t(k) = t0 + t1 k
         self._rounds_at_zero = 0
+        self._evidence = False
         self._probe_gap = probe_every
         self._probing = False
 
@@ -34,7 +35,7 @@ class DraftLength:
     def choose(self) -> int:
         if not self.adaptive:
             return self.max_length
-        if self._sums[0] == 0:
+        if not self._evidence:  # no draft verified yet: keep the starting length
             return self.current
         t0, t1 = self._fit()
         ks = torch.arange(self.max_length + 1, dtype=torch.float64)
@@ -50,16 +51,19 @@ class DraftLength:
         self.current = best
         return best
 
-    def update(self, k: int, accepted: torch.Tensor, seconds: float) -> None:
-        """After a round with draft length k: accepted draft tokens per row [B] and the round's time."""
+    def update(self, k: int, accepted: torch.Tensor, proposed: torch.Tensor, seconds: float) -> None:
+        """After a round with draft length k: accepted [B] of proposed [B] draft tokens per row, the round's time.
+        Rows that proposed nothing (an n-gram miss costs nothing) carry no evidence about acceptance."""
         if self._probing:
             self._probing = False
             if int(accepted.sum()) == 0:
                 self._probe_gap = min(2 * self._probe_gap, 64)
         if k > 0:
-            rejected = (accepted < k).double()  # a shorter proposal (n-gram miss) is a rejection at its end
-            self.accepted = self.forget * self.accepted + accepted.double().cpu()
-            self.attempted = self.forget * self.attempted + (accepted.double() + rejected).cpu()
+            tried = (proposed > 0).double().cpu()
+            self._evidence = self._evidence or bool(tried.any())
+            rejected = (accepted < proposed).double().cpu()  # a row's first rejection ends its run
+            self.accepted = self.forget * self.accepted + tried * accepted.double().cpu()
+            self.attempted = self.forget * self.attempted + tried * (accepted.double().cpu() + rejected)
         self._sums *= self.forget
         self._sums += torch.tensor([1.0, k, k * k, seconds, k * seconds], dtype=torch.float64)
 

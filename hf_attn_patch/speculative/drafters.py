@@ -65,12 +65,14 @@ class PromptLookupDrafter(Drafter):
 
 
 def ngram_lookup(row: torch.Tensor, k: int, max_ngram: int = 3, min_ngram: int = 1) -> torch.Tensor:
-    """Up to k tokens that followed the most recent earlier occurrence of row's last n tokens (longest n first)."""
+    """Up to k tokens that followed an earlier occurrence of row's last n tokens (longest n first): the most
+    recent occurrence with k tokens after it, else the one with the most tokens after it (the earliest)."""
     for n in range(min(max_ngram, len(row) - 1), min_ngram - 1, -1):
         windows = row[:-1].unfold(0, n, 1)  # every earlier n-gram that has at least one token after it
-        hits = (windows == row[-n:]).all(1).nonzero()
+        hits = (windows == row[-n:]).all(1).nonzero().flatten()
         if hits.numel():
-            start = int(hits[-1]) + n
+            full = hits[hits + n + k <= len(row)]
+            start = int(full[-1] if full.numel() else hits[0]) + n
             return row[start : start + k]
     return row[:0]
 
