@@ -123,8 +123,8 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     schedule = options.get("draft_length", "adaptive")
     if schedule != "adaptive" and not (isinstance(schedule, int) and schedule >= 1):
         raise ValueError(f"draft_length: expected 'adaptive' or an int >= 1, got {schedule!r}")
-    # n-gram drafts cost nothing to make: start at the longest; model drafters start at 4 and adapt
-    start = max_draft if isinstance(drafter, PromptLookupDrafter) else None
+    # n-gram drafts cost nothing to make: start at the longest; a model drafter starts short (2) and adapts
+    start = max_draft if isinstance(drafter, PromptLookupDrafter) else 2
     lengths = DraftLength(max_draft if schedule == "adaptive" else schedule, batch, adaptive=schedule == "adaptive",
                           start=start)  # fmt: skip
 

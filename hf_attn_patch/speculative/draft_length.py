@@ -5,7 +5,7 @@ draft length k emits E_b(k) = 1 + a_b + ... + a_b^k tokens for that row. A round
 (verification forward plus drafting; fitted online by least squares with forgetting). We pick
 k* = argmax_k sum_b E_b(k) / t(k) over 0..max_length, where k = 0 is plain decoding, so a drafter that is
 rarely right or too slow costs little. While k* = 0, a k = 1 probe keeps the estimates fresh;
-the gap between probes doubles (up to 64 rounds) each time a probe accepts nothing.
+the gap between probes (16 rounds) doubles, up to 64, each time a probe accepts nothing.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 class DraftLength:
     def __init__(self, max_length: int, batch_size: int, adaptive: bool = True, start: int | None = None,
-                 forget: float = 0.8, probe_every: int = 8):  # fmt: skip
+                 forget: float = 0.8, probe_every: int = 16):  # fmt: skip
         if max_length < 1:
             raise ValueError(f"draft length: max_length must be >= 1, got {max_length}")
         self.max_length, self.adaptive, self.forget, self.probe_every = max_length, adaptive, forget, probe_every
