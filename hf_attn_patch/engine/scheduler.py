@@ -8,7 +8,8 @@ Policy (FIFO by arrival, documented in the README):
 3. When a running request needs a block and none is free, the newest running request is preempted: its blocks are
    released and it goes back to the front of the waiting queue with its generated tokens (recompute; its full
    blocks are usually still in the prefix cache). A request is never lost or corrupted: its tokens are the truth.
-Without chunked prefill, a prompt is prefilled in one step (alone if it exceeds the budget).
+Without chunked prefill, a prompt is prefilled whole in one step; the step's first prefill may exceed the budget
+(decodes then wait for it: the stall chunked prefill removes).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ class Scheduler:
         self.chunked_prefill, self.prefix_caching = chunked_prefill, prefix_caching
         self.prefill_chunk = prefill_chunk or max_batch_tokens
         self.waiting: deque[Request] = deque()
+        self._prefill_scheduled = False
         self.running: list[Request] = []
         self.preemptions = 0
 
@@ -72,17 +74,18 @@ class Scheduler:
     def schedule(self) -> list[tuple[Request, int]]:
         """This step's (request, number of tokens to compute)."""
         budget, plan = self.max_batch_tokens, []
+        self._prefill_scheduled = False
         for request in sorted(self.running, key=lambda r: r.arrival):
             if request not in self.running:  # preempted by an older request earlier in this loop
                 continue
-            n = self._take(request, budget, alone=not plan)
+            n = self._take(request, budget)
             if n and self._reserve(request, n, keep=[r for r, _ in plan]):
                 plan.append((request, n))
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             hits = self._attach_prefix(request) if request.computed == 0 and not request.table else 0
-            n = self._take(request, budget, alone=not plan)
+            n = self._take(request, budget)
             if not n or not self._fits(request, n):
                 self._release(request)
                 break
@@ -120,14 +123,17 @@ class Scheduler:
 
     # -- helpers ---------------------------------------------------------------------------------------------
 
-    def _take(self, request: Request, budget: int, alone: bool) -> int:
+    def _take(self, request: Request, budget: int) -> int:
         need = request.remaining
         if request.computed >= len(request.tokens) - 1:  # decoding: its last token plus any drafts, never split
             del request.draft[max(0, budget - 1) :]  # verify fewer drafts rather than wait
             return request.remaining if request.remaining <= budget else 0
         if self.chunked_prefill:
-            return min(need, budget, self.prefill_chunk)
-        return need if need <= budget or alone else 0
+            n = min(need, budget, self.prefill_chunk)
+        else:  # the whole prompt; the step's first prefill may exceed the budget (it stalls that step's decodes)
+            n = need if need <= budget or not self._prefill_scheduled else 0
+        self._prefill_scheduled = self._prefill_scheduled or n > 0
+        return n
 
     def _blocks_needed(self, request: Request, n: int) -> int:
         return max(0, -(-(request.computed + n) // self.kv.block_size) - len(request.table))
