@@ -8,7 +8,8 @@ outputs of 16..O tokens (EOS ignored, so every system produces exactly the same 
    output token (TPOT) p50 / p99 for: ours; transformers' ContinuousBatchingManager (what generate_batch runs, with
    per-request max_new_tokens and token timestamps); static batches of 8 with generate() (FIFO, left-padded,
    every batch runs to its longest output).
-2. Online (Poisson arrivals at --rate req/s): ours with chunked prefill on vs off: TTFT and TPOT p50 / p99.
+2. Online (Poisson arrivals): ours with chunked prefill on vs off: TTFT, TPOT and inter-token latency p50 / p99
+   (a step that prefills a long prompt whole delays every decode in it: that shows in the inter-token p99).
 3. Prefix caching: 16 requests sharing a 512-token system prompt: TTFT with the prefix cache on vs off.
 Plots the TTFT / TPOT distributions to scripts/bench_engine.png.
 """
@@ -43,9 +44,11 @@ def workload(tokenizer, text_file: str, n: int, max_prompt: int, max_out: int, s
     return out
 
 
-def summary(name, tokens, seconds, ttft, tpot) -> dict:
+def summary(name, tokens, seconds, ttft, tpot, itl=None) -> dict:
     ttft, tpot = np.array(ttft) * 1000, np.array(tpot) * 1000
-    return {"name": name, "tok/s": tokens / seconds, "seconds": seconds, "ttft": ttft, "tpot": tpot,
+    extra = {} if itl is None else {"itl50": np.percentile(np.array(itl) * 1000, 50),
+                                    "itl99": np.percentile(np.array(itl) * 1000, 99)}  # fmt: skip
+    return {**extra, "name": name, "tok/s": tokens / seconds, "seconds": seconds, "ttft": ttft, "tpot": tpot,
             "ttft50": np.percentile(ttft, 50), "ttft99": np.percentile(ttft, 99),
             "tpot50": np.percentile(tpot, 50), "tpot99": np.percentile(tpot, 99)}  # fmt: skip
 
@@ -54,7 +57,7 @@ def run_ours(model, tok, requests, arrivals=None, **options):
     """Ours; arrivals (seconds after start) make it online. -> summary inputs."""
     engine = Engine(model, tok, **options)
     arrivals = arrivals or [0.0] * len(requests)
-    first, finish, ids, pending = {}, {}, {}, list(range(len(requests)))
+    first, finish, last, gaps, ids, pending = {}, {}, {}, [], {}, list(range(len(requests)))
     start = time.perf_counter()
     while pending or engine.has_unfinished():
         now = time.perf_counter() - start
@@ -67,12 +70,17 @@ def run_ours(model, tok, requests, arrivals=None, **options):
             continue
         for out in engine.step():
             t = time.perf_counter() - start
-            first.setdefault(ids[out.request_id], t)
+            i = ids[out.request_id]
+            if i in last:
+                gaps.append(t - last[i])  # inter-token latency: a long prefill in the step shows up here
+            last[i] = t
+            first.setdefault(i, t)
             if out.finished:
                 finish[ids[out.request_id]] = t
     seconds = time.perf_counter() - start
     ttft = [first[i] - arrivals[i] for i in range(len(requests))]
     tpot = [(finish[i] - first[i]) / max(1, n - 1) for i, (_, n) in enumerate(requests)]
+    engine.inter_token_gaps = gaps
     return seconds, ttft, tpot, engine
 
 
@@ -124,11 +132,14 @@ def run_static(model, tok, requests, batch_size: int = 8):
 
 def table(rows, baseline: str) -> None:
     base = next(r for r in rows if r["name"] == baseline)["tok/s"]
-    print("| system | tok/s | vs " + baseline + " | TTFT p50 / p99 ms | TPOT p50 / p99 ms |")
-    print("|---|---|---|---|---|")
+    itl = all("itl99" in r for r in rows)
+    print("| system | tok/s | vs " + baseline + " | TTFT p50 / p99 ms | TPOT p50 / p99 ms |"
+          + (" inter-token p50 / p99 ms |" if itl else ""))  # fmt: skip
+    print("|---|---|---|---|---|" + ("---|" if itl else ""))
     for r in rows:
         print(f"| {r['name']} | {r['tok/s']:.1f} | {r['tok/s'] / base:.2f}x | {r['ttft50']:.0f} / {r['ttft99']:.0f} | "
-              f"{r['tpot50']:.1f} / {r['tpot99']:.1f} |")  # fmt: skip
+              f"{r['tpot50']:.1f} / {r['tpot99']:.1f} |"
+              + (f" {r['itl50']:.1f} / {r['itl99']:.1f} |" if itl else ""))  # fmt: skip
 
 
 def bench(label, model, tok, text_file, n, max_prompt, max_out, rate, plots):
@@ -155,9 +166,10 @@ def bench(label, model, tok, text_file, n, max_prompt, max_out, rate, plots):
     arrivals = list(np.cumsum(np.random.default_rng(1).exponential(1 / rate, n)))
     online = []
     for chunked in (True, False):
-        seconds, ttft, tpot, _ = run_ours(model, tok, requests, arrivals, chunked_prefill=chunked, prefill_chunk=64,
-                                          **options)  # fmt: skip
-        online.append(summary(f"ours, chunked prefill {'on (64)' if chunked else 'off'}", tokens, seconds, ttft, tpot))
+        seconds, ttft, tpot, engine = run_ours(model, tok, requests, arrivals, chunked_prefill=chunked,
+                                               prefill_chunk=64, **options)  # fmt: skip
+        online.append(summary(f"ours, chunked prefill {'on (64)' if chunked else 'off'}", tokens, seconds, ttft, tpot,
+                              engine.inter_token_gaps))  # fmt: skip
     print(f"\nOnline (Poisson arrivals, {rate} requests/s):\n")
     table(online, online[1]["name"])
     plots.append((f"{label}, online {rate} req/s", online))

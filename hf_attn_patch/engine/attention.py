@@ -2,7 +2,8 @@
 
 query [1, H, T, d] holds the new tokens of many requests side by side. Per the step's plan (kv.StepPlan) the
 tokens form segments:
-- decodes (one query token each) are batched: contexts gathered as [Bd, Lmax] slots with a length mask;
+- decodes (one query token each) are batched in groups of similar context length: contexts gathered as
+  [g, Lmax] slots with a length mask;
 - each prefill chunk (n query tokens at the end of a context of ctx tokens) attends causally: query i, at
   position ctx - n + i, sees context positions <= ctx - n + i.
 Pure torch (gather + SDPA, GQA through enable_gqa); the CPU path, and the reference a GPU varlen kernel replaces.
@@ -25,11 +26,10 @@ def is_engine_handle(tensor) -> bool:
 def segments(handle):
     """Yield (queries selector, keys [b, H_kv, L, d_k], values [b, H_kv, L, d_v], visible [b, 1, q, L] bool)."""
     plan, storage, dk = handle.engine_plan, handle.engine_storage, handle.engine_key_dim
-    if plan.decode_tokens.numel():
-        both = storage[plan.decode_slots].transpose(1, 2)  # [Bd, H_kv, Lmax, d_k + d_v]
-        width = plan.decode_slots.shape[1]
-        visible = torch.arange(width, device=both.device)[None, :] < plan.decode_lengths[:, None]
-        yield plan.decode_tokens, both[..., :dk], both[..., dk:], visible[:, None, None, :]
+    for tokens, slots, lengths in plan.decode_groups:
+        both = storage[slots].transpose(1, 2)  # [g, H_kv, Lmax, d_k + d_v]
+        visible = torch.arange(slots.shape[1], device=both.device)[None, :] < lengths[:, None]
+        yield tokens, both[..., :dk], both[..., dk:], visible[:, None, None, :]
     for start, count, slots in plan.chunks:
         both = storage[slots].transpose(0, 1)[None]  # [1, H_kv, ctx, d_k + d_v]
         ctx = slots.numel()

@@ -167,16 +167,10 @@ class Engine:
                 chunks.append((start, n, context))
             if request.remaining == n:  # logits of its last token, and of each draft position before it
                 last.extend(range(len(tokens) - 1 - len(request.draft), len(tokens)))
-        longest = max((c.numel() for _, c in decode), default=0)
-        decode_slots = torch.zeros((len(decode), longest), dtype=torch.long)
-        for i, (_, context) in enumerate(decode):
-            decode_slots[i, : context.numel()] = context
         device = next(self.model.parameters()).device
         self.kv.plan = StepPlan(
             slot_mapping=torch.cat(slots).to(device),
-            decode_tokens=torch.tensor([s for s, _ in decode], dtype=torch.long, device=device),
-            decode_slots=decode_slots.to(device),
-            decode_lengths=torch.tensor([c.numel() for _, c in decode], dtype=torch.long, device=device),
+            decode_groups=_decode_groups(decode, device),
             chunks=[(s, n, c.to(device)) for s, n, c in chunks],
         )
         keep = torch.tensor(last, dtype=torch.long, device=device)
@@ -252,6 +246,23 @@ class Engine:
         from .grammar_link import request_grammar
 
         return request_grammar(self.tokenizer, self.eos_ids, params.response_format, params.grammar)
+
+
+DECODE_GROUP = 16  # decodes per batched attention call: sorted by context length, each group padded to its longest
+
+
+def _decode_groups(decode: list[tuple[int, torch.Tensor]], device) -> list:
+    """[(token index, context slots)] -> [(token indices [g], slots [g, Lmax], lengths [g])] by context length."""
+    decode = sorted(decode, key=lambda item: item[1].numel())
+    groups = []
+    for start in range(0, len(decode), DECODE_GROUP):
+        group = decode[start : start + DECODE_GROUP]
+        slots = torch.zeros((len(group), group[-1][1].numel()), dtype=torch.long)
+        for i, (_, context) in enumerate(group):
+            slots[i, : context.numel()] = context
+        groups.append((torch.tensor([t for t, _ in group], dtype=torch.long, device=device), slots.to(device),
+                       torch.tensor([c.numel() for _, c in group], dtype=torch.long, device=device)))  # fmt: skip
+    return groups
 
 
 def _process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -20,10 +20,9 @@ from ..cache.block_pool import BlockPool
 @dataclass
 class StepPlan:
     slot_mapping: torch.Tensor  # [T] long: where each packed token's K/V is written
-    # single-token queries (decodes), batched: their token index in the packed row, context slots padded, lengths
-    decode_tokens: torch.Tensor  # [Bd] long
-    decode_slots: torch.Tensor  # [Bd, Lmax] long (padding points at slot 0 and is masked)
-    decode_lengths: torch.Tensor  # [Bd] long
+    # single-token queries (decodes), batched in groups of similar context length (less padding to gather):
+    # (their token indices in the packed row [g], context slots [g, Lmax] padded with slot 0, lengths [g])
+    decode_groups: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
     # multi-token queries (prefill chunks): (first packed index, count, context slots [ctx]) per request
     chunks: list[tuple[int, int, torch.Tensor]]
 
