@@ -74,7 +74,8 @@ def make_drafter(model, generation_config, assistant_model):
     vocab = model.config.get_text_config(decoder=True).vocab_size
     if generation_config.prompt_lookup_num_tokens is not None:
         ngram = generation_config.max_matching_ngram_size or 2
-        return PromptLookupDrafter(max_ngram=ngram), generation_config.prompt_lookup_num_tokens
+        # single-token matches propose mostly junk on free text: at least 2 tokens must match when allowed
+        return PromptLookupDrafter(max_ngram=ngram, min_ngram=min(2, ngram)), generation_config.prompt_lookup_num_tokens
     if generation_config.assistant_early_exit is not None:
         drafter = ModelDrafter(model, vocab, num_layers=generation_config.assistant_early_exit)
         return drafter, generation_config.num_assistant_tokens or 5
