@@ -24,7 +24,7 @@ from ..kv_memory import dtype_of, kv_cache_bytes
 from ..models.architectures import architecture_of, head_dim, rotary_dim
 from .calibration import calibration_windows, collect_stats, read_calibration_text
 from .exact import rebuild, stock_attention_layers
-from .hub import model_card
+from .hub import check_repo_id, model_card, push
 from .methods import GQA_METHODS, MLA_METHODS, aligned_pool, mean_pool, mla_layer
 
 logger = logging.getLogger(__name__)
@@ -58,6 +58,9 @@ class ConvertOptions:
     dtype: str | None = None  # of the saved weights; default: the source's
     seed: int = 0
     overwrite: bool = False
+    max_shard_size: str = "2GB"  # weights above this are split into shards with model.safetensors.index.json
+    push_to_hub: str | None = None  # owner/name: upload the finished folder (huggingface_hub)
+    private: bool = False
 
     def __post_init__(self) -> None:
         if self.to not in TARGETS:
@@ -87,6 +90,8 @@ class ConvertOptions:
             raise ValueError(f"heal_train={self.heal_train!r} is not one of ('attention', 'all')")
         if not self.heal_lr > 0:
             raise ValueError(f"heal_lr={self.heal_lr!r} must be positive")
+        if self.push_to_hub is not None:
+            check_repo_id(self.push_to_hub)
         if (self.resume or self.checkpoint_every) and self.checkpoint_dir is None:
             raise ValueError("resume / checkpoint_every need checkpoint_dir")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
@@ -120,8 +125,9 @@ def load_source(source: str):
     return model, AutoTokenizer.from_pretrained(source)
 
 
-def convert(source: str, out: str | os.PathLike, **options) -> dict:
-    """Convert `source` and write the result to `out`; returns the conversion report (also in the output folder)."""
+def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> dict:
+    """Convert `source` and write the result to `out`; returns the conversion report (also in the output folder).
+    With push_to_hub="owner/name" the finished folder is uploaded (`hub_client`: a huggingface_hub.HfApi stand-in)."""
     opts = ConvertOptions(**options)
     out = Path(out)
     if out.exists() and not opts.overwrite:
@@ -181,8 +187,10 @@ def convert(source: str, out: str | os.PathLike, **options) -> dict:
     report["kv_ratio"] = report["kv_bytes_per_token_fp16"]["after"] / report["kv_bytes_per_token_fp16"]["before"]
     report["wall_time_s"] = round(time.perf_counter() - started, 3)
     report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
-    _write_atomically(new, tokenizer, report, out)
+    _write_atomically(new, tokenizer, report, out, opts.max_shard_size)
     logger.info("converted %s -> %s (%s, %s)", source, out, opts.to, opts.method)
+    if opts.push_to_hub is not None:
+        report["hub"] = push(out, opts.push_to_hub, private=opts.private, client=hub_client)
     return report
 
 
@@ -225,12 +233,12 @@ def _mla_sizes(opts: ConvertOptions, config, source_kv: int, d_h: int) -> tuple[
     return rope_dim, budget - rope_dim
 
 
-def _write_atomically(model, tokenizer, report: dict, out: Path) -> None:
+def _write_atomically(model, tokenizer, report: dict, out: Path, max_shard_size: str) -> None:
     """Save into a temporary sibling folder, then rename it to `out`: never a half-written output."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
     try:
-        model.save_pretrained(staging)
+        model.save_pretrained(staging, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(staging)
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2, default=str))
         (staging / "README.md").write_text(model_card(report))

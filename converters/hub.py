@@ -48,6 +48,11 @@ def model_card(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_repo_id(repo_id) -> None:
+    if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
+        raise ValueError(f"repo_id={repo_id!r} must look like 'owner/name'")
+
+
 def push(folder: str | Path, repo_id: str, *, private: bool = False, dry_run: bool = False, token: str | None = None,
          client=None) -> dict:  # fmt: skip
     """Upload a converted folder: create_repo (exist_ok) + upload_folder. `client` defaults to huggingface_hub.HfApi
@@ -55,8 +60,7 @@ def push(folder: str | Path, repo_id: str, *, private: bool = False, dry_run: bo
     folder = Path(folder)
     if not (folder / "config.json").is_file() or not (folder / "conversion_report.json").is_file():
         raise ValueError(f"{str(folder)!r} is not a converted model folder (config.json and conversion_report.json)")
-    if not isinstance(repo_id, str) or repo_id.count("/") != 1 or not all(repo_id.split("/")):
-        raise ValueError(f"repo_id={repo_id!r} must look like 'owner/name'")
+    check_repo_id(repo_id)
     files = sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     plan = {"repo_id": repo_id, "private": private, "files": files, "dry_run": dry_run}
     if dry_run:

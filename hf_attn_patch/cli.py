@@ -283,6 +283,9 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--dtype", help="dtype of the saved weights (default: the source's)")
     cv.add_argument("--seed", type=int)
     cv.add_argument("--overwrite", action="store_true", default=None)
+    cv.add_argument("--max-shard-size", help="split weights above this size into shards with an index (default 2GB)")
+    cv.add_argument("--push-to-hub", metavar="REPO", help="owner/name: upload OUT when the conversion is done")
+    cv.add_argument("--private", action="store_true", default=None, help="with --push-to-hub: a private repo")
     cv.set_defaults(func=cmd_convert)
 
     ps = sub.add_parser("push", help="upload a converted folder to the Hub (create_repo + upload_folder)")
