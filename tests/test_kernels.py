@@ -277,7 +277,7 @@ def test_paged_attention_forward_decode_goes_through_the_kernel_entry(model_type
         return original(*args, **kwargs)
 
     monkeypatch.setattr(kernels, "paged_decode_attention", spy)
-    monkeypatch.setattr(paged_attention, "_use_decode_kernel", lambda query: True)
+    monkeypatch.setattr(paged_attention, "use_decode_kernel", lambda query: True)
     model.set_attn_implementation("paged_kv")
     try:
         out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
@@ -293,7 +293,7 @@ def test_paged_attention_forward_cpu_path_is_the_reference():
     """On CPU the kernel gate is shut: the reference (gather + SDPA) runs, bit for bit as before."""
     from hf_attn_patch.cache import paged_attention
 
-    assert paged_attention._use_decode_kernel(torch.zeros(1, 1, 1, 1)) is False
+    assert paged_attention.use_decode_kernel(torch.zeros(1, 1, 1, 1)) is False
 
 
 # -- the Triton kernels, interpreted on CPU in a subprocess ---------------------------------------------------------

@@ -7,7 +7,7 @@ import torch
 
 import hf_attn_patch.kernels as kernels
 from hf_attn_patch import PagedKVCache
-from hf_attn_patch.attention import mla
+from hf_attn_patch.cache import paged_attention
 
 from .conftest import tiny_model
 from .test_paged_cache import ragged
@@ -29,7 +29,7 @@ def test_mla_decode_goes_through_the_kernel_entry(model_type, overrides, monkeyp
         return original(*args, **kwargs)
 
     monkeypatch.setattr(kernels, "mla_decode", spy)
-    monkeypatch.setattr(mla, "use_decode_kernel", lambda query: True)
+    monkeypatch.setattr(paged_attention, "use_decode_kernel", lambda query: True)
     model.set_attn_implementation("paged_kv")  # the cache then hands attention its storage and slot table
     out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
     assert torch.equal(out, expected)
@@ -37,4 +37,4 @@ def test_mla_decode_goes_through_the_kernel_entry(model_type, overrides, monkeyp
 
 
 def test_cpu_keeps_the_reference_path():
-    assert mla.use_decode_kernel(torch.zeros(1)) is False
+    assert paged_attention.use_decode_kernel(torch.zeros(1)) is False

@@ -21,16 +21,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..cache import paged_attention
 from ..cache.paged_attention import gather_paged, is_paged_handle
 from ..engine.attention import engine_mla_forward, is_engine_handle
 from .gqa import RMSNorm, attention_function
 from .rope import apply_rope, deinterleave, select_rope_pairs
 from .spec import AttentionSpec
-
-
-def use_decode_kernel(query: torch.Tensor) -> bool:
-    """Decode through kernels.mla_decode on CUDA; CPU keeps the reference path (tests swap this to reach it)."""
-    return query.is_cuda
 
 ABSORB_MODES = ("auto", "always", "never")
 
@@ -145,7 +141,7 @@ class MultiHeadLatentAttention(nn.Module):
             c, k_rope = cache.update(c, k_rope, self.layer_idx)
             if is_engine_handle(c):  # the engine's packed forward: per-request segments over latent pages
                 return self.o_proj(engine_mla_forward(self, q_nope, q_rope, c).reshape(batch, length, -1)), None
-            if length == 1 and is_paged_handle(c) and use_decode_kernel(q_nope):
+            if length == 1 and is_paged_handle(c) and paged_attention.use_decode_kernel(q_nope):
                 out = self._kernel_decode(q_nope, q_rope, c, attention_mask)
                 if out is not None:
                     return self.o_proj(out.reshape(batch, length, -1)), None
@@ -182,19 +178,11 @@ class MultiHeadLatentAttention(nn.Module):
 
         if self.spec.sliding_window is not None or not self.qk_rope_head_dim:
             return None
-        length, batch = handle.paged_length, q_nope.shape[0]
-        key_mask = None
-        if attention_mask is not None:
-            if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[-1] < length:
-                return None
-            key_mask = attention_mask[:, 0, 0, :length].expand(batch, length)
-        slots = handle.paged_read_slots
-        if slots is None:  # one row stored consecutively
-            slots = torch.arange(handle.paged_contiguous_from, handle.paged_contiguous_from + length,
-                                 device=q_nope.device)[None]  # fmt: skip
+        if not paged_attention.kernel_mask_ok(attention_mask, handle.paged_length):
+            return None
+        slots, lengths, key_mask = paged_attention.kernel_decode_tables(handle, attention_mask, q_nope.shape[0])
         w_uk, w_uv = self._up_weights()
         q_latent = torch.einsum("bhn,hnc->bhc", q_nope[:, :, 0], w_uk)
-        lengths = torch.full((batch,), length, dtype=torch.int32, device=q_nope.device)
         out_latent = mla_decode(q_latent, q_rope[:, :, 0], handle.paged_storage, slots, lengths, block_size=1,
                                 scale=self.scaling, key_mask=key_mask, validate=False)  # fmt: skip
         return torch.einsum("bhc,hvc->bhv", out_latent.to(q_nope.dtype), w_uv)[:, None]

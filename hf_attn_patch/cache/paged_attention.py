@@ -63,9 +63,36 @@ def paged_attention_forward(module, query, key, value, attention_mask, **kwargs)
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
-def _use_decode_kernel(query: torch.Tensor) -> bool:
-    """The kernel path is for CUDA; CPU keeps the reference bit for bit (tests swap this to reach the path)."""
+def use_decode_kernel(query: torch.Tensor) -> bool:
+    """The kernel path (here and in our MLA module) is for CUDA; CPU keeps the reference bit for bit (tests swap
+    this to reach the path)."""
     return query.is_cuda
+
+
+def kernel_mask_ok(attention_mask, length: int) -> bool:
+    """Whether a decode kernel can take this mask: None, or sdpa_mask's bool [B or 1, 1, 1, >= L] (True: attend)."""
+    return attention_mask is None or (
+        attention_mask.dtype == torch.bool and attention_mask.dim() == 4 and attention_mask.shape[1:3] == (1, 1)
+        and attention_mask.shape[-1] >= length
+    )  # fmt: skip
+
+
+def kernel_decode_tables(handle, attention_mask, batch: int):
+    """A decode kernel's view of a paged handle: (slots [B or 1, L], context_lens [B] int32, key_mask [B, L] or None).
+
+    Our handles carry a per-token slot table (read_slots [B, L]): it is the block table of block_size 1, exact for
+    every row (left-padded rows are not block-aligned in logical positions, and padding points at the null block's
+    slot 0, so a block_size > 1 table cannot be derived from it in general). Every row has the same logical length
+    L; left padding is hidden by the mask's key_mask, exactly as SDPA hides it.
+    """
+    length, device = handle.paged_length, handle.paged_storage.device
+    slots = handle.paged_read_slots
+    if slots is None:  # one row in consecutive slots from paged_contiguous_from
+        first = handle.paged_contiguous_from
+        slots = torch.arange(first, first + length, device=device).unsqueeze(0)
+    context_lens = torch.full((batch,), length, dtype=torch.int32, device=device)
+    key_mask = None if attention_mask is None else attention_mask[:, 0, 0, :length].expand(batch, length)
+    return slots, context_lens, key_mask
 
 
 # Keyword arguments the kernel does not implement: with any of them set, the reference path runs (and SDPA
@@ -74,38 +101,21 @@ _REFERENCE_ONLY_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "head_ma
 
 
 def _decode_kernel_applies(query, key, attention_mask, kwargs) -> bool:
-    if not (is_paged_handle(key) and query.dim() == 4 and query.shape[2] == 1 and _use_decode_kernel(query)):
+    if not (is_paged_handle(key) and query.dim() == 4 and query.shape[2] == 1 and use_decode_kernel(query)):
         return False
     if kwargs.get("dropout") or any(kwargs.get(name) for name in _REFERENCE_ONLY_KWARGS):
         return False
     if query.dtype != key.paged_storage.dtype:
         return False
-    if attention_mask is not None:  # sdpa_mask's bool [B or 1, 1, 1, >= L] (True: attend); anything else: reference
-        if attention_mask.dtype != torch.bool or attention_mask.dim() != 4 or attention_mask.shape[1:3] != (1, 1):
-            return False
-        if attention_mask.shape[-1] < key.paged_length:
-            return False
-    return True
+    return kernel_mask_ok(attention_mask, key.paged_length)  # anything else: reference
 
 
 def _decode_with_kernel(query, key, attention_mask, scaling):
-    """One decode token through the paged-decode kernel: query [B, H_q, 1, d_k] -> [B, 1, H_q, d_v].
-
-    Our handles carry a per-token slot table (read_slots [B, L]): it is the block table of block_size 1, exact for
-    every row (left-padded rows are not block-aligned in logical positions, and padding points at the null block's
-    slot 0, so a block_size > 1 table cannot be derived from it in general). Every row has the same logical length
-    L; left padding is hidden by the mask's key_mask, exactly as SDPA hides it.
-    """
+    """One decode token through the paged-decode kernel: query [B, H_q, 1, d_k] -> [B, 1, H_q, d_v]."""
     from hf_attn_patch.kernels import paged_decode_attention  # lazy: the kernels package is not needed on CPU
 
-    storage, key_dim, length = key.paged_storage, key.paged_key_dim, key.paged_length
-    batch = query.shape[0]
-    slots = key.paged_read_slots
-    if slots is None:  # one row in consecutive slots from paged_contiguous_from
-        first = key.paged_contiguous_from
-        slots = torch.arange(first, first + length, device=query.device).unsqueeze(0)
-    context_lens = torch.full((batch,), length, dtype=torch.int32, device=query.device)
-    key_mask = None if attention_mask is None else attention_mask[:, 0, 0, :length].expand(batch, length)
+    storage, key_dim = key.paged_storage, key.paged_key_dim
+    slots, context_lens, key_mask = kernel_decode_tables(key, attention_mask, query.shape[0])
     out = paged_decode_attention(
         query[:, :, 0], storage[..., :key_dim], storage[..., key_dim:], slots, context_lens, block_size=1,
         scale=scaling, key_mask=key_mask, validate=False,  # the cache built the slots: skip the device sync
