@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from ..speculative.grammar_rows import mask_scores, next_allowed
+
 
 class RequestGrammar:
     def __init__(self, state, eos_ids: list[int]):
@@ -11,14 +13,7 @@ class RequestGrammar:
 
     def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """logits [1, V] -> disallowed tokens at -inf; a dead end allows only EOS (never an invalid token)."""
-        allowed = self.state.allowed_mask()
-        if not allowed.any():
-            allowed = torch.zeros_like(allowed)
-            allowed[self.eos_ids] = True
-        width = min(logits.shape[-1], allowed.numel())
-        out = torch.full_like(logits, float("-inf"))
-        out[:, :width] = logits[:, :width].masked_fill(~allowed[:width], float("-inf"))
-        return out
+        return mask_scores(logits.clone(), next_allowed(self.state, self.eos_ids)[None])
 
     def accept(self, token: int) -> None:
         self.state.accept_tokens([token])

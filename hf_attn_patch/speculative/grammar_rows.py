@@ -20,6 +20,27 @@ import torch
 from .drafters import Draft
 
 
+def next_allowed(state, eos_ids: list[int]) -> torch.Tensor:
+    """Bool [V]: the grammar's next tokens; a dead end allows only EOS (the row ends, never an invalid token)."""
+    allowed = state.allowed_mask()
+    return allowed if allowed.any() else only_eos(allowed.numel(), eos_ids)
+
+
+def only_eos(vocab_size: int, eos_ids: list[int]) -> torch.Tensor:
+    allowed = torch.zeros(vocab_size, dtype=torch.bool)
+    allowed[eos_ids] = True
+    return allowed
+
+
+def mask_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """scores [B, V'] with tokens not in allowed [B or 1, V] (and logit columns past V) at -inf, in place."""
+    allowed = allowed.to(scores.device)
+    width = min(scores.shape[-1], allowed.shape[-1])
+    scores[:, :width] = scores[:, :width].masked_fill(~allowed[:, :width], float("-inf"))
+    scores[:, width:] = float("-inf")
+    return scores
+
+
 def grammar_processors(processors) -> list:
     from ..grammar import GrammarConstrainedLogitsProcessor
 
@@ -42,7 +63,7 @@ class GrammarRows:
         valid = [state.validate_tokens(row[: int(n)]) for state, row, n in zip(self.states, tokens, draft.lengths)]
         self.masks = []
         for j in range(k + 1):
-            self.masks.append(torch.stack([self._allowed(state) for state in self.states]))
+            self.masks.append(torch.stack([next_allowed(state, self.eos) for state in self.states]))
             if j < k:
                 for state, row, ok in zip(self.states, tokens, valid):
                     if j < ok:
@@ -65,22 +86,15 @@ class GrammarRows:
             new = drafted[self._walked[b] :]
             taken = state.accept_tokens(new) if new else 0
             self._walked[b] += taken
-            masks.append(self._allowed(state) if taken == len(new) else self._only_eos())
-        return self._masked(scores, torch.stack(masks))
+            masks.append(next_allowed(state, self.eos) if taken == len(new) else only_eos(self.vocab_size, self.eos))
+        return mask_scores(scores, torch.stack(masks))
 
     def end_draft(self) -> None:
         for state, walked in zip(self.states, self._walked):
             state.rollback(walked)
 
     def apply(self, scores: torch.Tensor, position: int) -> torch.Tensor:
-        return self._masked(scores, self.masks[position])
-
-    def _masked(self, scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        mask = mask.to(scores.device)
-        width = min(scores.shape[-1], mask.shape[-1])
-        scores[:, :width] = scores[:, :width].masked_fill(~mask[:, :width], float("-inf"))
-        scores[:, width:] = float("-inf")
-        return scores
+        return mask_scores(scores, self.masks[position])
 
     def commit(self, new_tokens: list[list[int]]) -> None:
         for state, tokens in zip(self.states, new_tokens):
@@ -88,13 +102,3 @@ class GrammarRows:
 
     def select(self, rows: torch.Tensor) -> None:
         self.states = [self.states[i] for i in rows.tolist()]
-
-    def _allowed(self, state) -> torch.Tensor:
-        """Bool [V]: the grammar's next tokens; a dead end allows only EOS (the row ends, never an invalid token)."""
-        allowed = state.allowed_mask()
-        return allowed if allowed.any() else self._only_eos()
-
-    def _only_eos(self) -> torch.Tensor:
-        allowed = torch.zeros(self.vocab_size, dtype=torch.bool)
-        allowed[self.eos] = True
-        return allowed
