@@ -23,7 +23,7 @@ import torch
 from ..speculative.drafters import ngram_lookup
 from ..speculative.rejection import verify_greedy, verify_sampling
 from .attention import ENGINE_ATTENTION
-from .kv import EngineKV, StepPlan, bytes_per_block
+from .kv import EngineKV, StepPlan
 from .params import RequestOutput, SamplingParams
 from .scheduler import Request, Scheduler
 
@@ -43,8 +43,10 @@ class Engine:
             raise ValueError(f"Engine: sliding-window attention (sliding_window={config.sliding_window}) not served")
         dtype = next(model.parameters()).dtype
         if num_blocks is None:
+            from ..kv_memory import kv_cache_bytes  # here: attention/mla.py imports this package while kv_memory loads
+
             memory = max_memory if max_memory is not None else 512 * 1024 * 1024
-            num_blocks = memory // bytes_per_block(model, block_size, dtype)
+            num_blocks = memory // kv_cache_bytes(config, block_size, dtype=dtype)  # one block, all layers
         if num_blocks < 2:
             raise ValueError(f"Engine: max_memory={max_memory} holds {num_blocks} blocks; need at least 2")
         self.model, self.tokenizer = model, tokenizer
@@ -159,8 +161,8 @@ class Engine:
             start = len(tokens)
             tokens += (request.tokens + request.draft)[request.computed : request.computed + n]
             positions += range(request.computed, request.computed + n)
-            slots.append(self.kv.slots(request.table, request.computed, request.computed + n))
             context = self.kv.slots(request.table, 0, request.computed + n)
+            slots.append(context[request.computed :])  # where this step's tokens are written
             if n == 1:
                 decode.append((start, context))
             else:

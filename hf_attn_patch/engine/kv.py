@@ -87,14 +87,3 @@ class EngineKV(Cache):
         positions = torch.arange(start, stop)
         blocks = torch.tensor(table, dtype=torch.long)[positions // self.block_size]
         return blocks * self.block_size + positions % self.block_size
-
-
-def bytes_per_block(model, block_size: int, dtype: torch.dtype) -> int:
-    """KV bytes of one block across all layers: keys and values, or for MLA the latent and the RoPE key."""
-    config = model.config.get_text_config(decoder=True)
-    if getattr(config, "kv_lora_rank", None):
-        per_token = config.kv_lora_rank + config.qk_rope_head_dim
-    else:
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        per_token = heads * 2 * (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
-    return config.num_hidden_layers * block_size * per_token * torch.empty(0, dtype=dtype).element_size()
