@@ -7,6 +7,7 @@ import torch
 import transformers
 
 import hf_attn_patch  # noqa: F401  (the patch is what is under test)
+from hf_attn_patch.models.pretrained import load_default
 
 
 def tiny_config(model_type: str, **overrides):
@@ -69,3 +70,19 @@ def padded_batch():
     mask[0, :3] = 0
     ids[0, :3] = 0
     return ids, mask
+
+
+@pytest.fixture(scope="module")
+def stories():
+    """The embedded stories260k (model, tokenizer), loaded once per test module."""
+    return load_default()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One intra-op thread while decoding tiny models: as fast, and immune to oversubscription when the 2 cores are
+    shared (two threads made the grammar tests ~50x slower under load). The previous setting is restored."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)

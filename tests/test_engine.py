@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from hf_attn_patch.engine import Engine, SamplingParams
-from hf_attn_patch.models.pretrained import load_default
 
 from .conftest import tiny_model
 
@@ -17,11 +16,6 @@ PROMPTS = [
     "Tom and his dog went to the park. Tom and his dog",
     "Once upon a time, there was a little girl named Lily. She loved",
 ]
-
-
-@pytest.fixture(scope="module")
-def stories():
-    return load_default()
 
 
 def _reference(model, prompt_ids: list[int], max_new: int) -> list[int]:

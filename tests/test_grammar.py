@@ -20,7 +20,6 @@ from hf_attn_patch.grammar import (
     RegexLogitsProcessor,
     compile_grammar,
 )
-from hf_attn_patch.models.pretrained import load_default
 
 from .conftest import tiny_model
 
@@ -92,20 +91,7 @@ def _is_valid(schema, text: str) -> bool:
     return _validator(schema).is_valid(value)
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread while decoding tiny models: as fast, and immune to oversubscription when the 2 cores are
-    shared (two threads made these tests ~50x slower under load). The previous setting is restored."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def stories():
-    return load_default()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

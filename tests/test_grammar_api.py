@@ -22,23 +22,10 @@ from hf_attn_patch.grammar import (
     processor_from_generate_kwargs,
     token_bytes,
 )
-from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR, load_default
+from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
 
 
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """One intra-op thread while decoding tiny models: as fast, and immune to oversubscription when the 2 cores are
-    shared (two threads made these tests ~50x slower under load). The previous setting is restored."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-@pytest.fixture(scope="module")
-def stories():
-    return load_default()
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------------------- processor_from_generate_kwargs
