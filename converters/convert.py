@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
+from transformers.utils.hub import convert_file_size_to_int
 
 from ..kv_memory import dtype_of, kv_cache_bytes
 from ..models.architectures import architecture_of, head_dim, rotary_dim
@@ -92,6 +93,12 @@ class ConvertOptions:
             raise ValueError(f"heal_lr={self.heal_lr!r} must be positive")
         if self.push_to_hub is not None:
             check_repo_id(self.push_to_hub)
+        try:  # checked now: save_pretrained would only find out after converting and healing
+            shard_bytes = convert_file_size_to_int(self.max_shard_size)
+        except (ValueError, TypeError):
+            shard_bytes = 0
+        if shard_bytes <= 0:
+            raise ValueError(f"max_shard_size={self.max_shard_size!r}: expected a positive size such as '2GB' or '500MB'")
         if (self.resume or self.checkpoint_every) and self.checkpoint_dir is None:
             raise ValueError("resume / checkpoint_every need checkpoint_dir")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
