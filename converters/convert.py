@@ -26,7 +26,8 @@ from ..models.architectures import architecture_of, head_dim, rotary_dim
 from .calibration import calibration_windows, collect_stats, read_calibration_text
 from .exact import rebuild, stock_attention_layers
 from .hub import check_repo_id, model_card, push
-from .methods import GQA_METHODS, MLA_METHODS, aligned_pool, mean_pool, mla_layer
+from .gqa_merge import GQA_METHODS, aligned_pool, mean_pool
+from .methods import MLA_METHODS, mla_layer
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ import hf_attn_patch
 from hf_attn_patch.attention import GroupedQueryAttention, MultiHeadLatentAttention
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.evaluate import evaluate, windows_of
-from hf_attn_patch.converters.methods import mean_pool
+from hf_attn_patch.converters.gqa_merge import mean_pool
 from hf_attn_patch.models import load_default
 from hf_attn_patch.models.architectures import architecture_of
 from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
@@ -164,7 +164,7 @@ def test_aligned_pooling_is_exact_for_rotated_heads():
     exactly once aligned; mean pooling of the same heads does not."""
     from hf_attn_patch.converters.calibration import collect_stats
     from hf_attn_patch.converters.exact import rebuild
-    from hf_attn_patch.converters.methods import aligned_pool
+    from hf_attn_patch.converters.gqa_merge import aligned_pool
 
     torch.manual_seed(0)
     model = tiny_model("llama", num_key_value_heads=6, attention_bias=True)  # MHA, head_dim 8 (4 RoPE pairs)
