@@ -169,7 +169,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
         lifted, per_layer_pairs, fields = {}, [], {}
         for name, module in layers.items():
             lifted[name], fields = mla_layer(opts.method, arch.split_heads(module), config, stats[name],
-                                             kv_lora_rank, rope_dim)  # fmt: skip
+                                             kv_lora_rank, rope_dim, context=opts.calib_len)  # fmt: skip
             per_layer_pairs.append(fields["mla_rope_pairs"])
         fields["mla_rope_pairs"] = per_layer_pairs if rope_dim else None
         new = rebuild(model, "mla", fields, lifted)

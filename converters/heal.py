@@ -1,6 +1,8 @@
 """Healing: distill the source model into the converted one (the user's "uptrain"), through accelerate.
 
-loss = KL(teacher || student) per token (+ lm_weight * next-token cross-entropy), averaged over the batch. accelerate
+loss = KL(teacher || student) per token (+ lm_weight * next-token cross-entropy), averaged over the batch; AdamW with
+a linear warmup over the first tenth of the steps, then a cosine decay to a tenth of `lr` (a converted model starts
+close to its teacher: a full-size first step would throw that away). accelerate
 places the models and handles mixed precision and data parallelism, so the same loop runs on one CPU or, started
 with `accelerate launch`, on many GPUs (FSDP / DeepSpeed through accelerate's own config file).
 """
@@ -8,6 +10,7 @@ with `accelerate launch`, on many GPUs (FSDP / DeepSpeed through accelerate's ow
 from __future__ import annotations
 
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +66,11 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
     if gradient_checkpointing:
         student.gradient_checkpointing_enable()
     optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    student, optimizer = accelerator.prepare(student, optimizer)
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+    )
+    student, optimizer, schedule = accelerator.prepare(student, optimizer, schedule)
     teacher = teacher.to(accelerator.device).eval()
     start_step = 0
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -87,6 +94,7 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
             loss = loss + lm_weight * torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
         accelerator.backward(loss)
         optimizer.step()
+        schedule.step()
         optimizer.zero_grad(set_to_none=True)
         result.losses.append(loss.item())
         result.tokens += ids.numel()

@@ -1,15 +1,18 @@
-"""Re-express one stock attention layer as MLA, given which RoPE pairs the shared key keeps and a latent basis.
+"""Re-express one stock attention layer as MLA, given the decoupled RoPE key's components and a latent basis.
 
 Source layer (per KV head g, query heads h in g's group): k_g = W_k[g] x, v_g = W_v[g] x, q_h = W_q[h] x, with RoPE
-on each head's first d_rot dims as pairs (i, i + d_rot/2), i < d_rot/2.
+on each head's first d_rot dims as pairs (i, i + d_rot/2), i < d_rot/2. Write pair i of a head as a complex number
+k_g,i = a + ib: RoPE multiplies it by e^{i theta_i t}, and the pair's share of a score is Re(conj(q_h,i) k_g,i).
 
-- Decoupled RoPE key: the selected pairs (g, i) side by side (d_r = 2 * #pairs, rotate_half layout: first elements,
-  then second elements). Query head h carries its own pair (i) coefficients where the pair's head is its group g,
-  zeros elsewhere: q_rope . k_rope = sum over g's selected pairs of q_h,pair . k_g,pair, rotated by the pair's
-  frequency (config `mla_rope_pairs` lists each pair's frequency i).
-- Non-RoPE part: every other dim of each head, unrotated (for unselected rotary pairs this drops their rotation:
-  the partial-RoPE approximation of MHA2MLA). Dims of frequencies selected for *every* KV head are left out of the
-  nope part altogether (so the exact form has d_nope = d_h - d_rot); other selected dims keep zero rows there.
+- Decoupled RoPE key: components p = (frequency i, mix m, back u), m, u complex over the KV heads:
+      k^_p = sum_g m[g] k_g,i        (one complex number: two real dims, rotated at frequency i)
+      k_g,i = sum_{p at i} u[g] k^_p + r_g,i    (u, m are the columns / rows of a basis change; r: what is left)
+  A complex scalar commutes with RoPE, so query head h (group g) scores Re(conj(conj(u[g]) q_h,i) k^_p) exactly.
+  Picking one (kv_head, frequency) pair is m = u = e_g; a basis change across heads per frequency concentrates the
+  positional energy in fewer components (TransMLA's RoRoPE). Layout: rotate_half, all first halves, then second.
+- Non-RoPE part: every head's own dims, with each RoPE pair replaced by its remainder r_g,i, unrotated (for pairs
+  whose components are not all kept this drops their rotation: the partial-RoPE approximation of MHA2MLA).
+  Frequencies whose remainder is zero for every head leave the nope part altogether in the exact form.
 - Latent: c = B^T [W_K_nope; W_V] x with B [rows, r] orthonormal columns (the basis); up-projections B, repeated to
   the query heads of each group. B = identity (or the full-rank SVD factor when rows > hidden) is exact.
 - Scale: MLA divides scores by sqrt(d_nope + d_r); the source's own scale is folded into W_q.
@@ -20,19 +23,41 @@ on each head's first d_rot dims as pairs (i, i + d_rot/2), i < d_rot/2.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from ..models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
 
 
+@dataclass
+class RopeComponent:
+    """One complex dim of the decoupled RoPE key: k^ = sum_g mix[g] k_g,freq; head g's key holds back[g] k^."""
+
+    freq: int
+    mix: torch.Tensor  # complex128 [H_kv]
+    back: torch.Tensor  # complex128 [H_kv]
+
+    @classmethod
+    def pair(cls, kv_head: int, freq: int, kv_heads: int) -> "RopeComponent":
+        """The plain (kv_head, frequency) pair of one head."""
+        unit = torch.zeros(kv_heads, dtype=torch.complex128)
+        unit[kv_head] = 1
+        return cls(freq, unit, unit)
+
+
 def lift_mla(
-    w: AttentionWeights, config, pairs: list[tuple[int, int]], basis: torch.Tensor | None
+    w: AttentionWeights,
+    config,
+    components: list[RopeComponent],
+    basis: torch.Tensor | None,
+    down: torch.Tensor | None = None,
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """(state dict of a MultiHeadLatentAttention, its config fields) for one layer.
 
-    pairs: (kv_head, frequency) pairs the RoPE key keeps; basis: [rows, r], or None for the exact latent (then dims
-    of frequencies kept for every KV head leave the nope part; with a basis d_nope = d_h, the same in every layer).
+    components: the decoupled RoPE key; basis: the up-projection [rows, r], or None for the exact latent (then the
+    dims of frequencies with no remainder leave the nope part; with a basis d_nope = d_h, the same in every layer);
+    down: [r, rows] with down @ basis = I (default basis^T, for orthonormal columns).
     """
     arch = architecture_of(config)
     if w.q_norm is not None:
@@ -42,34 +67,36 @@ def lift_mla(
     group = heads // kv_heads
     half = (rotary_dim(config) if arch.rotary else 0) // 2
     f64 = lambda t: None if t is None else t.to(torch.float64)  # noqa: E731 - exact arithmetic, cast back at the end
-    q_w, k_w, v_w, o_w = map(f64, (w.q_w, w.k_w, w.v_w, w.o_w))
-    q_b, k_b, v_b, o_b = map(f64, (w.q_b, w.k_b, w.v_b, w.o_b))
-    q_aug = with_bias_column(q_w, q_b).view(heads, d_h, hidden + 1)
-    k_aug = with_bias_column(k_w, k_b).view(kv_heads, d_h, hidden + 1)
+    v_w, o_w, v_b, o_b = map(f64, (w.v_w, w.o_w, w.v_b, w.o_b))
+    q_aug = with_bias_column(w.q_w, w.q_b).view(heads, d_h, hidden + 1)
+    k_aug = with_bias_column(w.k_w, w.k_b).view(kv_heads, d_h, hidden + 1)
 
-    nope, zeroed = _nope_layout(kv_heads, d_h, half, pairs, drop_common=basis is None)
-    d_nope, d_r = len(nope), 2 * len(pairs)
+    k_nope, nope = _nope_keys(k_aug, half, components, drop_common=basis is None)
+    d_nope, n_comp = len(nope), len(components)
+    d_r = 2 * n_comp
 
     # Queries [H, d_nope + d_r, hidden + 1] and the RoPE-key rows [d_r, hidden + 1].
     scale = w.scaling * math.sqrt(d_nope + d_r)
     q_new = torch.zeros(heads, d_nope + d_r, hidden + 1, dtype=torch.float64)
     k_rope = torch.zeros(d_r, hidden + 1, dtype=torch.float64)
-    for p, (g, i) in enumerate(pairs):
-        k_rope[p], k_rope[len(pairs) + p] = k_aug[g, i], k_aug[g, i + half]
-        for h in range(g * group, (g + 1) * group):
-            q_new[h, d_nope + p], q_new[h, d_nope + len(pairs) + p] = q_aug[h, i], q_aug[h, i + half]
-    for h in range(heads):
-        q_new[h, :d_nope] = q_aug[h, nope]
-        q_new[h, zeroed[h // group]] = 0
+    q_new[:, :d_nope] = q_aug[:, nope]
+    for p, comp in enumerate(components):
+        k_c = _pair(k_aug, comp.freq, half)  # [H_kv, hidden + 1] complex
+        k_hat = comp.mix @ k_c
+        k_rope[p], k_rope[n_comp + p] = k_hat.real, k_hat.imag
+        coef = comp.back.conj().repeat_interleave(group)  # query head h: conj(back[g(h)])
+        q_hat = coef[:, None] * _pair(q_aug, comp.freq, half)
+        q_new[:, d_nope + p], q_new[:, d_nope + n_comp + p] = q_hat.real, q_hat.imag
     q_new = q_new.reshape(-1, hidden + 1) * scale
 
     # Latent over stacked [K_nope; V] (K biases dropped, see module docstring).
-    stacked = stacked_kv(w, config, pairs, drop_common=basis is None)
+    stacked = torch.cat((k_nope[..., :hidden].reshape(-1, hidden), v_w))
     k_rows = kv_heads * d_nope
     v_bias = v_b if v_b is not None else torch.zeros(v_w.shape[0], dtype=torch.float64)
     exact = basis is None
     basis = exact_basis(stacked) if exact else basis.to(torch.float64)
-    down_w = basis.t() @ stacked
+    down = basis.t() if down is None else down.to(torch.float64)
+    down_w = down @ stacked
     spec_bias = arch.biases(config)
     if spec_bias[3]:  # fold V's bias into o_proj exactly: attention weights sum to one
         o_bias = o_b + o_w @ v_bias.view(kv_heads, 1, d_h).expand(kv_heads, group, d_h).reshape(-1)
@@ -77,7 +104,7 @@ def lift_mla(
     else:
         o_bias = None
         full_b = torch.cat((torch.zeros(k_rows, dtype=torch.float64), v_bias))
-        down_b = basis.t() @ full_b
+        down_b = down @ full_b
         if exact and not torch.allclose(basis @ down_b, full_b, atol=1e-9 * (1 + float(full_b.abs().max()))):
             raise ValueError("exact MLA: the V bias is outside the latent's span and there is no o_proj bias to fold it")
     latent = basis.shape[1]
@@ -104,33 +131,43 @@ def lift_mla(
         v_head_dim=d_h,
         q_lora_rank=None,
         mla_latent_norm=False,
-        mla_rope_pairs=[i for _, i in pairs] if pairs else None,
+        mla_rope_pairs=[c.freq for c in components] or None,
     )
     return state, fields
 
 
-def stacked_kv(w: AttentionWeights, config, pairs: list[tuple[int, int]], drop_common: bool = False) -> torch.Tensor:
-    """[W_K_nope; W_V] in float64, [H_kv * d_nope + H_kv * d_h, hidden]: the map the latent factors."""
-    arch = architecture_of(config)
+def stacked_kv(w: AttentionWeights, config, components: list[RopeComponent]) -> torch.Tensor:
+    """[W_K_nope; W_V] in float64, [H_kv * d_h + H_kv * d_h, hidden]: the map a latent basis factors (d_nope = d_h)."""
     d_h = head_dim(config)
     kv_heads, hidden = w.k_w.shape[0] // d_h, w.k_w.shape[1]
-    half = (rotary_dim(config) if arch.rotary else 0) // 2
-    nope, zeroed = _nope_layout(kv_heads, d_h, half, pairs, drop_common)
-    k_nope = w.k_w.to(torch.float64).view(kv_heads, d_h, hidden)[:, nope].clone()
-    for g, slots in zeroed.items():
-        k_nope[g, slots] = 0
-    return torch.cat((k_nope.reshape(-1, hidden), w.v_w.to(torch.float64)))
+    half = (rotary_dim(config) if architecture_of(config).rotary else 0) // 2
+    k_aug = with_bias_column(w.k_w, w.k_b).view(kv_heads, d_h, hidden + 1)
+    k_nope, _ = _nope_keys(k_aug, half, components, drop_common=False)
+    return torch.cat((k_nope[..., :hidden].reshape(-1, hidden), w.v_w.to(torch.float64)))
 
 
-def _nope_layout(kv_heads: int, d_h: int, half: int, pairs, drop_common: bool) -> tuple[list[int], dict]:
-    """Non-RoPE dims of every head, and per KV head the slots among them to zero (its selected RoPE pairs).
+def _pair(aug: torch.Tensor, freq: int, half: int) -> torch.Tensor:
+    """Rows of RoPE pair `freq` of every head as complex rows: [heads, d_h, in] -> [heads, in], a + ib."""
+    return torch.complex(aug[:, freq], aug[:, freq + half])
 
-    With drop_common, dims of frequencies selected for *every* KV head leave the nope part altogether."""
-    selected = {g: {i for gg, i in pairs if gg == g} for g in range(kv_heads)}
-    common = set.intersection(*selected.values()) if selected and drop_common else set()
-    nope = [d for d in range(d_h) if not (d < 2 * half and d % half in common)]
-    zeroed = {g: [s for s, d in enumerate(nope) if d < 2 * half and d % half in selected[g]] for g in selected}
-    return nope, zeroed
+
+def _nope_keys(k_aug: torch.Tensor, half: int, components, drop_common: bool) -> tuple[torch.Tensor, list[int]]:
+    """Non-RoPE key rows [H_kv, d_nope, in] (each RoPE pair replaced by its remainder r_g,i) and the head dims kept.
+
+    r_i = (I - sum_{p at i} back_p mix_p^T) k_i over the KV heads. With drop_common, frequencies whose remainder is
+    zero for every head leave the nope part."""
+    kv_heads = k_aug.shape[0]
+    k_nope = k_aug.clone()
+    dropped = set()
+    for freq in sorted({c.freq for c in components}):
+        keep = sum(torch.outer(c.back, c.mix) for c in components if c.freq == freq)
+        remainder = torch.eye(kv_heads, dtype=torch.complex128) - keep
+        if drop_common and remainder.abs().max() < 1e-9:
+            dropped.add(freq)
+        r = remainder @ _pair(k_aug, freq, half)
+        k_nope[:, freq], k_nope[:, freq + half] = r.real, r.imag
+    nope = [d for d in range(k_aug.shape[1]) if not (d < 2 * half and d % half in dropped)]
+    return k_nope[:, nope], nope
 
 
 def exact_basis(stacked: torch.Tensor) -> torch.Tensor:
@@ -141,11 +178,10 @@ def exact_basis(stacked: torch.Tensor) -> torch.Tensor:
     return torch.linalg.svd(stacked.to(torch.float64), full_matrices=False)[0]
 
 
-def all_pairs(config, kv_heads: int) -> list[tuple[int, int]]:
+def all_pairs(config, kv_heads: int) -> list[RopeComponent]:
     """Every (kv_head, frequency) pair: the exact RoPE key (d_r = H_kv * d_rot)."""
-    arch = architecture_of(config)
-    half = (rotary_dim(config) if arch.rotary else 0) // 2
-    return [(g, i) for g in range(kv_heads) for i in range(half)]
+    half = (rotary_dim(config) if architecture_of(config).rotary else 0) // 2
+    return [RopeComponent.pair(g, i, kv_heads) for g in range(kv_heads) for i in range(half)]
 
 
 def with_bias_column(weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

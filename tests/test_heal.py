@@ -18,7 +18,7 @@ from hf_attn_patch.models import load_default
 def setup(tmp_path_factory):
     source, tokenizer = load_default()
     out = tmp_path_factory.mktemp("mla") / "out"
-    convert("default", out, to="mla", kv_budget=0.25)
+    convert("default", out, to="mla", kv_budget=0.25, method="mha2mla")  # a poor start: room to heal
     text = read_calibration_text(None)
     train = calibration_windows(text[:60_000], tokenizer, 16, 128)
     held_out = windows_of(text[-40_000:], tokenizer, ctx=256, max_tokens=1024)
@@ -43,7 +43,21 @@ def test_resume_continues_where_it_stopped(setup, tmp_path):
     straight = AutoModelForCausalLM.from_pretrained(out)
     heal(straight, source, train, steps=6, lr=1e-3, progress=False)
     interrupted = AutoModelForCausalLM.from_pretrained(out)
-    heal(interrupted, source, train, steps=3, lr=1e-3, checkpoint_dir=tmp_path, checkpoint_every=3, progress=False)
+
+    class CrashingTeacher(torch.nn.Module):  # the run dies in step 4, after the checkpoint of step 3
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, ids):
+            self.calls += 1
+            if self.calls == 4:
+                raise RuntimeError("simulated crash")
+            return source(ids)
+
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        heal(interrupted, CrashingTeacher(), train, steps=6, lr=1e-3, checkpoint_dir=tmp_path, checkpoint_every=3,
+             progress=False)  # fmt: skip
     resumed = AutoModelForCausalLM.from_pretrained(out)
     result = heal(resumed, source, train, steps=6, lr=1e-3, checkpoint_dir=tmp_path, resume=True, progress=False)
     assert len(result.losses) == 3  # steps 4..6 only
@@ -63,7 +77,8 @@ def test_bad_heal_options(setup):
 
 
 def test_convert_with_healing_reports_it(tmp_path):
-    report = convert("default", tmp_path / "healed", to="mla", kv_budget=0.5, heal_steps=8, heal_lr=1e-3)
+    report = convert("default", tmp_path / "healed", to="mla", kv_budget=0.5, method="mha2mla", heal_steps=8,
+                     heal_lr=1e-3)  # fmt: skip
     assert report["heal"]["steps"] == 8 and report["heal"]["last_loss"] < report["heal"]["first_loss"]
     assert (tmp_path / "healed" / "model.safetensors").exists()
 
@@ -79,18 +94,31 @@ def test_stock_format_gqa_heals_its_attention(tmp_path):
     assert not torch.equal(student.model.layers[0].self_attn.k_proj.weight, before)
 
 
-def test_convert_heals_with_checkpoints_and_resumes(tmp_path):
+def test_convert_heals_with_checkpoints_and_resumes(tmp_path, monkeypatch):
     """--checkpoint-dir/--checkpoint-every/--resume through convert: an interrupted run resumed equals a straight one."""
-    options = dict(to="mla", kv_budget=0.5, heal_lr=1e-3, heal_batch_size=2)
-    convert("default", tmp_path / "straight", heal_steps=4, **options)
-    convert("default", tmp_path / "first", heal_steps=2, checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2,
-            **options)  # fmt: skip
-    report = convert("default", tmp_path / "resumed", heal_steps=4, checkpoint_dir=str(tmp_path / "ckpt"),
-                     resume=True, **options)  # fmt: skip
+    from hf_attn_patch.converters import heal as heal_module
+
+    options = dict(to="mla", kv_budget=0.5, heal_lr=1e-3, heal_batch_size=2, heal_steps=4)
+    convert("default", tmp_path / "straight", **options)
+
+    class CrashAfterTwoSteps(list):  # stands in for the progress bar: the run dies after step 2's checkpoint
+        def __iter__(self):
+            yield from self[:2]
+            raise RuntimeError("simulated crash")
+
+        def set_postfix(self, **_):
+            pass
+
+    with monkeypatch.context() as patch:
+        patch.setattr(heal_module, "tqdm", lambda steps, **_: CrashAfterTwoSteps(steps))
+        with pytest.raises(RuntimeError, match="simulated crash"):
+            convert("default", tmp_path / "first", checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, **options)
+    assert not (tmp_path / "first").exists()  # nothing half-written
+    report = convert("default", tmp_path / "resumed", checkpoint_dir=str(tmp_path / "ckpt"), resume=True, **options)
     assert report["heal"]["steps"] == 4
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight")
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed")
     for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=name)
     with pytest.raises(ValueError, match="need checkpoint_dir"):
-        convert("default", tmp_path / "bad", heal_steps=2, resume=True, **options)
+        convert("default", tmp_path / "bad", resume=True, **options)
