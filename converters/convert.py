@@ -24,15 +24,16 @@ from transformers.utils.hub import convert_file_size_to_int
 from ..kv_memory import dtype_of, kv_cache_bytes
 from ..models.architectures import architecture_of, head_dim, rotary_dim
 from .calibration import calibration_windows, collect_stats, read_calibration_text
+from .deepseek_export import check_source, stock_frequencies, to_deepseek_v3
 from .exact import rebuild, stock_attention_layers
 from .hub import check_repo_id, model_card, push
 from .gqa_merge import GQA_METHODS, aligned_pool, mean_pool
-from .methods import MLA_METHODS, mla_layer
+from .methods import MLA_METHODS, mla_layer, ranked_components
 
 logger = logging.getLogger(__name__)
 
 TARGETS = ("gqa", "mqa", "mla")
-FORMATS = ("auto", "native", "stock")
+FORMATS = ("auto", "native", "stock", "deepseek_v3")
 STOCK_GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # configs with a native num_key_value_heads
 
 
@@ -56,7 +57,7 @@ class ConvertOptions:
     checkpoint_dir: str | None = None  # healing state saved here every checkpoint_every steps
     checkpoint_every: int = 0
     resume: bool = False  # continue healing from the last state in checkpoint_dir
-    format: str = "auto"  # native: our config fields; stock: plain transformers config (llama-family GQA only)
+    format: str = "auto"  # native: our config fields; stock: plain config (llama-family GQA); deepseek_v3 (MLA)
     dtype: str | None = None  # of the saved weights; default: the source's
     seed: int = 0
     overwrite: bool = False
@@ -79,6 +80,8 @@ class ConvertOptions:
             self.kv_heads = 1
         if self.to == "gqa" and self.kv_heads is None:
             raise ValueError("to='gqa' needs kv_heads")
+        if self.format == "deepseek_v3" and self.to != "mla":
+            raise ValueError(f"format='deepseek_v3' is an MLA export, not one for to={self.to!r}")
         if self.to == "mla":
             if (self.kv_lora_rank is None) == (self.kv_budget is None):
                 raise ValueError(
@@ -156,7 +159,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
         if source_kv % opts.kv_heads:
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
         if opts.method == "aligned":
-            stats = _calibrate(model, tokenizer, opts, report)
+            _, stats = _calibrate(model, tokenizer, opts, report)
             lifted = {name: aligned_pool(arch.split_heads(m), config, opts.kv_heads, stats[name])
                       for name, m in layers.items()}  # fmt: skip
         else:
@@ -165,16 +168,31 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
         report["kv_heads"] = {"before": source_kv, "after": opts.kv_heads}
     else:
         rope_dim, kv_lora_rank = _mla_sizes(opts, config, source_kv, d_h)
-        stats = _calibrate(model, tokenizer, opts, report)
+        deepseek = opts.format == "deepseek_v3"
+        if deepseek:
+            check_source(config)
+        windows, stats = _calibrate(model, tokenizer, opts, report)
+        weights = {name: arch.split_heads(module) for name, module in layers.items()}
+        frequencies = stride = None
+        if deepseek:  # one component per frequency 0, s, 2s, ...: the frequencies a stock RoPE key can turn at
+            scores = torch.zeros(rotary_dim(config) // 2, dtype=torch.float64)
+            for name, w in weights.items():  # each layer's best component per frequency
+                best = {}
+                for score, comp in ranked_components(opts.method, w, config, stats[name], opts.calib_len):
+                    best.setdefault(comp.freq, score)  # ranked best first
+                scores += torch.tensor([best[i] for i in range(len(scores))], dtype=torch.float64)
+            frequencies, stride = stock_frequencies(scores, rope_dim // 2)
         lifted, per_layer_pairs, fields = {}, [], {}
-        for name, module in layers.items():
-            lifted[name], fields = mla_layer(opts.method, arch.split_heads(module), config, stats[name],
-                                             kv_lora_rank, rope_dim, context=opts.calib_len)  # fmt: skip
+        for name, w in weights.items():
+            lifted[name], fields = mla_layer(opts.method, w, config, stats[name], kv_lora_rank, rope_dim,
+                                             context=opts.calib_len, frequencies=frequencies)  # fmt: skip
             per_layer_pairs.append(fields["mla_rope_pairs"])
         fields["mla_rope_pairs"] = per_layer_pairs if rope_dim else None
         new = rebuild(model, "mla", fields, lifted)
         report["mla"] = {"kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": rope_dim,
                          "qk_nope_head_dim": fields["qk_nope_head_dim"], "rope_pairs_per_layer": per_layer_pairs}  # fmt: skip
+        if deepseek:
+            new, report["deepseek_v3"] = to_deepseek_v3(new, windows, stride)
 
     if opts.heal_steps:
         report["heal"] = _heal(new, model, tokenizer, opts)
@@ -187,7 +205,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
         del new.config.attention_variant  # a plain config: our module's weight names are the stock ones
     if opts.dtype is not None:
         new = new.to(dtype_of(opts.dtype))
-    report["format"] = "stock" if stock_format else "native"
+    report["format"] = "stock" if stock_format else opts.format if opts.format == "deepseek_v3" else "native"
     report["kv_bytes_per_token_fp16"] = {
         "before": kv_cache_bytes(config, 1),
         "after": kv_cache_bytes(new.config, 1),
@@ -202,12 +220,12 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     return report
 
 
-def _calibrate(model, tokenizer, opts: ConvertOptions, report: dict) -> dict:
-    """Activation statistics of every attention layer on the calibration text (recorded in the report)."""
+def _calibrate(model, tokenizer, opts: ConvertOptions, report: dict) -> tuple[torch.Tensor, dict]:
+    """(calibration windows, activation statistics of every attention layer) (recorded in the report)."""
     windows = calibration_windows(read_calibration_text(opts.calib_data), tokenizer, opts.calib_samples, opts.calib_len)
     report["calibration"] = {"data": opts.calib_data or "package corpus (TinyStories sample)",
                              "samples": opts.calib_samples, "length": opts.calib_len}  # fmt: skip
-    return collect_stats(model, windows)
+    return windows, collect_stats(model, windows)
 
 
 def _heal(student, teacher, tokenizer, opts: ConvertOptions) -> dict:

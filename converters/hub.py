@@ -15,36 +15,34 @@ def model_card(report: dict) -> str:
     source = str(report["source"])
     base = KNOWN_BASES.get(source, source)
     target = report["options"]["to"]
-    stock = report.get("format") == "stock"
+    fmt = report.get("format")
     kv = report["kv_bytes_per_token_fp16"]
     heal = report.get("heal")
     load = (
         "from transformers import AutoModelForCausalLM\n"
-        if stock
+        if fmt in ("stock", "deepseek_v3")
         else "import hf_attn_patch  # registers the attention variant\nfrom transformers import AutoModelForCausalLM\n"
     )
-    lines = [
-        "---",
-        f"base_model: {base}",
-        "library_name: transformers",
-        "tags:",
-        "- hf-attn-patch",
-        f"- {target}",
-        "---",
-        "",
+    tags = ["hf-attn-patch", target] + (["deepseek_v3"] if fmt == "deepseek_v3" else [])
+    lines = ["---", f"base_model: {base}", "library_name: transformers", "tags:", *(f"- {t}" for t in tags), "---", ""]
+    lines += [
         f"# {base}, converted to {target.upper()}",
         "",
-        f"Converted with `hf-attn convert` (method `{report['options']['method']}`, format `{report.get('format')}`).",
+        f"Converted with `hf-attn convert` (method `{report['options']['method']}`, format `{fmt}`).",
         f"KV cache per token (fp16, all layers): {kv['before']} B -> {kv['after']} B ({report['kv_ratio']:.1%}).",
         f"Healing: {heal['steps']} distillation steps ({heal['tokens']} tokens)." if heal else "Healing: none.",
         "",
-        "```python",
-        load + 'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")',
-        "```",
-        "",
-        "The full conversion report is in `conversion_report.json`.",
-        "",
     ]
+    if fmt == "deepseek_v3":
+        kl = report["deepseek_v3"]["kl_to_native_per_token"]
+        lines += [
+            "A stock `DeepseekV3ForCausalLM` (dense layers, no MoE): transformers loads it without custom code, and",
+            "engines that serve DeepSeek-V3 (vLLM, SGLang) are meant to. The export is approximate: stock DeepSeek",
+            f"normalizes the latent (kv_a_layernorm); KL to the exact conversion before healing: {kl:.4f} per token.",
+            "",
+        ]
+    lines += ["```python", load + 'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")', "```", "",
+              "The full conversion report is in `conversion_report.json`.", ""]  # fmt: skip
     return "\n".join(lines)
 
 

@@ -30,17 +30,6 @@ from .mla_lift import RopeComponent, lift_mla, stacked_kv, with_bias_column
 MLA_METHODS = ("calibrated", "mha2mla")
 
 
-def select_pairs(stats: LayerStats, n_pairs: int, group: int) -> list[RopeComponent]:
-    """The n_pairs (kv_head, frequency) pairs with the largest mean||k|| * sum over the group's queries mean||q||."""
-    k = stats.k_pair_norm  # [H_kv, d_rot/2]
-    q = stats.q_pair_norm.view(k.shape[0], group, -1).sum(1)  # [H_kv, d_rot/2]
-    score = (q * k).flatten()
-    if n_pairs > score.numel():
-        raise ValueError(f"rope_dim={2 * n_pairs} exceeds the {2 * score.numel()} RoPE dims of all KV heads")
-    top = torch.topk(score, n_pairs).indices.sort().values.tolist()
-    return [RopeComponent.pair(*divmod(i, k.shape[1]), k.shape[0]) for i in top]
-
-
 def rotated_components(w: AttentionWeights, config, stats: LayerStats, context: int) -> list[tuple[float, RopeComponent]]:
     """Every RoPE component of the query-weighted basis change across KV heads, with its loss if left unrotated.
 
@@ -79,22 +68,32 @@ def inverse_frequencies(config) -> list[float]:
     return ROPE_INIT_FUNCTIONS[rope_type](config)[0].tolist()
 
 
+def ranked_components(method: str, w: AttentionWeights, config, stats: LayerStats, context: int):
+    """(score, RopeComponent) candidates for the shared RoPE key, best first: raw pairs (mha2mla) or rotated ones."""
+    if method == "calibrated":
+        return rotated_components(w, config, stats, context)
+    k = stats.k_pair_norm  # [H_kv, d_rot/2]
+    score = stats.q_pair_norm.view(k.shape[0], -1, k.shape[1]).sum(1) * k
+    order = torch.argsort(score.flatten(), descending=True).tolist()
+    return [(float(score.flatten()[i]), RopeComponent.pair(*divmod(i, k.shape[1]), k.shape[0])) for i in order]
+
+
 def mla_layer(method: str, w: AttentionWeights, config, stats: LayerStats, kv_lora_rank: int, rope_dim: int,
-              context: int = 256):  # fmt: skip
-    """(state dict, config fields) of one MLA layer by `method`; context: L of the RoPE sensitivity (calibrated)."""
-    d_h = head_dim(config)
-    heads, kv_heads = w.q_w.shape[0] // d_h, w.k_w.shape[0] // d_h
+              context: int = 256, frequencies: list[int] | None = None):  # fmt: skip
+    """(state dict, config fields) of one MLA layer by `method`; context: L of the RoPE sensitivity (calibrated).
+
+    frequencies: keep the best component of each of these frequencies (a stock DeepSeek RoPE key has one per
+    frequency) instead of the best rope_dim/2 components overall."""
     if method not in MLA_METHODS:
         raise ValueError(f"method={method!r} is not one of {MLA_METHODS}")
-    if not rope_dim:
-        components = []
-    elif method == "mha2mla":
-        components = select_pairs(stats, rope_dim // 2, heads // kv_heads)
+    ranked = [c for _, c in ranked_components(method, w, config, stats, context)] if rope_dim else []
+    if rope_dim // 2 > len(ranked):
+        raise ValueError(f"rope_dim={rope_dim} exceeds the {2 * len(ranked)} RoPE dims of all KV heads")
+    if frequencies is None:
+        components = ranked[: rope_dim // 2]
     else:
-        ranked = rotated_components(w, config, stats, context)
-        if rope_dim // 2 > len(ranked):
-            raise ValueError(f"rope_dim={rope_dim} exceeds the {2 * len(ranked)} RoPE dims of all KV heads")
-        components = sorted((c for _, c in ranked[: rope_dim // 2]), key=lambda c: c.freq)
+        components = [next(c for c in ranked if c.freq == f) for f in frequencies]
+    components.sort(key=lambda c: c.freq)
     stacked = stacked_kv(w, config, components)  # [W_K_nope; W_V] (d_nope = d_h): the map the latent factors
     if kv_lora_rank > min(stacked.shape):
         raise ValueError(f"kv_lora_rank={kv_lora_rank} exceeds the rank of [W_K_nope; W_V] ({min(stacked.shape)})")

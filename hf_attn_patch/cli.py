@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--kv-lora-rank", type=_positive_int, help="mla: latent dims")
     cv.add_argument("--rope-dim", type=int, help="mla: dims of the shared RoPE key (even; default: one head's d_h, at most a third of --kv-budget)")
     cv.add_argument("--kv-budget", type=float, help="mla: fraction of the source's KV bytes (instead of --kv-lora-rank)")
-    cv.add_argument("--method", help="gqa/mqa: mean; mla: calibrated (default) or mha2mla")
+    cv.add_argument("--method", help="gqa/mqa: mean (default), aligned or pca; mla: calibrated (default) or mha2mla")
     cv.add_argument("--calib-data", help="text file or folder of .txt files (default: the package's corpus)")
     cv.add_argument("--calib-samples", type=_positive_int)
     cv.add_argument("--calib-len", type=_positive_int)
@@ -279,7 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--checkpoint-dir", help="save the healing state here (with --checkpoint-every N)")
     cv.add_argument("--checkpoint-every", type=_positive_int, help="healing steps between saved states")
     cv.add_argument("--resume", action="store_true", default=None, help="continue healing from --checkpoint-dir")
-    cv.add_argument("--format", choices=["auto", "native", "stock"])
+    cv.add_argument("--format", choices=["auto", "native", "stock", "deepseek_v3"],
+                    help="auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock DeepseekV3ForCausalLM (MLA)")
     cv.add_argument("--dtype", help="dtype of the saved weights (default: the source's)")
     cv.add_argument("--seed", type=int)
     cv.add_argument("--overwrite", action="store_true", default=None)

@@ -173,13 +173,14 @@ ARCHITECTURES: dict[str, Architecture] = {
                      _split_heads_gpt_neox, _attention_bias, norm_eps=lambda c: c.layer_norm_eps),
         Architecture("opt", "transformers.models.opt.modeling_opt", "OPTAttention", _split_heads_opt,
                      lambda c: (c.enable_bias,) * 4, rotary=False, norm_eps=lambda c: 1e-5),
+        # Stock DeepSeek builds its latent norms with the RMSNorm default eps (1e-6), not rms_norm_eps.
         Architecture("deepseek_v3", "transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3Attention",
                      _no_split, _deepseek_biases, mla_scaling=_deepseek_mla_scaling, variants=("mla",),
-                     replaces_stock=True),
+                     replaces_stock=True, norm_eps=lambda c: 1e-6),
         # DeepSeek-V2 hands attention a complex freqs_cis and rotates interleaved pairs; otherwise V3's layout.
         Architecture("deepseek_v2", "transformers.models.deepseek_v2.modeling_deepseek_v2", "DeepseekV2Attention",
                      _no_split, _deepseek_biases, mla_scaling=_deepseek_mla_scaling, variants=("mla",),
-                     replaces_stock=True, rope_interleave=True),
+                     replaces_stock=True, rope_interleave=True, norm_eps=lambda c: 1e-6),
     ]
 }  # fmt: skip
 

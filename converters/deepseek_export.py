@@ -1,0 +1,145 @@
+"""`--format deepseek_v3`: an MLA conversion as a stock `DeepseekV3ForCausalLM` (no custom code; vLLM/SGLang serve it).
+
+What a stock DeepSeek-V3 config cannot say, and how the export handles it:
+- RoPE frequencies. Stock pair j of the d_r-dim key turns at theta'^(-2j/d_r); a llama source's pair i at
+  theta^(-2i/d_rot). With theta' = theta^(s d_r / d_rot) stock pair j is source pair j*s exactly, so the shared key
+  keeps one component at each of the frequencies 0, s, 2s, ... (the stride s with the most RoPE score over all
+  layers). Same weights, no approximation.
+- Interleaved RoPE. vLLM and SGLang rotate DeepSeek's rope dims as interleaved pairs (x0, x1), (x2, x3), ...
+  (`rope_interleave=True`); our rotate_half rows are permuted into that order. Exact.
+- The latent norm. Stock DeepSeek always computes kv_a_layernorm(c) = g * c / rms(c), which a linear conversion
+  cannot reproduce: 1/rms(c_t) changes from token to token. The export keeps the norm and fits what follows it by
+  least squares on the calibration tokens (next item). This is approximate: the report gives KL(native ||
+  deepseek_v3) per token, and healing (--heal-steps) trains with the norm in place.
+- The latent map: rather than a per-dim norm weight, the norm weight is 1 and kv_b_proj absorbs the least-squares map
+  M = E[c c^T / r] E[c c^T / r^2]^-1, so kv_b(c / r) ~ kv_b_native(c) (a full d_c x d_c fit, not only a scale).
+- No MoE: first_k_dense_replace = number of layers builds a dense MLP (gate/up/down, as llama's) in every layer;
+  n_routed_experts stays an integer (1) because transformers 5.23 rejects null. num_key_value_heads = heads.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..models.architectures import head_dim, rotary_dim
+
+logger = logging.getLogger(__name__)
+
+SOURCE_TYPES = ("llama", "mistral")  # llama-family layers: RMSNorm, gated MLP, no attention biases
+
+
+def check_source(config) -> None:
+    """Raise (naming the field) unless the source's non-attention layers map 1:1 onto stock DeepSeek-V3 ones."""
+    if config.model_type not in SOURCE_TYPES:
+        raise ValueError(f"format='deepseek_v3' needs a llama-family source {SOURCE_TYPES}, not {config.model_type!r}")
+    for field in ("attention_bias", "mlp_bias"):
+        if getattr(config, field, False):
+            raise ValueError(f"format='deepseek_v3': {field}=True has no place in a stock DeepSeek-V3 layer")
+    if getattr(config, "sliding_window", None) is not None:
+        raise ValueError(f"format='deepseek_v3': sliding_window={config.sliding_window} is not in DeepSeek-V3")
+    rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"format='deepseek_v3' needs plain RoPE; the source has rope_type={rope_type!r}")
+
+
+def stock_frequencies(scores: torch.Tensor, n: int) -> tuple[list[int], int]:
+    """(frequencies 0, s, ..., (n-1)s; s) maximizing the summed score. scores: [d_rot/2] best score per frequency."""
+    half = len(scores)
+    if not 1 <= n <= half:
+        raise ValueError(f"rope_dim={2 * n}: format='deepseek_v3' keeps one component per frequency, 1..{half} of them")
+    strides = range(1, (half - 1) // (n - 1) + 1) if n > 1 else [1]
+    best = max(strides, key=lambda s: float(scores[[j * s for j in range(n)]].sum()))
+    return [j * best for j in range(n)], best
+
+
+def to_deepseek_v3(native, windows: torch.Tensor, stride: int) -> tuple[torch.nn.Module, dict]:
+    """(stock DeepseekV3ForCausalLM, report) from a native MLA model whose every layer keeps frequencies 0, s, ...
+
+    windows: calibration token windows [n, L] for the latent-norm fit and the KL to the native model."""
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    from .evaluate import evaluate
+
+    src = native.config
+    d_r, d_c, d_h = src.qk_rope_head_dim, src.kv_lora_rank, head_dim(src)
+    if src.qk_nope_head_dim != d_h:
+        raise ValueError("format='deepseek_v3' needs a latent basis (qk_nope_head_dim = head_dim)")
+    config = DeepseekV3Config(
+        vocab_size=src.vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
+        moe_intermediate_size=src.intermediate_size, num_hidden_layers=src.num_hidden_layers,
+        num_attention_heads=src.num_attention_heads, num_key_value_heads=src.num_attention_heads,
+        n_shared_experts=1, n_routed_experts=1, num_experts_per_tok=1, n_group=1, topk_group=1,
+        first_k_dense_replace=src.num_hidden_layers, routed_scaling_factor=1.0,
+        kv_lora_rank=d_c, q_lora_rank=None, qk_rope_head_dim=d_r, qk_nope_head_dim=d_h, v_head_dim=d_h,
+        hidden_act=src.hidden_act, max_position_embeddings=src.max_position_embeddings,
+        initializer_range=src.initializer_range, rms_norm_eps=src.rms_norm_eps,
+        pad_token_id=src.pad_token_id, bos_token_id=src.bos_token_id, eos_token_id=src.eos_token_id,
+        tie_word_embeddings=False,  # an lm_head of its own: engines differ on tied DeepSeek heads
+        rope_interleave=True, attention_bias=False, num_mtp_layers=0,
+        rope_parameters={"rope_type": "default",
+                         "rope_theta": src.rope_parameters["rope_theta"] ** (stride * d_r / rotary_dim(src))},
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config, dtype=next(native.parameters()).dtype)
+    state = native.state_dict()
+    heads, n = src.num_attention_heads, d_r // 2
+    interleave = [i for j in range(n) for i in (j, j + n)]  # rotate_half order -> (x0, x1), (x2, x3), ...
+    per_head = list(range(d_h)) + [d_h + i for i in interleave]  # [q_nope | q_rope] of each head
+    q_order = torch.tensor([h * (d_h + d_r) + i for h in range(heads) for i in per_head])
+    kv_order = torch.tensor(list(range(d_c)) + [d_c + i for i in interleave])
+    maps = latent_norm_maps(native, windows)
+    for layer in range(src.num_hidden_layers):
+        prefix = f"model.layers.{layer}.self_attn."
+        dtype = state[prefix + "q_proj.weight"].dtype
+        state[prefix + "q_proj.weight"] = state[prefix + "q_proj.weight"][q_order]
+        state[prefix + "kv_a_proj_with_mqa.weight"] = state[prefix + "kv_a_proj_with_mqa.weight"][kv_order]
+        state[prefix + "kv_a_layernorm.weight"] = torch.ones(d_c, dtype=dtype)
+        state[prefix + "kv_b_proj.weight"] = (state[prefix + "kv_b_proj.weight"].double() @ maps[layer]).to(dtype)
+    model.load_state_dict(state, strict=True)
+    model.generation_config = native.generation_config
+    model.eval()
+    check = windows[: min(4, len(windows))]
+    kl = evaluate(model, check, reference=native, progress=False).kl_to_reference
+    report = {
+        "exact": False,
+        "why": "stock DeepSeek-V3 applies kv_a_layernorm to the latent; its weight is fitted by least squares",
+        "kl_to_native_per_token": kl,
+        "kl_windows": len(check),
+        "rope_frequencies": [j * stride for j in range(n)],
+        "rope_theta": config.rope_parameters["rope_theta"],
+    }
+    logger.info("deepseek_v3 export: KL to the native conversion %.4f per token", kl)
+    return model, report
+
+
+@torch.no_grad()
+def latent_norm_maps(native, windows: torch.Tensor) -> list[torch.Tensor]:
+    """Per layer M [d_c, d_c] minimizing sum_t ||c_t - M c_t / r_t||^2 over the calibration tokens, r = rms(c):
+    M = E[c c^T / r] E[c c^T / r^2]^-1 (module docstring)."""
+    d_c = native.config.kv_lora_rank
+    sums: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def hook(layer):
+        def record(module, args, output):
+            c = output[..., :d_c].reshape(-1, d_c).double()
+            normed = c / (c.pow(2).mean(-1, keepdim=True) + 1e-6).sqrt()  # stock DeepSeek's norm, weight 1
+            cross, gram = sums.get(layer, (0.0, 0.0))
+            sums[layer] = (cross + c.t() @ normed, gram + normed.t() @ normed)
+
+        return record
+
+    layers = [layer.self_attn for layer in native.model.layers]
+    handles = [a.kv_a_proj_with_mqa.register_forward_hook(hook(i)) for i, a in enumerate(layers)]
+    try:
+        for window in windows:
+            native(window[None].to(native.device))
+    finally:
+        for h in handles:
+            h.remove()
+    maps = []
+    for i in range(len(layers)):
+        cross, gram = sums[i]
+        ridge = 1e-9 * torch.trace(gram) / d_c * torch.eye(d_c, dtype=torch.float64)
+        maps.append(torch.linalg.solve(gram + ridge, cross.t()).t())
+    return maps
