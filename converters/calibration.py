@@ -34,21 +34,71 @@ class LayerStats:
     tokens: int
 
 
-def read_calibration_text(source: str | Path | None) -> str:
-    """Text of a file, of every .txt file in a folder (sorted), or of the corpus shipped with the package."""
+DATA_FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv": "csv"}
+MAX_DATASET_CHARS = 50_000_000  # a dataset is read row by row until this much text: calibration needs far less
+
+
+def read_calibration_text(source: str | Path | None, split: str = "train", column: str = "text") -> str:
+    """Calibration text from `source`:
+    - None: the corpus shipped with the package;
+    - a text file, or a folder of .txt files (sorted, joined by blank lines);
+    - a `datasets` dataset: a folder written by save_to_disk, a .json/.jsonl/.parquet/.csv data file, or a dataset
+      name on the Hub (reachable, or in the local datasets cache), "name" or "name:config"; rows of `column` in
+      `split` joined by blank lines.
+    """
     path = DEFAULT_CORPUS if source is None else Path(source)
-    if path.is_dir():
+    if path.is_dir() and any((path / marker).exists() for marker in ("state.json", "dataset_dict.json")):
+        text = _dataset_text(str(path), split, column)
+    elif path.is_file() and path.suffix in DATA_FILE_BUILDERS:
+        text = _dataset_text(str(path), split, column)
+    elif path.is_dir():
         files = sorted(path.glob("*.txt"))
         if not files:
-            raise ValueError(f"calib_data={str(path)!r} is a folder without .txt files")
+            raise ValueError(f"calib_data={str(path)!r} is a folder without .txt files or a saved dataset")
         text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
     elif path.is_file():
         text = path.read_text(encoding="utf-8", errors="replace")
+    elif not Path(str(source)).is_absolute() and not str(source).startswith("."):
+        text = _dataset_text(str(source), split, column)
     else:
-        raise ValueError(f"calib_data={str(path)!r} is neither a file nor a folder")
+        raise ValueError(f"calib_data={str(path)!r} is neither a file, a folder nor a dataset name")
     if not text.strip():
         raise ValueError(f"calib_data={str(path)!r} is empty")
     return text
+
+
+def _dataset_text(source: str, split: str, column: str) -> str:
+    """Rows of `column` of a `datasets` dataset (see read_calibration_text), joined by blank lines."""
+    try:
+        import datasets
+    except ImportError as err:
+        raise ValueError(f"calib_data={source!r} needs the `datasets` package (pip install datasets)") from err
+    try:
+        if Path(source).is_dir():
+            loaded = datasets.load_from_disk(source)
+        elif Path(source).is_file():
+            loaded = datasets.load_dataset(DATA_FILE_BUILDERS[Path(source).suffix], data_files=source)
+        else:
+            name, _, config = source.partition(":")
+            loaded = datasets.load_dataset(name, config or None, split=split)
+    except Exception as err:  # datasets raises many types (FileNotFoundError, ConnectionError, DatasetNotFoundError)
+        raise ValueError(f"calib_data={source!r}: could not load it as a dataset ({type(err).__name__}: {err})") from err
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise ValueError(f"calib_split={split!r} is not a split of {source!r}: {sorted(loaded)}")
+        loaded = loaded[split]
+    if column not in loaded.column_names:
+        raise ValueError(f"calib_column={column!r} is not a column of {source!r}: {loaded.column_names}")
+    parts, size = [], 0
+    for row in loaded.select_columns([column]):
+        value = row[column]
+        if isinstance(value, str) and value.strip():
+            parts.append(value)
+            size += len(value)
+            if size >= MAX_DATASET_CHARS:
+                logger.info("calibration: read the first %d rows of %s (%d characters)", len(parts), source, size)
+                break
+    return "\n\n".join(parts)
 
 
 def calibration_windows(text: str, tokenizer, samples: int, length: int) -> torch.Tensor:

@@ -47,7 +47,9 @@ class ConvertOptions:
     rope_dim: int | None = None  # mla: shared RoPE key dims d_r (default: one head's d_h, at most 1/3 of kv_budget)
     kv_budget: float | None = None  # mla: fraction of the source's KV values per token (instead of kv_lora_rank)
     method: str | None = None  # gqa: mean (default) or aligned; mla: calibrated (default) or mha2mla
-    calib_data: str | None = None  # text file or folder of .txt files; default: the corpus shipped with the package
+    calib_data: str | None = None  # text file, folder of .txt files or a datasets dataset; default: the package's corpus
+    calib_split: str = "train"  # datasets only
+    calib_column: str = "text"  # datasets only
     calib_samples: int = 16
     calib_len: int = 256
     heal_steps: int = 0  # distillation steps from the source after conversion (0: zero-shot)
@@ -222,8 +224,10 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
 
 def _calibrate(model, tokenizer, opts: ConvertOptions, report: dict) -> tuple[torch.Tensor, dict]:
     """(calibration windows, activation statistics of every attention layer) (recorded in the report)."""
-    windows = calibration_windows(read_calibration_text(opts.calib_data), tokenizer, opts.calib_samples, opts.calib_len)
+    text = read_calibration_text(opts.calib_data, opts.calib_split, opts.calib_column)
+    windows = calibration_windows(text, tokenizer, opts.calib_samples, opts.calib_len)
     report["calibration"] = {"data": opts.calib_data or "package corpus (TinyStories sample)",
+                             "split": opts.calib_split, "column": opts.calib_column,
                              "samples": opts.calib_samples, "length": opts.calib_len}  # fmt: skip
     return windows, collect_stats(model, windows)
 
@@ -232,7 +236,7 @@ def _heal(student, teacher, tokenizer, opts: ConvertOptions) -> dict:
     """Distill the source into the converted model on windows of the calibration text; a summary for the report."""
     from .heal import heal
 
-    text = read_calibration_text(opts.calib_data)
+    text = read_calibration_text(opts.calib_data, opts.calib_split, opts.calib_column)
     tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
     windows = calibration_windows(text, tokenizer, tokens // opts.calib_len, opts.calib_len)
     result = heal(student, teacher, windows, steps=opts.heal_steps, lr=opts.heal_lr,

@@ -269,7 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--rope-dim", type=int, help="mla: dims of the shared RoPE key (even; default: one head's d_h, at most a third of --kv-budget)")
     cv.add_argument("--kv-budget", type=float, help="mla: fraction of the source's KV bytes (instead of --kv-lora-rank)")
     cv.add_argument("--method", help="gqa/mqa: mean (default), aligned or pca; mla: calibrated (default) or mha2mla")
-    cv.add_argument("--calib-data", help="text file or folder of .txt files (default: the package's corpus)")
+    cv.add_argument("--calib-data", help="text file, folder of .txt files, or a datasets dataset: a save_to_disk "
+                    "folder, a .json/.jsonl/.parquet/.csv file or a dataset name[:config] (default: the package's corpus)")
+    cv.add_argument("--calib-split", help="datasets: the split to read (default train)")
+    cv.add_argument("--calib-column", help="datasets: the text column (default text)")
     cv.add_argument("--calib-samples", type=_positive_int)
     cv.add_argument("--calib-len", type=_positive_int)
     cv.add_argument("--heal-steps", type=int, help="distillation steps from the source after conversion (default 0)")

@@ -227,3 +227,23 @@ def test_rotated_rope_key_is_exact_when_kv_heads_share_their_pairs():
         error[method], kept[method] = (logits(merged, ids) - logits(model, ids)).abs().max().item(), pairs[0]
     assert kept["calibrated"] == [0, 1, 2, 3]  # one component per frequency
     assert error["calibrated"] < 1e-4 and error["mha2mla"] > 1e-3  # measured 1.3e-7 and 6.5e-3
+
+
+def test_calibration_from_a_datasets_dataset(tmp_path):
+    """--calib-data takes a save_to_disk folder or a .jsonl data file (datasets works offline on local files)."""
+    datasets = pytest.importorskip("datasets")
+    from hf_attn_patch.converters.calibration import read_calibration_text
+
+    stories = read_calibration_text(None).split("\n\n")[:400]
+    datasets.Dataset.from_dict({"story": stories, "id": list(range(len(stories)))}).save_to_disk(tmp_path / "ds")
+    (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in stories))
+    assert read_calibration_text(str(tmp_path / "ds"), column="story") == "\n\n".join(s for s in stories if s.strip())
+    assert read_calibration_text(str(tmp_path / "rows.jsonl")) == read_calibration_text(str(tmp_path / "ds"),
+                                                                                        column="story")  # fmt: skip
+    report = convert("default", tmp_path / "out", to="mla", kv_budget=0.5, calib_data=str(tmp_path / "ds"),
+                     calib_column="story", calib_samples=2, calib_len=64)  # fmt: skip
+    assert report["calibration"]["column"] == "story" and report["calibration"]["data"] == str(tmp_path / "ds")
+    with pytest.raises(ValueError, match=r"calib_column='text' is not a column of .*\['story', 'id'\]"):
+        read_calibration_text(str(tmp_path / "ds"))
+    with pytest.raises(ValueError, match="calib_split='validation' is not a split"):
+        read_calibration_text(str(tmp_path / "rows.jsonl"), split="validation")
