@@ -215,11 +215,18 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     report["kv_ratio"] = report["kv_bytes_per_token_fp16"]["after"] / report["kv_bytes_per_token_fp16"]["before"]
     report["wall_time_s"] = round(time.perf_counter() - started, 3)
     report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
+    if not _is_main_process():  # under torchrun / accelerate launch every process converts and heals; one writes
+        return report
     _write_atomically(new, tokenizer, report, out, opts.max_shard_size)
     logger.info("converted %s -> %s (%s, %s)", source, out, opts.to, opts.method)
     if opts.push_to_hub is not None:
         report["hub"] = push(out, opts.push_to_hub, private=opts.private, client=hub_client)
     return report
+
+
+def _is_main_process() -> bool:
+    """Rank 0 of a distributed launch (torchrun and accelerate launch set RANK), or a plain single process."""
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 def _calibrate(model, tokenizer, opts: ConvertOptions, report: dict) -> tuple[torch.Tensor, dict]:

@@ -70,7 +70,9 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
     )
-    student, optimizer, schedule = accelerator.prepare(student, optimizer, schedule)
+    student, optimizer = accelerator.prepare(student, optimizer)
+    # Not prepared: accelerate's scheduler wrapper steps once per process per step. Saved with the checkpoints.
+    accelerator.register_for_checkpointing(schedule)
     teacher = teacher.to(accelerator.device).eval()
     start_step = 0
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
@@ -81,8 +83,9 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
     result = HealResult(steps=0, tokens=0, seconds=0.0)
     started = time.perf_counter()
     bar = tqdm(range(start_step, steps), desc="heal", disable=not progress or not accelerator.is_main_process)
-    for step in bar:
-        rows = torch.arange(step * batch_size, (step + 1) * batch_size) % len(windows)
+    for step in bar:  # each process takes its own batch_size windows of every step: data parallel
+        first = (step * accelerator.num_processes + accelerator.process_index) * batch_size
+        rows = torch.arange(first, first + batch_size) % len(windows)
         ids = windows[rows].to(accelerator.device)
         with torch.no_grad():
             target = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
@@ -97,12 +100,13 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
         schedule.step()
         optimizer.zero_grad(set_to_none=True)
         result.losses.append(loss.item())
-        result.tokens += ids.numel()
+        result.tokens += ids.numel() * accelerator.num_processes
         result.steps = step + 1
         bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{result.tokens / (time.perf_counter() - started):.0f}")
         if ckpt is not None and checkpoint_every and result.steps % checkpoint_every == 0:
             accelerator.save_state(str(ckpt))
             (ckpt / "step.txt").write_text(str(result.steps))
+    accelerator.wait_for_everyone()
     student.eval()
     if gradient_checkpointing:
         student.gradient_checkpointing_disable()

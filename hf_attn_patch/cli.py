@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -71,6 +72,8 @@ def cmd_convert(args) -> None:
         report = convert(args.source, args.out, **options)
     except (ValueError, FileExistsError) as err:
         raise SystemExit(f"error: {err}")
+    if os.environ.get("RANK", "0") != "0":
+        return  # another process of a distributed launch; rank 0 wrote OUT and prints the summary
     summary = {k: report[k] for k in ("format", "kv_bytes_per_token_fp16", "kv_ratio", "wall_time_s", "peak_rss_mb")}
     print(f"wrote {args.out}")
     print(json.dumps(summary, indent=2))
