@@ -1,16 +1,54 @@
 """Conversion methods for GQA / MQA: how K/V heads merge when there are fewer of them.
 
-- `mean` (Ainslie et al. 2023, the GQA paper's baseline): the K and V projections of each group of consecutive heads
-  are averaged; queries and outputs are kept.
-- `aligned` (after "Align attention heads before merging them", arXiv 2412.20677): before averaging, each head of a
-  group is rotated onto the group's first head on calibration activations (orthogonal Procrustes from the input
-  covariance S: W_j S W_0^T). V: any orthogonal R_j, absorbed into o_proj (O_h R_j). K: one 2x2 rotation per RoPE
-  frequency pair (rotations in a pair's plane commute with RoPE; a full orthogonal map on non-RoPE dims), absorbed
-  into the queries of the heads that used that key head. The average of aligned weights is their least-squares fit
-  on the calibration activations. Exact when the heads of a group are such rotations of each other (tested).
+Notation. Source KV head g serves the P = H / H_kv query heads g*P ... (g+1)*P - 1. S = sum_t x~ x~^T over the
+calibration inputs, x~ = [x; 1] (calibration.py), so for augmented rows A = [W b], B: E[(A x~)(B x~)^H] ∝ A S B^H.
+Each head splits into blocks (module-internal, float64):
+- K, one complex dim per RoPE frequency i: pair (i, i + d_rot/2) read as a + ib. RoPE multiplies it by
+  e^{i theta_i t}, so a complex scalar on a key block, undone conjugately on its queries, commutes with RoPE.
+- K, one real block of the non-RoPE dims (partial rotary, or every dim without RoPE): any linear map is allowed.
+- V, one real block of d_h dims: any linear map, absorbed into o_proj.
+A block's consumers read Re(c^H k): query rows for K (score q^H k), o_proj columns for V (O_h v = (O_h^T)^H v).
+
+Methods (each group of source KV heads becomes one KV head):
+- `mean` (Ainslie et al. 2023, the GQA paper's baseline): K and V rows of each group of consecutive heads averaged;
+  queries and o_proj kept; groups by index.
+- `aligned` (after "Align attention heads before merging them", arXiv 2412.20677): per block, each head is rotated
+  onto the group's first head by orthogonal Procrustes on calibration activations (polar factor of k_j S k_0^H: a
+  phase per RoPE frequency, an orthogonal map on the others), then the group is averaged.
+- `pca`: per block, consumer-weighted PCA of the group's heads. Head g is whitened by the metric of what reads it,
+  M_g = sum over its consumers h of E[c_h c_h^H] (K: query block, E over tokens; V: O_h^T O_h; plus 1e-6 of its
+  mean diagonal); the merged block is the top n_b principal components of the stacked whitened heads:
+  k^ = E^H [M_g^1/2 k_g]_g, E the top n_b eigenvectors of their covariance (dimension G * n_b).
+  For a RoPE frequency (n_b = 1, M_g = w_g = sum_h E|q_h,i|^2) that is k^ = sum_g conj(d_g) sqrt(w_g) k_g with d the
+  top eigenvector of W^1/2 C W^1/2, C[g, g'] = E[k_g conj(k_g')].
+Consumer refit (`aligned` with refit=True; `pca` always): least-squares regression of each source head's block on
+the merged block, k_g ~ R_g k^, R_g = E[k_g k^H] (E[k^ k^H] + ridge)^-1; consumers c'_h = R_g^H c_h, i.e. queries
+q'_h = R_g^H q_h and o_proj O'_h = O_h R_g. On a RoPE frequency R_g is one complex scalar (commutes with RoPE) and
+minimizes E_{t,s}|conj(q') k^ - conj(q) k_g|^2 over independent query / key tokens; on real blocks any metric gives
+the same unconstrained optimum. Without refit, `aligned` absorbs its own rotations (k_g ~ R_g k^ with R_g unitary).
+Biases ride in the augmented rows: query biases transform with their rows, merged K / V rows carry merged biases
+(none when the source has none); with an o_proj bias the mean output error of the V refit is folded into it.
+Exactness (tested): when each head of a group is its first head times a complex scalar per RoPE frequency and an
+invertible linear map on the other K dims and on V, `pca` reproduces the source; so does `aligned` with refit
+(the average is then, generically, an invertible map of the first head); without refit `aligned` needs rotations.
+
+Regrouping (`aligned` and `pca`, regroup=True; choose_groups): the source KV heads are partitioned into equal groups
+by how much consumer-weighted energy the PCA merge of each group retains, not by index. A group loses the eigenvalues
+PCA drops, per block (RoPE blocks count 1/2: the phase average of Re^2); K and V losses are each divided by the
+layer's total K / V energy, so they count equally, and the partition's score is the summed loss. Every equal-size
+partition is tried when there are at most 2000, else groups grow greedily from the lowest free head. The partition
+by index is kept unless the best loses 1e-6 less (so planted-by-index and identity cases stay as they are).
+Regrouping is exact in itself: the query heads (rows, bias) and o_proj columns that read source head g move with
+it, so new KV head j serves query heads j*H/kv ... (j+1)*H/kv - 1. The score is a proxy of the model's loss: on
+stories260k (4 -> 2 KV heads) it lowered the KL of `aligned` and raised that of `pca` (tests/test_gqa_merge.py).
 """
 
 from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
@@ -18,7 +56,11 @@ from ..models.architectures import AttentionWeights, architecture_of, head_dim, 
 from .calibration import LayerStats
 from .mla_lift import with_bias_column
 
-GQA_METHODS = ("mean", "aligned")
+GQA_METHODS = ("mean", "aligned", "pca")
+_METRIC_FLOOR = 1e-6  # added to consumer metrics (times their mean diagonal): heads nobody reads still count a little
+_RIDGE = 1e-9  # ridge of the refit regressions (times the mean diagonal of E[k^ k^H]): numerical only
+_REGROUP_TOLERANCE = 1e-6  # retained-energy fraction another partition must gain over the one by index
+_MAX_PARTITIONS = 2000  # enumerate every equal-size partition up to this many, else build groups greedily
 
 
 def mean_pool(w: AttentionWeights, config, kv_heads: int) -> dict[str, torch.Tensor]:
@@ -37,66 +79,272 @@ def mean_pool(w: AttentionWeights, config, kv_heads: int) -> dict[str, torch.Ten
     return pooled.gqa_state_dict()
 
 
-def aligned_pool(w: AttentionWeights, config, kv_heads: int, stats: LayerStats) -> dict[str, torch.Tensor]:
-    """GroupedQueryAttention state dict: each group's K/V heads rotated onto its first head, then averaged."""
-    if w.q_norm is not None:
-        raise ValueError("aligned pooling with per-head q/k norms (qwen3) is not supported: use method='mean'")
-    d_h = head_dim(config)
-    heads, source_kv = w.q_w.shape[0] // d_h, w.k_w.shape[0] // d_h
-    if source_kv % kv_heads:
+def gqa_layer(method: str, w: AttentionWeights, config, kv_heads: int, stats: LayerStats | None = None, *,
+              regroup: bool = True, refit: bool = True) -> tuple[dict[str, torch.Tensor], list[list[int]]]:  # fmt: skip
+    """(GroupedQueryAttention state dict, groups) of one layer merged to kv_heads KV heads by `method`.
+
+    groups[j]: the source KV heads merged into new KV head j (sorted; new KV head j serves query heads
+    j*H/kv_heads ... (j+1)*H/kv_heads - 1). `mean` ignores stats, regroup and refit (groups by index, the baseline);
+    `pca` always refits; `aligned` and `pca` need the layer's calibration stats.
+    """
+    if method not in GQA_METHODS:
+        raise ValueError(f"method={method!r} is not one of {GQA_METHODS}")
+    source_kv = _check(w, config, kv_heads, method)
+    if method == "mean":
+        return mean_pool(w, config, kv_heads), _by_index(source_kv, kv_heads)
+    if stats is None:
+        raise ValueError(f"method={method!r} needs calibration stats (stats=None)")
+    layer = _Layer.of(w, config, stats)
+    groups = layer.choose(kv_heads) if regroup else _by_index(source_kv, kv_heads)
+    return layer.merged(groups, method, refit, w), groups
+
+
+def aligned_pool(w: AttentionWeights, config, kv_heads: int, stats: LayerStats, *, regroup: bool = True,
+                 refit: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+    """GroupedQueryAttention state dict of `aligned` (gqa_layer without the groups)."""
+    return gqa_layer("aligned", w, config, kv_heads, stats, regroup=regroup, refit=refit)[0]
+
+
+def pca_pool(w: AttentionWeights, config, kv_heads: int, stats: LayerStats, *,
+             regroup: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+    """GroupedQueryAttention state dict of `pca` (gqa_layer without the groups)."""
+    return gqa_layer("pca", w, config, kv_heads, stats, regroup=regroup)[0]
+
+
+def choose_groups(w: AttentionWeights, config, kv_heads: int, stats: LayerStats) -> list[list[int]]:
+    """Partition of the source KV heads into kv_heads equal groups retaining the most consumer-weighted energy
+    under the PCA merge (see _Layer.choose); the partition by index unless another is measurably better."""
+    _check(w, config, kv_heads, "pca")
+    return _Layer.of(w, config, stats).choose(kv_heads)
+
+
+def _check(w: AttentionWeights, config, kv_heads: int, method: str) -> int:
+    """The source's KV head count, after refusing impossible requests."""
+    source_kv = w.k_w.shape[0] // head_dim(config)
+    if not isinstance(kv_heads, int) or kv_heads < 1 or source_kv % kv_heads:
         raise ValueError(f"kv_heads={kv_heads} must divide the source's {source_kv} KV heads")
-    half = (rotary_dim(config) if architecture_of(config).rotary else 0) // 2
-    plain_dims = list(range(2 * half, d_h))  # non-RoPE dims (partial rotary, or all dims without RoPE)
-    cov = stats.input_cov  # [D + 1, D + 1], last row/column: the bias input
-    k_aug = with_bias_column(w.k_w, w.k_b).view(source_kv, d_h, -1)
-    v_aug = with_bias_column(w.v_w, w.v_b).view(source_kv, d_h, -1)
-    q_aug = with_bias_column(w.q_w, w.q_b).view(heads, d_h, -1)
-    o_w = w.o_w.to(torch.float64).view(-1, heads, d_h).clone()  # [D, H, d_h]
-    per_kv = heads // source_kv  # query heads per source KV head
+    if method != "mean" and w.q_norm is not None:
+        raise ValueError(f"{method} pooling with per-head q/k norms (qwen3) is not supported: use method='mean'")
+    return source_kv
+
+
+def _by_index(source_kv: int, kv_heads: int) -> list[list[int]]:
     merge = source_kv // kv_heads
-    for g in range(kv_heads):
-        ref = g * merge
-        for j in range(ref + 1, ref + merge):
-            # V: orthogonal Procrustes, rows v_j R ~ v_ref, i.e. aligned weights R^T W_vj
-            r_v = _procrustes(v_aug[j] @ cov @ v_aug[ref].t())
-            v_aug[j] = r_v.t() @ v_aug[j]
-            r_k = torch.eye(d_h, dtype=torch.float64)
-            for i in range(half):  # K: one rotation per RoPE pair (commutes with RoPE)
-                dims = [i, i + half]
-                r_k[[[dims[0]], [dims[1]]], dims] = _rotation_2d(k_aug[j][dims] @ cov @ k_aug[ref][dims].t())
-            if plain_dims:
-                r_k[[[d] for d in plain_dims], plain_dims] = _procrustes(
-                    k_aug[j][plain_dims] @ cov @ k_aug[ref][plain_dims].t()
-                )
-            k_aug[j] = r_k.t() @ k_aug[j]
-            for h in range(j * per_kv, (j + 1) * per_kv):  # queries follow their key head; outputs their value head
-                q_aug[h] = r_k.t() @ q_aug[h]
-                o_w[:, h] = o_w[:, h] @ r_v
-    merged_k = k_aug.view(kv_heads, merge, d_h, -1).mean(1).reshape(kv_heads * d_h, -1)
-    merged_v = v_aug.view(kv_heads, merge, d_h, -1).mean(1).reshape(kv_heads * d_h, -1)
-    q_flat = q_aug.reshape(heads * d_h, -1)
-    dtype = w.q_w.dtype
-    def weight(aug: torch.Tensor) -> torch.Tensor:
-        return aug[:, :-1].to(dtype)
-
-    def bias(aug: torch.Tensor, source_bias) -> torch.Tensor | None:
-        return None if source_bias is None else aug[:, -1].to(dtype)
-
-    out = AttentionWeights(
-        weight(q_flat), weight(merged_k), weight(merged_v), o_w.reshape(-1, heads * d_h).to(dtype),
-        bias(q_flat, w.q_b), bias(merged_k, w.k_b), bias(merged_v, w.v_b), w.o_b, w.scaling,
-    )
-    return out.gqa_state_dict()
+    return [list(range(j * merge, (j + 1) * merge)) for j in range(kv_heads)]
 
 
-def _procrustes(m: torch.Tensor) -> torch.Tensor:
-    """Orthogonal R maximizing tr(R^T m), m = A^T B: the R minimizing ||A R - B|| (U V^T of svd(m))."""
+@dataclass
+class _Block:
+    """One block of every source KV head and its consumers (float64; complex for a RoPE frequency).
+
+    rows [H_kv, n, D+1] (augmented [W b]); consumers [H, n, m] (query rows, m = D+1, or o_proj columns transposed,
+    m = D); whitened [H_kv*n, D+1] = rows_g premultiplied by M_g^1/2; gram = whitened S whitened^H; cov: S in the
+    block's dtype;
+    weight: share of a block's energy in the score (1/2 on a RoPE frequency: the phase average of Re^2 of a complex
+    product; 1 on real dims).
+    """
+
+    family: str  # "k" or "v"
+    rows: torch.Tensor
+    consumers: torch.Tensor
+    whitened: torch.Tensor
+    gram: torch.Tensor
+    cov: torch.Tensor
+    weight: float
+
+    @classmethod
+    def of(cls, family: str, rows, consumers, consumers_read_inputs: bool, cov) -> "_Block":
+        """M_g = sum over g's consumers of c_h Sigma c_h^H (+ _METRIC_FLOOR); Sigma = S for consumers reading the
+        inputs (queries), the identity otherwise (o_proj columns)."""
+        kv, n, _ = rows.shape
+        cov = cov.to(rows.dtype)  # no copy when it is already
+        read = consumers @ cov if consumers_read_inputs else consumers
+        metric = (read @ consumers.mH).view(kv, -1, n, n).sum(1)
+        floor = _METRIC_FLOOR * metric.diagonal(dim1=-2, dim2=-1).real.mean() + 1e-300
+        metric = metric + floor * torch.eye(n, dtype=metric.dtype)
+        e, u = torch.linalg.eigh(metric)
+        root = (u * e.clamp_min(0).sqrt()[..., None, :].to(u.dtype)) @ u.mH
+        whitened = (root @ rows).reshape(kv * n, -1)
+        gram = whitened @ cov @ whitened.mH
+        return cls(family, rows, consumers, whitened, gram, cov, 0.5 if rows.is_complex() else 1.0)
+
+    def span(self, group) -> list[int]:
+        """Rows of whitened / gram that belong to the heads of `group`."""
+        n = self.rows.shape[1]
+        return [g * n + d for g in group for d in range(n)]
+
+    def principal(self, group) -> tuple[torch.Tensor, torch.Tensor]:
+        """(top n principal directions [G*n, n] of the group's whitened block, all eigenvalues ascending)."""
+        idx = self.span(group)
+        e, u = torch.linalg.eigh(self.gram[idx][:, idx])
+        return u[:, -self.rows.shape[1] :], e
+
+    def merge(self, group, method: str, refit: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """(merged rows [n, D+1], back maps R_g [n, n] with k_g ~ R_g k^ for each head of the group)."""
+        rows = self.rows[list(group)]
+        if method == "pca":
+            directions, _ = self.principal(group)
+            merged = directions.mH @ self.whitened[self.span(group)]
+        else:  # aligned: polar factor R_j of k_j S k_0^H, aligned rows R_j^H k_j, averaged
+            turns = [torch.eye(rows.shape[1], dtype=rows.dtype)] + [_polar(r @ self.cov @ rows[0].mH) for r in rows[1:]]
+            merged = torch.stack([t.mH @ r for t, r in zip(turns, rows)]).mean(0)
+            if not refit:
+                return merged, turns
+        return merged, [_regression(r, merged, self.cov) for r in rows]
+
+
+@dataclass
+class _Layer:
+    """One layer in blocks: K blocks (RoPE frequencies, then the non-RoPE dims), then the V block."""
+
+    blocks: list[_Block]
+    half: int  # RoPE frequencies per head
+    per_kv: int  # query heads per source KV head
+    cov: torch.Tensor  # S [D+1, D+1]
+
+    @classmethod
+    def of(cls, w: AttentionWeights, config, stats: LayerStats) -> "_Layer":
+        d_h = head_dim(config)
+        heads, source_kv = w.q_w.shape[0] // d_h, w.k_w.shape[0] // d_h
+        half = (rotary_dim(config) if architecture_of(config).rotary else 0) // 2
+        cov = stats.input_cov.to(torch.float64)
+        if cov.shape != (w.q_w.shape[1] + 1,) * 2:
+            needs = (w.q_w.shape[1] + 1,) * 2
+            raise ValueError(f"stats.input_cov has shape {tuple(cov.shape)}: this layer needs {needs}")
+        q = with_bias_column(w.q_w, w.q_b).view(heads, d_h, -1)
+        k = with_bias_column(w.k_w, w.k_b).view(source_kv, d_h, -1)
+        v = with_bias_column(w.v_w, w.v_b).view(source_kv, d_h, -1)
+        o_t = w.o_w.to(torch.float64).view(-1, heads, d_h).permute(1, 2, 0)  # [H, d_h, D]: O_h^T
+        cov_c = cov.to(torch.complex128) if half else None  # one copy shared by the RoPE blocks
+        blocks = [_Block.of("k", kb, qb, True, cov_c if kb.is_complex() else cov)
+                  for kb, qb in zip(_split(k, half), _split(q, half))]  # fmt: skip
+        blocks.append(_Block.of("v", v, o_t, False, cov))
+        return cls(blocks, half, heads // source_kv, cov)
+
+    def loss(self, group) -> float:
+        """Share of the layer's consumer-weighted energy the PCA merge of `group` loses: (K share + V share) / 2."""
+        lost, total = {"k": 0.0, "v": 0.0}, {"k": 0.0, "v": 0.0}
+        for b in self.blocks:
+            _, e = b.principal(group)
+            lost[b.family] += b.weight * float(e[: -b.rows.shape[1]].sum())
+            total[b.family] += b.weight * float(torch.diagonal(b.gram).real.sum())  # every head: the layer's total
+        return sum(lost[f] / max(total[f], 1e-300) for f in lost) / 2
+
+    def choose(self, kv_heads: int) -> list[list[int]]:
+        """Equal groups minimizing the summed loss: every partition when there are at most _MAX_PARTITIONS, else
+        greedily (grow a group from the lowest unassigned head by the head that loses least). The partition by index
+        is kept unless the best retains _REGROUP_TOLERANCE more of the energy."""
+        source_kv = self.blocks[0].rows.shape[0]
+        merge = source_kv // kv_heads
+        by_index = _by_index(source_kv, kv_heads)
+        if merge == 1 or kv_heads == 1:
+            return by_index
+        loss = lru_cache(maxsize=None)(self.loss)  # groups as sorted tuples
+
+        def total(partition) -> float:
+            return sum(loss(tuple(g)) for g in partition)
+
+        if _partition_count(source_kv, merge) <= _MAX_PARTITIONS:
+            best = min(_partitions(tuple(range(source_kv)), merge), key=total)
+        else:
+            best, free = [], list(range(source_kv))
+            while free:
+                group = (free.pop(0),)
+                while len(group) < merge:
+                    pick = min(free, key=lambda h: loss(tuple(sorted(group + (h,)))))
+                    free.remove(pick)
+                    group = tuple(sorted(group + (pick,)))
+                best.append(group)
+        if total(by_index) <= total(best) + _REGROUP_TOLERANCE:
+            return by_index
+        return sorted(sorted(g) for g in best)
+
+    def merged(self, groups: list[list[int]], method: str, refit: bool, w: AttentionWeights) -> dict[str, torch.Tensor]:
+        """State dict of the merge: new KV head j = groups[j]; query heads and o_proj columns follow their KV head."""
+        p = self.per_kv
+        new_blocks, new_consumers = [], []
+        for b in self.blocks:
+            consumers, merged = b.consumers.clone(), []
+            for group in groups:
+                rows, maps = b.merge(group, method, refit)
+                merged.append(rows)
+                for g, r in zip(group, maps):
+                    consumers[g * p : (g + 1) * p] = r.mH @ b.consumers[g * p : (g + 1) * p]
+            new_blocks.append(torch.stack(merged))
+            new_consumers.append(consumers)
+        order = [h for group in groups for g in group for h in range(g * p, (g + 1) * p)]
+        k, v = _join(new_blocks[:-1], self.half), new_blocks[-1]  # [kv, d_h, D+1]
+        q = _join(new_consumers[:-1], self.half)[order]  # [H, d_h, D+1]
+        o_t = new_consumers[-1]  # [H, d_h, D], original head order
+        o_b = w.o_b
+        if o_b is not None and (refit or method == "pca"):
+            o_b = o_b.to(torch.float64) + self._mean_output_error(groups, v, o_t)
+        dtype, heads = w.q_w.dtype, len(order)
+
+        def weight(aug: torch.Tensor) -> torch.Tensor:
+            return aug.reshape(-1, aug.shape[-1])[:, :-1].to(dtype)
+
+        def bias(aug: torch.Tensor, source_bias) -> torch.Tensor | None:
+            return None if source_bias is None else aug.reshape(-1, aug.shape[-1])[:, -1].to(dtype)
+
+        out = AttentionWeights(
+            weight(q), weight(k), weight(v), o_t[order].permute(2, 0, 1).reshape(-1, heads * o_t.shape[1]).to(dtype),
+            bias(q, w.q_b), bias(k, w.k_b), bias(v, w.v_b), None if o_b is None else o_b.to(dtype), w.scaling,
+        )  # fmt: skip
+        return out.gqa_state_dict()
+
+    def _mean_output_error(self, groups, v_new: torch.Tensor, o_t_new: torch.Tensor) -> torch.Tensor:
+        """[D]: sum_h E[O_h v_g(h) - O'_h v^_j(h)] over calibration inputs (E[x~] = S[:, -1] / S[-1, -1])."""
+        mean_x = self.cov[:, -1] / self.cov[-1, -1]
+        source = self.blocks[-1]
+        new_of = {g: j for j, group in enumerate(groups) for g in group}
+        error = torch.zeros(o_t_new.shape[-1], dtype=torch.float64)
+        for h in range(len(o_t_new)):
+            g = h // self.per_kv
+            error += source.consumers[h].t() @ (source.rows[g] @ mean_x) - o_t_new[h].t() @ (v_new[new_of[g]] @ mean_x)
+        return error
+
+
+def _split(rows: torch.Tensor, half: int) -> list[torch.Tensor]:
+    """[N, d_h, m] -> blocks: [N, 1, m] complex per RoPE frequency (dim i + i * dim i + half), then [N, n, m] real
+    non-RoPE dims (if any)."""
+    blocks = [torch.complex(rows[:, i], rows[:, i + half])[:, None] for i in range(half)]
+    return blocks + ([rows[:, 2 * half :]] if rows.shape[1] > 2 * half else [])
+
+
+def _join(blocks: list[torch.Tensor], half: int) -> torch.Tensor:
+    """Inverse of _split: [N, d_h, m] real."""
+    complex_part = torch.cat(blocks[:half], dim=1) if half else None
+    parts = [complex_part.real, complex_part.imag] if half else []
+    return torch.cat(parts + blocks[half:], dim=1)
+
+
+def _polar(m: torch.Tensor) -> torch.Tensor:
+    """Unitary R maximizing Re tr(R^H m) (U V^H of svd(m)); m = A S B^H makes R^H A the Procrustes fit of B."""
     u, _, vh = torch.linalg.svd(m)
     return u @ vh
 
 
-def _rotation_2d(m: torch.Tensor) -> torch.Tensor:
-    """The 2x2 rotation (det +1) maximizing tr(R^T m): angle atan2(m10 - m01, m00 + m11)."""
-    theta = torch.atan2(m[1, 0] - m[0, 1], m[0, 0] + m[1, 1])
-    c, s = torch.cos(theta), torch.sin(theta)
-    return torch.stack((torch.stack((c, -s)), torch.stack((s, c))))
+def _regression(source: torch.Tensor, merged: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
+    """R [n, n] minimizing E|source x~ - R merged x~|^2: E[k k^H] (E[k^ k^H] + ridge)^-1 (rows [n, D+1]; cov: S
+    in their dtype)."""
+    cross, auto = source @ cov @ merged.mH, merged @ cov @ merged.mH
+    ridge = _RIDGE * auto.diagonal().real.mean() + 1e-300
+    return torch.linalg.solve(auto + ridge * torch.eye(len(auto), dtype=auto.dtype), cross.mH).mH
+
+
+def _partition_count(n: int, size: int) -> int:
+    """Partitions of n items into n / size unordered groups of `size`."""
+    return math.factorial(n) // (math.factorial(size) ** (n // size) * math.factorial(n // size))
+
+
+def _partitions(items: tuple[int, ...], size: int):
+    """Every partition of `items` into groups of `size` (each group a sorted tuple led by its lowest item)."""
+    if not items:
+        yield []
+        return
+    first, rest = items[0], items[1:]
+    for others in itertools.combinations(rest, size - 1):
+        remaining = tuple(h for h in rest if h not in others)
+        for tail in _partitions(remaining, size):
+            yield [(first, *others), *tail]
