@@ -27,8 +27,8 @@ from .calibration import calibration_windows, collect_stats, read_calibration_te
 from .deepseek_export import check_source, stock_frequencies, to_deepseek_v3
 from .exact import rebuild, stock_attention_layers
 from .hub import check_repo_id, model_card, push
-from .gqa_merge import GQA_METHODS, aligned_pool, mean_pool
-from .methods import MLA_METHODS, mla_layer, ranked_components
+from .gqa_merge import GQA_METHODS, gqa_layer
+from .methods import MLA_METHODS, allocate_ranks, lift_plan, plan_layer, ranked_components
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +46,9 @@ class ConvertOptions:
     kv_lora_rank: int | None = None  # mla: latent dims d_c
     rope_dim: int | None = None  # mla: shared RoPE key dims d_r (default: one head's d_h, at most 1/3 of kv_budget)
     kv_budget: float | None = None  # mla: fraction of the source's KV values per token (instead of kv_lora_rank)
-    method: str | None = None  # gqa: mean (default) or aligned; mla: calibrated (default) or mha2mla
+    method: str | None = None  # gqa: mean (default), aligned or pca; mla: calibrated (default) or mha2mla
+    regroup: bool = True  # gqa aligned / pca: group KV heads by similarity, not by index
+    rank_allocation: str = "uniform"  # mla with kv_budget: uniform, or energy (per-layer ranks; measured worse)
     calib_data: str | None = None  # text file, folder of .txt files or a datasets dataset; default: the package's corpus
     calib_split: str = "train"  # datasets only
     calib_column: str = "text"  # datasets only
@@ -82,6 +84,14 @@ class ConvertOptions:
             self.kv_heads = 1
         if self.to == "gqa" and self.kv_heads is None:
             raise ValueError("to='gqa' needs kv_heads")
+        if self.rank_allocation not in ("uniform", "energy"):
+            raise ValueError(f"rank_allocation={self.rank_allocation!r} is not one of ('uniform', 'energy')")
+        if self.rank_allocation == "energy" and (self.to != "mla" or self.kv_budget is None or self.method != "calibrated"
+                                                 or self.format == "deepseek_v3"):
+            raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
+                             "format (stock DeepSeek has one kv_lora_rank)")
+        if self.format == "stock" and self.to == "mla":
+            raise ValueError("format='stock' exists for GQA/MQA only; an MLA export is 'native' or 'deepseek_v3'")
         if self.format == "deepseek_v3" and self.to != "mla":
             raise ValueError(f"format='deepseek_v3' is an MLA export, not one for to={self.to!r}")
         if self.to == "mla":
@@ -156,18 +166,22 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     d_h = head_dim(config)
     source_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     report = {"source": str(source), "options": asdict(opts), "model_type": config.model_type}
+    stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
+                                              and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
+    if stock_format and config.model_type not in STOCK_GQA_TYPES:
+        raise ValueError(f"format='stock' exists for GQA/MQA of {STOCK_GQA_TYPES} only, not {config.model_type!r}")
 
     if opts.to in ("gqa", "mqa"):
         if source_kv % opts.kv_heads:
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
-        if opts.method == "aligned":
-            _, stats = _calibrate(model, tokenizer, opts, report)
-            lifted = {name: aligned_pool(arch.split_heads(m), config, opts.kv_heads, stats[name])
-                      for name, m in layers.items()}  # fmt: skip
-        else:
-            lifted = {name: mean_pool(arch.split_heads(m), config, opts.kv_heads) for name, m in layers.items()}
+        stats = _calibrate(model, tokenizer, opts, report)[1] if opts.method != "mean" else {}
+        lifted, groups = {}, []
+        for name, m in layers.items():
+            lifted[name], layer_groups = gqa_layer(opts.method, arch.split_heads(m), config, opts.kv_heads,
+                                                   stats.get(name), regroup=opts.regroup)  # fmt: skip
+            groups.append(layer_groups)
         new = rebuild(model, "gqa", {"num_key_value_heads": opts.kv_heads}, lifted)
-        report["kv_heads"] = {"before": source_kv, "after": opts.kv_heads}
+        report["kv_heads"] = {"before": source_kv, "after": opts.kv_heads, "groups_per_layer": groups}
     else:
         rope_dim, kv_lora_rank = _mla_sizes(opts, config, source_kv, d_h)
         deepseek = opts.format == "deepseek_v3"
@@ -184,26 +198,31 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
                     best.setdefault(comp.freq, score)  # ranked best first
                 scores += torch.tensor([best[i] for i in range(len(scores))], dtype=torch.float64)
             frequencies, stride = stock_frequencies(scores, rope_dim // 2)
+        plans = {name: plan_layer(opts.method, w, config, stats[name], rope_dim, opts.calib_len, frequencies)
+                 for name, w in weights.items()}  # fmt: skip
+        per_layer = opts.rank_allocation == "energy"
+        ranks = (allocate_ranks(list(plans.values()), kv_lora_rank * len(plans)) if per_layer
+                 else [kv_lora_rank] * len(plans))  # fmt: skip
         lifted, per_layer_pairs, fields = {}, [], {}
-        for name, w in weights.items():
-            lifted[name], fields = mla_layer(opts.method, w, config, stats[name], kv_lora_rank, rope_dim,
-                                             context=opts.calib_len, frequencies=frequencies)  # fmt: skip
+        for (name, plan), rank in zip(plans.items(), ranks):
+            lifted[name], fields = lift_plan(plan, weights[name], config, rank)
             per_layer_pairs.append(fields["mla_rope_pairs"])
         fields["mla_rope_pairs"] = per_layer_pairs if rope_dim else None
+        fields["kv_lora_rank"] = max(ranks)
+        if per_layer:
+            fields["mla_kv_lora_ranks"] = ranks
         new = rebuild(model, "mla", fields, lifted)
         report["mla"] = {"kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": rope_dim,
-                         "qk_nope_head_dim": fields["qk_nope_head_dim"], "rope_pairs_per_layer": per_layer_pairs}  # fmt: skip
+                         "qk_nope_head_dim": fields["qk_nope_head_dim"], "rope_pairs_per_layer": per_layer_pairs,
+                         "kv_lora_rank_per_layer": ranks,
+                         "retained_energy_per_layer": [round(p.retained(r), 4) for p, r in zip(plans.values(), ranks)]}  # fmt: skip
         if deepseek:
             new, report["deepseek_v3"] = to_deepseek_v3(new, windows, stride)
 
     if opts.heal_steps:
         report["heal"] = _heal(new, model, tokenizer, opts)
 
-    stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
-                                              and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
     if stock_format:
-        if opts.to == "mla" or config.model_type not in STOCK_GQA_TYPES:
-            raise ValueError(f"format='stock' exists for GQA/MQA of {STOCK_GQA_TYPES} only, not {config.model_type!r}")
         del new.config.attention_variant  # a plain config: our module's weight names are the stock ones
     if opts.dtype is not None:
         new = new.to(dtype_of(opts.dtype))

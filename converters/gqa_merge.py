@@ -99,18 +99,6 @@ def gqa_layer(method: str, w: AttentionWeights, config, kv_heads: int, stats: La
     return layer.merged(groups, method, refit, w), groups
 
 
-def aligned_pool(w: AttentionWeights, config, kv_heads: int, stats: LayerStats, *, regroup: bool = True,
-                 refit: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
-    """GroupedQueryAttention state dict of `aligned` (gqa_layer without the groups)."""
-    return gqa_layer("aligned", w, config, kv_heads, stats, regroup=regroup, refit=refit)[0]
-
-
-def pca_pool(w: AttentionWeights, config, kv_heads: int, stats: LayerStats, *,
-             regroup: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
-    """GroupedQueryAttention state dict of `pca` (gqa_layer without the groups)."""
-    return gqa_layer("pca", w, config, kv_heads, stats, regroup=regroup)[0]
-
-
 def choose_groups(w: AttentionWeights, config, kv_heads: int, stats: LayerStats) -> list[list[int]]:
     """Partition of the source KV heads into kv_heads equal groups retaining the most consumer-weighted energy
     under the PCA merge (see _Layer.choose); the partition by index unless another is measurably better."""

@@ -3,8 +3,10 @@
 loss = KL(teacher || student) per token (+ lm_weight * next-token cross-entropy), averaged over the batch; AdamW with
 a linear warmup over the first tenth of the steps, then a cosine decay to a tenth of `lr` (a converted model starts
 close to its teacher: a full-size first step would throw that away). accelerate
-places the models and handles mixed precision and data parallelism, so the same loop runs on one CPU or, started
-with `accelerate launch`, on many GPUs (FSDP / DeepSpeed through accelerate's own config file).
+places the models and handles mixed precision and data parallelism, so the same loop runs on one CPU or, started with
+`accelerate launch --multi_gpu` / `torchrun`, as data parallel (DDP) on many GPUs or CPU processes: each process
+takes its own windows of every step. Sharded training (FSDP, DeepSpeed ZeRO-3) is refused: the weights would have
+to be gathered before the converter writes them, and that path is not built.
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
         raise ValueError("resume=True needs checkpoint_dir")
     use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=not torch.cuda.is_available())
+    if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):
+        raise ValueError(f"healing under {accelerator.distributed_type.name} is not supported: launch data parallel "
+                         "(accelerate launch --multi_gpu, or torchrun)")  # fmt: skip
     params = _trainable(student, train)
     if not params:
         raise ValueError("the student has no attention layers to train (train='attention')")

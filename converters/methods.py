@@ -21,6 +21,8 @@ Both methods keep d_r/2 complex RoPE components in the shared key and a rank-d_c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ..models.architectures import AttentionWeights, head_dim, rotary_dim
@@ -78,9 +80,23 @@ def ranked_components(method: str, w: AttentionWeights, config, stats: LayerStat
     return [(float(score.flatten()[i]), RopeComponent.pair(*divmod(i, k.shape[1]), k.shape[0])) for i in order]
 
 
-def mla_layer(method: str, w: AttentionWeights, config, stats: LayerStats, kv_lora_rank: int, rope_dim: int,
-              context: int = 256, frequencies: list[int] | None = None):  # fmt: skip
-    """(state dict, config fields) of one MLA layer by `method`; context: L of the RoPE sensitivity (calibrated).
+@dataclass
+class LatentPlan:
+    """One layer's MLA conversion before its rank is fixed: the RoPE key and the full latent basis, best first."""
+
+    components: list[RopeComponent]
+    up: torch.Tensor  # [rows, n]: up-projection columns
+    down: torch.Tensor  # [n, rows]: down-projection rows, down @ up = I
+    energy: torch.Tensor  # [n]: what each latent direction keeps (the eigenvalue or squared singular value)
+
+    def retained(self, rank: int) -> float:
+        """Fraction of the layer's [K_nope; V] energy that the top `rank` directions keep."""
+        return float(self.energy[:rank].sum() / self.energy.sum().clamp_min(1e-300))
+
+
+def plan_layer(method: str, w: AttentionWeights, config, stats: LayerStats, rope_dim: int, context: int = 256,
+               frequencies: list[int] | None = None) -> LatentPlan:  # fmt: skip
+    """The RoPE components and the full latent basis of one layer by `method`; context: L of the RoPE sensitivity.
 
     frequencies: keep the best component of each of these frequencies (a stock DeepSeek RoPE key has one per
     frequency) instead of the best rope_dim/2 components overall."""
@@ -95,14 +111,41 @@ def mla_layer(method: str, w: AttentionWeights, config, stats: LayerStats, kv_lo
         components = [next(c for c in ranked if c.freq == f) for f in frequencies]
     components.sort(key=lambda c: c.freq)
     stacked = stacked_kv(w, config, components)  # [W_K_nope; W_V] (d_nope = d_h): the map the latent factors
-    if kv_lora_rank > min(stacked.shape):
-        raise ValueError(f"kv_lora_rank={kv_lora_rank} exceeds the rank of [W_K_nope; W_V] ({min(stacked.shape)})")
     if method == "mha2mla":
-        return lift_mla(w, config, components, torch.linalg.svd(stacked, full_matrices=False)[0][:, :kv_lora_rank])
+        u, sigma, _ = torch.linalg.svd(stacked, full_matrices=False)
+        return LatentPlan(components, u, u.t(), sigma**2)
     root, inverse_root = consumer_metric(w, config, stats)
-    cov = root @ stacked @ stats.input_cov[:-1, :-1] @ stacked.t() @ root
-    basis = torch.linalg.eigh(cov)[1].flip(-1)[:, :kv_lora_rank]  # eigh sorts ascending
-    return lift_mla(w, config, components, inverse_root @ basis, down=basis.t() @ root)
+    energy, vectors = torch.linalg.eigh(root @ stacked @ stats.input_cov[:-1, :-1] @ stacked.t() @ root)
+    energy, vectors = energy.flip(0).clamp_min(0), vectors.flip(-1)  # eigh sorts ascending
+    return LatentPlan(components, inverse_root @ vectors, vectors.t() @ root, energy)
+
+
+def lift_plan(plan: LatentPlan, w: AttentionWeights, config, kv_lora_rank: int):
+    """(state dict, config fields) of one MLA layer keeping the plan's top `kv_lora_rank` latent directions."""
+    if kv_lora_rank > len(plan.energy):
+        raise ValueError(f"kv_lora_rank={kv_lora_rank} exceeds the rank of [W_K_nope; W_V] ({len(plan.energy)})")
+    return lift_mla(w, config, plan.components, plan.up[:, :kv_lora_rank], down=plan.down[:kv_lora_rank])
+
+
+def mla_layer(method: str, w: AttentionWeights, config, stats: LayerStats, kv_lora_rank: int, rope_dim: int,
+              context: int = 256, frequencies: list[int] | None = None):  # fmt: skip
+    """(state dict, config fields) of one MLA layer by `method`, one rank (plan_layer + lift_plan)."""
+    return lift_plan(plan_layer(method, w, config, stats, rope_dim, context, frequencies), w, config, kv_lora_rank)
+
+
+def allocate_ranks(plans: list[LatentPlan], total: int, floor: int = 1) -> list[int]:
+    """Per-layer ranks summing to `total` that keep the most energy, each layer's counted as a fraction of its own
+    total (so every layer weighs the same): the `total` largest normalized eigenvalues over all layers (optimal for
+    this separable objective, each layer's spectrum sorted), at least `floor` per layer."""
+    limits = [len(p.energy) for p in plans]
+    if not floor * len(plans) <= total <= sum(limits):
+        raise ValueError(f"a latent budget of {total} dims cannot give {len(plans)} layers {floor}..{limits} each")
+    ranks = [floor] * len(plans)
+    gains = [(float(p.energy[j] / p.energy.sum().clamp_min(1e-300)), layer, j)
+             for layer, p in enumerate(plans) for j in range(floor, len(p.energy))]  # fmt: skip
+    for _, layer, _ in sorted(gains, reverse=True)[: total - sum(ranks)]:
+        ranks[layer] += 1
+    return ranks
 
 
 def consumer_metric(w: AttentionWeights, config, stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:

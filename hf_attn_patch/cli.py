@@ -272,6 +272,10 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--rope-dim", type=int, help="mla: dims of the shared RoPE key (even; default: one head's d_h, at most a third of --kv-budget)")
     cv.add_argument("--kv-budget", type=float, help="mla: fraction of the source's KV bytes (instead of --kv-lora-rank)")
     cv.add_argument("--method", help="gqa/mqa: mean (default), aligned or pca; mla: calibrated (default) or mha2mla")
+    cv.add_argument("--no-regroup", dest="regroup", action="store_false", default=None,
+                    help="gqa aligned/pca: merge KV heads by index instead of grouping them by similarity")
+    cv.add_argument("--rank-allocation", choices=["uniform", "energy"],
+                    help="mla with --kv-budget: one rank for all layers (default), or per layer by retained energy")
     cv.add_argument("--calib-data", help="text file, folder of .txt files, or a datasets dataset: a save_to_disk "
                     "folder, a .json/.jsonl/.parquet/.csv file or a dataset name[:config] (default: the package's corpus)")
     cv.add_argument("--calib-split", help="datasets: the split to read (default train)")

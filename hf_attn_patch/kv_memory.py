@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .models.architectures import head_dim
+from .models.architectures import head_dim, layer_kv_lora_rank
 
 _DTYPES = {
     "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -60,13 +60,13 @@ def layer_caches(config) -> list[LayerCache]:
         window = getattr(config, "sliding_window", None)  # e.g. Mistral-7B-v0.1: every layer slides
         layer_types = ["sliding_attention" if window else "full_attention"] * n_layers
     out = []
-    for layer_type in layer_types:
+    for layer_idx, layer_type in enumerate(layer_types):
         if layer_type in _NO_CACHE_TYPES:
             out.append(LayerCache("none", 0))
         elif layer_type in _STATE_TYPES:
             out.append(LayerCache("state", 0, state_values=_state_values(config, layer_type)))
         elif layer_type in _ATTENTION_TYPES or layer_type == "hybrid":
-            kind, per_token, mha = _attention_values(config)
+            kind, per_token, mha = _attention_values(config, layer_idx)
             window = config.sliding_window - 1 if layer_type == "sliding_attention" else None
             state = _state_values(config, "linear_attention") if layer_type == "hybrid" else 0
             out.append(LayerCache(kind + ("+state" if state else ""), per_token, window, state, mha))
@@ -102,15 +102,15 @@ def _check_sizes(seq_len, batch_size) -> None:
         raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
 
 
-def _attention_values(config) -> tuple[str, int, int]:
-    """(kind, values per token, values per token as MHA) of one attention layer."""
+def _attention_values(config, layer_idx: int) -> tuple[str, int, int]:
+    """(kind, values per token, values per token as MHA) of attention layer `layer_idx`."""
     heads = config.num_attention_heads
     if config.model_type in ("deepseek_v2", "deepseek_v3"):  # native MLA; as MHA: DeepSeek's q/k and v head sizes
         mha = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
         return "mla", config.kv_lora_rank + config.qk_rope_head_dim, mha
     d_h = head_dim(config)
     if getattr(config, "attention_variant", None) == "mla":  # converted: the source's heads are the baseline
-        return "mla", config.kv_lora_rank + config.qk_rope_head_dim, 2 * heads * d_h
+        return "mla", layer_kv_lora_rank(config, layer_idx) + config.qk_rope_head_dim, 2 * heads * d_h
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
     return kind, 2 * kv_heads * d_h, 2 * heads * d_h

@@ -164,7 +164,7 @@ def test_aligned_pooling_is_exact_for_rotated_heads():
     exactly once aligned; mean pooling of the same heads does not."""
     from hf_attn_patch.converters.calibration import collect_stats
     from hf_attn_patch.converters.exact import rebuild
-    from hf_attn_patch.converters.gqa_merge import aligned_pool
+    from hf_attn_patch.converters.gqa_merge import gqa_layer
 
     torch.manual_seed(0)
     model = tiny_model("llama", num_key_value_heads=6, attention_bias=True)  # MHA, head_dim 8 (4 RoPE pairs)
@@ -185,7 +185,8 @@ def test_aligned_pooling_is_exact_for_rotated_heads():
     windows = torch.randint(3, 97, (4, 16))
     stats = collect_stats(model, windows, progress=False)
     layers = {n: m for n, m in model.named_modules() if type(m).__name__ == "LlamaAttention"}
-    lifted = {n: aligned_pool(arch.split_heads(m), model.config, 3, stats[n]) for n, m in layers.items()}
+    lifted = {n: gqa_layer("aligned", arch.split_heads(m), model.config, 3, stats[n], refit=False)[0]
+              for n, m in layers.items()}  # fmt: skip
     merged = rebuild(model, "gqa", {"num_key_value_heads": 3}, lifted)
     ids = torch.randint(3, 97, (2, 11))
     torch.testing.assert_close(logits(merged, ids), logits(model, ids), atol=1e-4, rtol=0)
@@ -247,3 +248,21 @@ def test_calibration_from_a_datasets_dataset(tmp_path):
         read_calibration_text(str(tmp_path / "ds"))
     with pytest.raises(ValueError, match="calib_split='validation' is not a split"):
         read_calibration_text(str(tmp_path / "rows.jsonl"), split="validation")
+
+
+def test_gqa_methods_through_convert_report_their_groups_and_per_layer_ranks_load(tmp_path):
+    """pca through convert (stock llama config) and per-layer MLA ranks (energy allocation) that load and are
+    counted by kv_cache_bytes layer by layer."""
+    report = convert("default", tmp_path / "pca", to="gqa", kv_heads=2, method="pca", calib_samples=4, calib_len=64)
+    groups = report["kv_heads"]["groups_per_layer"]
+    assert len(groups) == 5 and all(sorted(sum(g, [])) == [0, 1, 2, 3] for g in groups)
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "pca").config.num_key_value_heads == 2
+    report = convert("default", tmp_path / "mla", to="mla", kv_budget=0.5, rank_allocation="energy", calib_samples=4,
+                     calib_len=64)  # fmt: skip
+    ranks = report["mla"]["kv_lora_rank_per_layer"]
+    assert sum(ranks) == 5 * 24 and len(set(ranks)) > 1 and report["kv_bytes_per_token_fp16"]["after"] == 320
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
+    assert [layer.self_attn.kv_lora_rank for layer in model.model.layers] == ranks
+    assert all(0 < e <= 1 for e in report["mla"]["retained_energy_per_layer"])
+    with pytest.raises(ValueError, match="rank_allocation='energy' needs"):
+        convert("default", tmp_path / "x", to="mla", kv_lora_rank=8, rank_allocation="energy")

@@ -110,6 +110,17 @@ def _layer_sliding_window(config, layer_idx: int) -> int | None:
     return window
 
 
+def layer_kv_lora_rank(config, layer_idx: int) -> int | None:
+    """MLA latent size of one layer: `mla_kv_lora_ranks[layer_idx]` when a conversion chose ranks per layer, else the
+    config's `kv_lora_rank` (then the largest rank: what DeepSeek-style code sizes by)."""
+    ranks = getattr(config, "mla_kv_lora_ranks", None)
+    if ranks is None:
+        return getattr(config, "kv_lora_rank", None)
+    if len(ranks) != config.num_hidden_layers:
+        raise ValueError(f"mla_kv_lora_ranks has {len(ranks)} entries, num_hidden_layers={config.num_hidden_layers}")
+    return ranks[layer_idx]
+
+
 def head_dim(config) -> int:
     """Per-head size: the config's head_dim where it has one, else hidden_size / num_attention_heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -236,6 +247,7 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
     }
     if fields["qk_nope_head_dim"] is None or fields["qk_rope_head_dim"] is None:
         return AttentionSpec(**common, **fields)  # raises, naming the missing field
+    fields["kv_lora_rank"] = layer_kv_lora_rank(config, layer_idx)
     pairs = getattr(config, "mla_rope_pairs", None)
     if pairs and isinstance(pairs[0], (list, tuple)):  # one list per layer (converted models choose per layer)
         if len(pairs) != config.num_hidden_layers:
