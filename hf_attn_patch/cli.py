@@ -172,7 +172,7 @@ def _demo_conversion() -> None:
     before, after = evaluate(source, held_out, progress=False), evaluate(converted, held_out, source, progress=False)
     print(f"   KV bytes per token (fp16, all layers): {kv['before']} -> {kv['after']} ({report['kv_ratio']:.0%})")
     print(f"   perplexity on held-out TinyStories: {before.perplexity:.2f} -> {after.perplexity:.2f} "
-          f"(KL {after.kl_to_reference:.2f}); healing by distillation (--heal-steps) recovers most of it")  # fmt: skip
+          f"(KL {after.kl_to_reference:.2f} per token; --heal-steps distills from the source to close the gap)")  # fmt: skip
 
 
 def _demo_speculative(model, tokenizer, max_new_tokens: int) -> None:
