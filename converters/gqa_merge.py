@@ -173,6 +173,12 @@ class _Block:
         if method == "pca":
             directions, _ = self.principal(group)
             merged = directions.mH @ self.whitened[self.span(group)]
+            # The whitening sets each merged row's scale (sqrt of its consumers' energy). Bring every row to the
+            # group's mean row energy, so healing's per-weight steps meet weights of the source's size; the refit
+            # below absorbs any scale exactly.
+            target = (rows @ self.cov @ rows.mH).diagonal(dim1=-2, dim2=-1).real.mean()
+            energy = (merged @ self.cov @ merged.mH).diagonal().real
+            merged = merged * (target / energy.clamp_min(1e-300)).sqrt()[:, None].to(merged.dtype)
         else:  # aligned: polar factor R_j of k_j S k_0^H, aligned rows R_j^H k_j, averaged
             turns = [torch.eye(rows.shape[1], dtype=rows.dtype)] + [_polar(r @ self.cov @ rows[0].mH) for r in rows[1:]]
             merged = torch.stack([t.mH @ r for t, r in zip(turns, rows)]).mean(0)
