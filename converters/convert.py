@@ -8,6 +8,7 @@ The output holds safetensors weights, the tokenizer, the generation config, conv
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -166,6 +167,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     d_h = head_dim(config)
     source_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     report = {"source": str(source), "options": asdict(opts), "model_type": config.model_type}
+    text = functools.cache(lambda: read_calibration_text(opts.calib_data, opts.calib_split, opts.calib_column))
     stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
                                               and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
     if stock_format and config.model_type not in STOCK_GQA_TYPES:
@@ -174,7 +176,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     if opts.to in ("gqa", "mqa"):
         if source_kv % opts.kv_heads:
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
-        stats = _calibrate(model, tokenizer, opts, report)[1] if opts.method != "mean" else {}
+        stats = _calibrate(model, tokenizer, text(), opts, report)[1] if opts.method != "mean" else {}
         lifted, groups = {}, []
         for name, m in layers.items():
             lifted[name], layer_groups = gqa_layer(opts.method, arch.split_heads(m), config, opts.kv_heads,
@@ -186,20 +188,16 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
         rope_dim, kv_lora_rank = _mla_sizes(opts, config, source_kv, d_h)
         deepseek = opts.format == "deepseek_v3"
         if deepseek:
-            check_source(config)
-        windows, stats = _calibrate(model, tokenizer, opts, report)
+            check_source(config, rope_dim)
+        windows, stats = _calibrate(model, tokenizer, text(), opts, report)
         weights = {name: arch.split_heads(module) for name, module in layers.items()}
+        ranked = {name: ranked_components(opts.method, w, config, stats[name], opts.calib_len) if rope_dim else None
+                  for name, w in weights.items()}  # fmt: skip
         frequencies = stride = None
         if deepseek:  # one component per frequency 0, s, 2s, ...: the frequencies a stock RoPE key can turn at
-            scores = torch.zeros(rotary_dim(config) // 2, dtype=torch.float64)
-            for name, w in weights.items():  # each layer's best component per frequency
-                best = {}
-                for score, comp in ranked_components(opts.method, w, config, stats[name], opts.calib_len):
-                    best.setdefault(comp.freq, score)  # ranked best first
-                scores += torch.tensor([best[i] for i in range(len(scores))], dtype=torch.float64)
-            frequencies, stride = stock_frequencies(scores, rope_dim // 2)
-        plans = {name: plan_layer(opts.method, w, config, stats[name], rope_dim, opts.calib_len, frequencies)
-                 for name, w in weights.items()}  # fmt: skip
+            frequencies, stride = stock_frequencies(list(ranked.values()), rotary_dim(config) // 2, rope_dim // 2)
+        plans = {name: plan_layer(opts.method, w, config, stats[name], rope_dim, frequencies=frequencies,
+                                  ranked=ranked[name]) for name, w in weights.items()}  # fmt: skip
         per_layer = opts.rank_allocation == "energy"
         ranks = (allocate_ranks(list(plans.values()), kv_lora_rank * len(plans)) if per_layer
                  else [kv_lora_rank] * len(plans))  # fmt: skip
@@ -220,7 +218,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
             new, report["deepseek_v3"] = to_deepseek_v3(new, windows, stride)
 
     if opts.heal_steps:
-        report["heal"] = _heal(new, model, tokenizer, opts)
+        report["heal"] = _heal(new, model, tokenizer, text(), opts)
 
     if stock_format:
         del new.config.attention_variant  # a plain config: our module's weight names are the stock ones
@@ -248,9 +246,8 @@ def _is_main_process() -> bool:
     return int(os.environ.get("RANK", "0")) == 0
 
 
-def _calibrate(model, tokenizer, opts: ConvertOptions, report: dict) -> tuple[torch.Tensor, dict]:
+def _calibrate(model, tokenizer, text: str, opts: ConvertOptions, report: dict) -> tuple[torch.Tensor, dict]:
     """(calibration windows, activation statistics of every attention layer) (recorded in the report)."""
-    text = read_calibration_text(opts.calib_data, opts.calib_split, opts.calib_column)
     windows = calibration_windows(text, tokenizer, opts.calib_samples, opts.calib_len)
     report["calibration"] = {"data": opts.calib_data or "package corpus (TinyStories sample)",
                              "split": opts.calib_split, "column": opts.calib_column,
@@ -258,11 +255,10 @@ def _calibrate(model, tokenizer, opts: ConvertOptions, report: dict) -> tuple[to
     return windows, collect_stats(model, windows)
 
 
-def _heal(student, teacher, tokenizer, opts: ConvertOptions) -> dict:
+def _heal(student, teacher, tokenizer, text: str, opts: ConvertOptions) -> dict:
     """Distill the source into the converted model on windows of the calibration text; a summary for the report."""
     from .heal import heal
 
-    text = read_calibration_text(opts.calib_data, opts.calib_split, opts.calib_column)
     tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
     windows = calibration_windows(text, tokenizer, tokens // opts.calib_len, opts.calib_len)
     result = heal(student, teacher, windows, steps=opts.heal_steps, lr=opts.heal_lr,

@@ -30,8 +30,9 @@ logger = logging.getLogger(__name__)
 SOURCE_TYPES = ("llama", "mistral")  # llama-family layers: RMSNorm, gated MLP, no attention biases
 
 
-def check_source(config) -> None:
-    """Raise (naming the field) unless the source's non-attention layers map 1:1 onto stock DeepSeek-V3 ones."""
+def check_source(config, rope_dim: int) -> None:
+    """Raise (naming the field) unless the source's non-attention layers map 1:1 onto stock DeepSeek-V3 ones and
+    rope_dim gives one component to each of 1 .. d_rot/2 distinct frequencies."""
     if config.model_type not in SOURCE_TYPES:
         raise ValueError(f"format='deepseek_v3' needs a llama-family source {SOURCE_TYPES}, not {config.model_type!r}")
     for field in ("attention_bias", "mlp_bias"):
@@ -42,13 +43,21 @@ def check_source(config) -> None:
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")
     if rope_type != "default":
         raise ValueError(f"format='deepseek_v3' needs plain RoPE; the source has rope_type={rope_type!r}")
+    half = rotary_dim(config) // 2
+    if not 1 <= rope_dim // 2 <= half:
+        raise ValueError(f"rope_dim={rope_dim}: format='deepseek_v3' keeps one component per frequency, 1..{half} of them")
 
 
-def stock_frequencies(scores: torch.Tensor, n: int) -> tuple[list[int], int]:
-    """(frequencies 0, s, ..., (n-1)s; s) maximizing the summed score. scores: [d_rot/2] best score per frequency."""
-    half = len(scores)
-    if not 1 <= n <= half:
-        raise ValueError(f"rope_dim={2 * n}: format='deepseek_v3' keeps one component per frequency, 1..{half} of them")
+def stock_frequencies(ranked_per_layer: list[list], half: int, n: int) -> tuple[list[int], int]:
+    """(frequencies 0, s, ..., (n-1)s; s) maximizing the summed score of each layer's best component per frequency.
+
+    ranked_per_layer: every layer's (score, RopeComponent) list, best first (methods.ranked_components)."""
+    scores = torch.zeros(half, dtype=torch.float64)
+    for ranked in ranked_per_layer:
+        best = {}
+        for score, comp in ranked:
+            best.setdefault(comp.freq, score)  # ranked best first
+        scores += torch.tensor([best.get(i, 0.0) for i in range(half)], dtype=torch.float64)
     strides = range(1, (half - 1) // (n - 1) + 1) if n > 1 else [1]
     best = max(strides, key=lambda s: float(scores[[j * s for j in range(n)]].sum()))
     return [j * best for j in range(n)], best

@@ -27,7 +27,7 @@ import torch
 
 from ..models.architectures import AttentionWeights, head_dim, rotary_dim
 from .calibration import LayerStats
-from .mla_lift import RopeComponent, lift_mla, stacked_kv, with_bias_column
+from .mla_lift import RopeComponent, complex_pair, lift_mla, stacked_kv, with_bias_column
 
 MLA_METHODS = ("calibrated", "mha2mla")
 
@@ -45,8 +45,7 @@ def rotated_components(w: AttentionWeights, config, stats: LayerStats, context: 
     theta = inverse_frequencies(config)
     scored = []
     for i in range(half):
-        k_c = torch.complex(k_aug[:, i], k_aug[:, i + half])  # [H_kv, in]
-        q_c = torch.complex(q_aug[:, i], q_aug[:, i + half])  # [H, in]
+        k_c, q_c = complex_pair(k_aug, i, half), complex_pair(q_aug, i, half)  # [H_kv, in], [H, in]
         c = k_c @ cov @ k_c.conj().t()  # [H_kv, H_kv]: E[k_g conj(k_g')]
         q_energy = torch.einsum("hi,ij,hj->h", q_c, cov, q_c.conj()).real.view(kv_heads, -1).sum(1)
         weight = (q_energy + 1e-9 * q_energy.mean() + 1e-300).sqrt()  # W^1/2, kept invertible
@@ -95,14 +94,17 @@ class LatentPlan:
 
 
 def plan_layer(method: str, w: AttentionWeights, config, stats: LayerStats, rope_dim: int, context: int = 256,
-               frequencies: list[int] | None = None) -> LatentPlan:  # fmt: skip
+               frequencies: list[int] | None = None, ranked: list | None = None) -> LatentPlan:  # fmt: skip
     """The RoPE components and the full latent basis of one layer by `method`; context: L of the RoPE sensitivity.
 
     frequencies: keep the best component of each of these frequencies (a stock DeepSeek RoPE key has one per
-    frequency) instead of the best rope_dim/2 components overall."""
+    frequency) instead of the best rope_dim/2 components overall. ranked: ranked_components(...) when the caller
+    already has it."""
     if method not in MLA_METHODS:
         raise ValueError(f"method={method!r} is not one of {MLA_METHODS}")
-    ranked = [c for _, c in ranked_components(method, w, config, stats, context)] if rope_dim else []
+    if rope_dim and ranked is None:
+        ranked = ranked_components(method, w, config, stats, context)
+    ranked = [c for _, c in ranked] if rope_dim else []
     if rope_dim // 2 > len(ranked):
         raise ValueError(f"rope_dim={rope_dim} exceeds the {2 * len(ranked)} RoPE dims of all KV heads")
     if frequencies is None:

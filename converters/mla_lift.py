@@ -81,11 +81,11 @@ def lift_mla(
     k_rope = torch.zeros(d_r, hidden + 1, dtype=torch.float64)
     q_new[:, :d_nope] = q_aug[:, nope]
     for p, comp in enumerate(components):
-        k_c = _pair(k_aug, comp.freq, half)  # [H_kv, hidden + 1] complex
+        k_c = complex_pair(k_aug, comp.freq, half)  # [H_kv, hidden + 1] complex
         k_hat = comp.mix @ k_c
         k_rope[p], k_rope[n_comp + p] = k_hat.real, k_hat.imag
         coef = comp.back.conj().repeat_interleave(group)  # query head h: conj(back[g(h)])
-        q_hat = coef[:, None] * _pair(q_aug, comp.freq, half)
+        q_hat = coef[:, None] * complex_pair(q_aug, comp.freq, half)
         q_new[:, d_nope + p], q_new[:, d_nope + n_comp + p] = q_hat.real, q_hat.imag
     q_new = q_new.reshape(-1, hidden + 1) * scale
 
@@ -146,7 +146,7 @@ def stacked_kv(w: AttentionWeights, config, components: list[RopeComponent]) -> 
     return torch.cat((k_nope[..., :hidden].reshape(-1, hidden), w.v_w.to(torch.float64)))
 
 
-def _pair(aug: torch.Tensor, freq: int, half: int) -> torch.Tensor:
+def complex_pair(aug: torch.Tensor, freq: int, half: int) -> torch.Tensor:
     """Rows of RoPE pair `freq` of every head as complex rows: [heads, d_h, in] -> [heads, in], a + ib."""
     return torch.complex(aug[:, freq], aug[:, freq + half])
 
@@ -164,7 +164,7 @@ def _nope_keys(k_aug: torch.Tensor, half: int, components, drop_common: bool) ->
         remainder = torch.eye(kv_heads, dtype=torch.complex128) - keep
         if drop_common and remainder.abs().max() < 1e-9:
             dropped.add(freq)
-        r = remainder @ _pair(k_aug, freq, half)
+        r = remainder @ complex_pair(k_aug, freq, half)
         k_nope[:, freq], k_nope[:, freq + half] = r.real, r.imag
     nope = [d for d in range(k_aug.shape[1]) if not (d < 2 * half and d % half in dropped)]
     return k_nope[:, nope], nope

@@ -70,11 +70,14 @@ def test_frequencies_and_interleaving_are_exact_without_the_norm(stories):
 
 
 def test_stride_choice():
-    scores = torch.tensor([5.0, 0.1, 4.0, 0.1, 3.0, 0.1, 0.1, 0.1])
-    assert stock_frequencies(scores, 3) == ([0, 2, 4], 2)
-    assert stock_frequencies(scores, 1) == ([0], 1)
-    with pytest.raises(ValueError, match="rope_dim=18"):
-        stock_frequencies(scores, 9)
+    from hf_attn_patch.converters.mla_lift import RopeComponent
+
+    scores = [5.0, 0.1, 4.0, 0.1, 3.0, 0.1, 0.1, 0.1]
+    ranked = sorted(((s, RopeComponent.pair(0, i, 1)) for i, s in enumerate(scores)), key=lambda x: -x[0])
+    assert stock_frequencies([ranked, ranked], 8, 3) == ([0, 2, 4], 2)
+    assert stock_frequencies([ranked], 8, 1) == ([0], 1)
+    with pytest.raises(ValueError, match="rope_dim=18: format='deepseek_v3' keeps one component per frequency"):
+        convert("default", "unused", to="mla", kv_lora_rank=8, rope_dim=18, format="deepseek_v3")
 
 
 @pytest.mark.parametrize(
