@@ -12,7 +12,6 @@ finished requests free their blocks at once (full blocks stay cached for prefix 
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
@@ -22,9 +21,9 @@ import torch
 
 from ..speculative.drafters import ngram_lookup
 from ..speculative.rejection import verify_greedy, verify_sampling
-from .attention import ENGINE_ATTENTION
-from .kv import EngineKV, StepPlan
+from .kv import EngineKV
 from .params import RequestOutput, SamplingParams
+from .runner import ModelRunner
 from .scheduler import Request, Scheduler
 
 logger = logging.getLogger(__name__)
@@ -51,6 +50,7 @@ class Engine:
             raise ValueError(f"Engine: max_memory={max_memory} holds {num_blocks} blocks; need at least 2")
         self.model, self.tokenizer = model, tokenizer
         self.kv = EngineKV(config.num_hidden_layers, num_blocks, block_size)
+        self.runner = ModelRunner(model, self.kv)
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_num_seqs, chunked_prefill, prefill_chunk,
                                    prefix_caching)  # fmt: skip
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
@@ -114,7 +114,7 @@ class Engine:
             if not scheduled:
                 return outputs
             samplers = [(r, n) for r, n in scheduled if r.remaining == n]  # they reach their end: sample
-            logits = self._forward(scheduled, samplers)
+            logits = self.runner.forward(scheduled)
             for request, n in scheduled:
                 request.computed += n
             for request, _ in samplers:
@@ -152,36 +152,6 @@ class Engine:
         return [final[i] for i in ids]
 
     # -- internals ---------------------------------------------------------------------------------------------
-
-    def _forward(self, scheduled, samplers) -> torch.Tensor:
-        """Packed forward of the scheduled tokens -> float32 logits [sum(1 + drafts), V]: per sampling request,
-        its last token's and (speculation) every draft position's."""
-        tokens, positions, slots, decode, chunks, last = [], [], [], [], [], []
-        for request, n in scheduled:
-            start = len(tokens)
-            tokens += (request.tokens + request.draft)[request.computed : request.computed + n]
-            positions += range(request.computed, request.computed + n)
-            context = self.kv.slots(request.table, 0, request.computed + n)
-            slots.append(context[request.computed :])  # where this step's tokens are written
-            if n == 1:
-                decode.append((start, context))
-            else:
-                chunks.append((start, n, context))
-            if request.remaining == n:  # logits of its last token, and of each draft position before it
-                last.extend(range(len(tokens) - 1 - len(request.draft), len(tokens)))
-        device = next(self.model.parameters()).device
-        self.kv.plan = StepPlan(
-            slot_mapping=torch.cat(slots).to(device),
-            decode_groups=_decode_groups(decode, device),
-            chunks=[(s, n, c.to(device)) for s, n, c in chunks],
-        )
-        keep = torch.tensor(last, dtype=torch.long, device=device)
-        with torch.no_grad(), _attention(self.model, ENGINE_ATTENTION):
-            out = self.model(input_ids=torch.tensor([tokens], device=device),
-                             position_ids=torch.tensor([positions], device=device), past_key_values=self.kv,
-                             use_cache=True, logits_to_keep=keep)  # fmt: skip
-        self.kv.plan = None
-        return out.logits[0].float().cpu()
 
     def _advance(self, request: Request, logits: torch.Tensor) -> RequestOutput:
         """logits [1 + drafts, V] -> sample (verify drafts), append tokens up to the first stop, report."""
@@ -250,23 +220,6 @@ class Engine:
         return request_grammar(self.tokenizer, self.eos_ids, params.response_format, params.grammar)
 
 
-DECODE_GROUP = 16  # decodes per batched attention call: sorted by context length, each group padded to its longest
-
-
-def _decode_groups(decode: list[tuple[int, torch.Tensor]], device) -> list:
-    """[(token index, context slots)] -> [(token indices [g], slots [g, Lmax], lengths [g])] by context length."""
-    decode = sorted(decode, key=lambda item: item[1].numel())
-    groups = []
-    for start in range(0, len(decode), DECODE_GROUP):
-        group = decode[start : start + DECODE_GROUP]
-        slots = torch.zeros((len(group), group[-1][1].numel()), dtype=torch.long)
-        for i, (_, context) in enumerate(group):
-            slots[i, : context.numel()] = context
-        groups.append((torch.tensor([t for t, _ in group], dtype=torch.long, device=device), slots.to(device),
-                       torch.tensor([c.numel() for _, c in group], dtype=torch.long, device=device)))  # fmt: skip
-    return groups
-
-
 def _process(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """Temperature, top-k, top-p on one row of logits [V] (greedy needs none)."""
     if params.greedy:
@@ -288,17 +241,3 @@ def _find_stop(text: str, stops: list[str], searched: int) -> int | None:
     start = max(0, searched - max(len(s) for s in stops))
     hits = [i for s in stops if (i := text.find(s, start)) >= 0]
     return min(hits) if hits else None
-
-
-@contextlib.contextmanager
-def _attention(model, name: str):
-    """Run the model with attention implementation `name`, restoring the user's afterwards."""
-    configs = [c for c in (model.config, model.config.get_text_config(decoder=True)) if c is not None]
-    saved = [c._attn_implementation for c in configs]
-    for c in configs:
-        c._attn_implementation = name
-    try:
-        yield
-    finally:
-        for c, value in zip(configs, saved):
-            c._attn_implementation = value
