@@ -4,6 +4,8 @@ Protocol: the text is tokenized once with the model's tokenizer, cut into non-ov
 (at most `max_tokens` tokens in all); every window predicts its tokens 2..ctx.
     perplexity = exp(mean over predicted tokens of -log p_model(token))
     KL         = mean over predicted positions of sum_v p_ref(v) (log p_ref(v) - log p_model(v))
+Log-softmax and the sums run in float64: in float32 the rounding of each log-probability (eps 1.2e-7 times its
+size) leaves a KL floor of about 1e-7 even for identical distributions, which would hide exact conversions.
 """
 
 from __future__ import annotations
@@ -57,11 +59,11 @@ def evaluate(model, windows: torch.Tensor, reference=None, progress: bool = True
     nll, kl, count = 0.0, 0.0, 0
     for window in tqdm(windows, desc="eval windows", disable=not progress):
         ids = window[None].to(model.device)
-        log_p = torch.log_softmax(model(ids).logits[0, :-1].float(), dim=-1)
+        log_p = torch.log_softmax(model(ids).logits[0, :-1].double(), dim=-1)
         targets = ids[0, 1:]
         nll -= log_p.gather(1, targets[:, None]).sum().item()
         if reference is not None:
-            log_q = torch.log_softmax(reference(ids.to(reference.device)).logits[0, :-1].float(), dim=-1)
+            log_q = torch.log_softmax(reference(ids.to(reference.device)).logits[0, :-1].double(), dim=-1)
             kl += (log_q.exp() * (log_q - log_p.to(log_q.device))).sum().item()
         count += len(targets)
     return EvalResult(
