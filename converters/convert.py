@@ -24,6 +24,7 @@ from transformers.utils.hub import convert_file_size_to_int
 
 from ..kv_memory import dtype_of, kv_cache_bytes
 from ..models.architectures import architecture_of, head_dim, rotary_dim
+from ..models.pretrained import DEFAULT_MODEL_DIR
 from .calibration import calibration_windows, collect_stats, read_calibration_text
 from .deepseek_export import check_source, stock_frequencies, to_deepseek_v3
 from .exact import rebuild, stock_attention_layers
@@ -48,7 +49,7 @@ class ConvertOptions:
     rope_dim: int | None = None  # mla: shared RoPE key dims d_r (default: one head's d_h, at most 1/3 of kv_budget)
     kv_budget: float | None = None  # mla: fraction of the source's KV values per token (instead of kv_lora_rank)
     method: str | None = None  # gqa: mean (default), aligned or pca; mla: calibrated (default) or mha2mla
-    regroup: bool = True  # gqa aligned / pca: group KV heads by similarity, not by index
+    regroup: bool | None = None  # gqa aligned / pca: group KV heads by similarity, not by index (default True)
     rank_allocation: str = "uniform"  # mla with kv_budget: uniform, or energy (per-layer ranks; measured worse)
     calib_data: str | None = None  # text file, folder of .txt files or a datasets dataset; default: the package's corpus
     calib_split: str = "train"  # datasets only
@@ -56,9 +57,9 @@ class ConvertOptions:
     calib_samples: int = 16
     calib_len: int = 256
     heal_steps: int = 0  # distillation steps from the source after conversion (0: zero-shot)
-    heal_lr: float = 1e-4
-    heal_batch_size: int = 4  # windows of calib_len tokens per step, cut from the calibration text
-    heal_train: str = "attention"  # attention: only the converted layers; all: every weight
+    heal_lr: float | None = None  # default 1e-4
+    heal_batch_size: int | None = None  # windows of calib_len tokens per step, cut from the calibration text (default 4)
+    heal_train: str | None = None  # attention (default): only the converted layers; all: every weight
     checkpoint_dir: str | None = None  # healing state saved here every checkpoint_every steps
     checkpoint_every: int = 0
     resume: bool = False  # continue healing from the last state in checkpoint_dir
@@ -73,6 +74,7 @@ class ConvertOptions:
     def __post_init__(self) -> None:
         if self.to not in TARGETS:
             raise ValueError(f"to={self.to!r} is not one of {TARGETS}")
+        self._refuse_inapplicable()
         if self.format not in FORMATS:
             raise ValueError(f"format={self.format!r} is not one of {FORMATS}")
         methods = MLA_METHODS if self.to == "mla" else GQA_METHODS
@@ -129,6 +131,29 @@ class ConvertOptions:
         if self.dtype is not None:
             dtype_of(self.dtype)  # raises naming the value
 
+    def _refuse_inapplicable(self) -> None:
+        """An option the chosen target or method would ignore is an error (it was given for a reason), then the
+        defaults of the options that apply are filled in."""
+        inapplicable = {"mla": ("kv_lora_rank", "rope_dim", "kv_budget"), "gqa": ("kv_heads",),
+                        "regroup": ("regroup",),
+                        "heal": ("heal_lr", "heal_batch_size", "heal_train", "checkpoint_dir", "resume")}  # fmt: skip
+        given = lambda group: [n for n in inapplicable[group] if getattr(self, n) not in (None, False)]  # noqa: E731
+        if self.to != "mla" and given("mla"):
+            raise ValueError(f"{given('mla')[0]}={getattr(self, given('mla')[0])!r} applies to to='mla' only, "
+                             f"not to={self.to!r}")  # fmt: skip
+        if self.to == "mla" and given("gqa"):
+            raise ValueError(f"kv_heads={self.kv_heads!r} applies to to='gqa' / 'mqa' only, not to='mla'")
+        if self.regroup is not None and (self.to == "mla" or self.method in (None, "mean")):
+            raise ValueError(f"regroup={self.regroup!r} applies to to='gqa' / 'mqa' with method 'aligned' or 'pca', "
+                             f"not to={self.to!r} with method={self.method!r}")  # fmt: skip
+        if not self.heal_steps and given("heal"):
+            raise ValueError(f"{given('heal')[0]}={getattr(self, given('heal')[0])!r} applies to healing only: "
+                             f"set heal_steps (--heal-steps N)")  # fmt: skip
+        defaults = {"regroup": True, "heal_lr": 1e-4, "heal_batch_size": 4, "heal_train": "attention"}
+        for name, value in defaults.items():
+            if getattr(self, name) is None:
+                setattr(self, name, value)
+
 
 def load_source(source: str):
     """(model, tokenizer): 'default' (embedded stories260k), 'smollm2', a local folder (safetensors only), or a Hub id."""
@@ -140,8 +165,7 @@ def load_source(source: str):
         return load_default()
     if source == "smollm2":
         return load_smollm2()
-    if Path(source).is_dir() and not (Path(source) / "config.json").is_file():
-        raise ValueError(f"{source!r} is not a model folder: it has no config.json")
+    check_source_folder(source)
     try:  # use_safetensors: a folder holding only pickled .bin weights is refused, never unpickled
         model = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True).eval()
     except OSError as err:
@@ -154,8 +178,8 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     With push_to_hub="owner/name" the finished folder is uploaded (`hub_client`: a huggingface_hub.HfApi stand-in)."""
     opts = ConvertOptions(**options)
     out = Path(out)
-    if out.exists() and not opts.overwrite:
-        raise ValueError(f"out={str(out)!r} exists: pass overwrite=True (--overwrite) to replace it")
+    check_source_folder(source)
+    check_output(source, out, opts.overwrite)
     started = time.perf_counter()
     torch.manual_seed(opts.seed)
     model, tokenizer = load_source(source)
@@ -285,15 +309,84 @@ def _mla_sizes(opts: ConvertOptions, config, source_kv: int, d_h: int) -> tuple[
     return rope_dim, budget - rope_dim
 
 
+def check_source_folder(source: str) -> None:
+    """A local source folder must hold a config and safetensors weights; pickled .bin weights are refused unread."""
+    folder = Path(source)
+    if source in ("default", "smollm2") or not folder.is_dir():
+        return
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{source!r} is not a model folder: it has no config.json")
+    if not any(folder.glob("*.safetensors")) and any(folder.glob("*.bin")):
+        raise ValueError(
+            f"{source!r} holds only pickled .bin weights, which are refused: unpickling can run arbitrary code. "
+            f"Fix: in an environment you trust, load it once and save it as safetensors: python -c \"from "
+            f"transformers import AutoModelForCausalLM as M; M.from_pretrained('{source}').save_pretrained('{source}-st')\""
+        )
+
+
+def _source_folder(source: str) -> Path | None:
+    """The local folder a source is read from, if any ('default' is the package's embedded model)."""
+    folder = Path(DEFAULT_MODEL_DIR) if source == "default" else Path(source)
+    return folder.resolve() if folder.exists() else None
+
+
+STAGING = ".{name}.partial-{pid}-"  # staging folder of a conversion in progress: OUT's name and the writer's pid
+
+
+def check_output(source: str, out: Path, overwrite: bool) -> None:
+    """Refuse, before any work, an OUT that would overwrite or nest with the source, that is a file, that exists
+    (without overwrite) or that cannot be written; remove staging folders left by conversions that were killed."""
+    target, src = out.resolve(), _source_folder(source)
+    if src is not None and (target == src or target in src.parents or src in target.parents):
+        relation = "is" if target == src else "contains" if target in src.parents else "lies inside"
+        raise ValueError(f"out={str(out)!r} {relation} the source {str(src)!r}: the source is never modified; "
+                         f"choose an OUT outside it")  # fmt: skip
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out={str(out)!r} is a file, not a folder: choose another OUT")
+    if out.exists() and not overwrite:
+        raise ValueError(f"out={str(out)!r} exists: pass overwrite=True (--overwrite) to replace it")
+    parent = target.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"out={str(out)!r} cannot be written: {str(parent)!r} is not a writable folder")
+    if target.parent.exists():
+        _remove_stale_staging(target)
+
+
+def _remove_stale_staging(target: Path) -> None:
+    prefix = f".{target.name}.partial-"
+    for folder in target.parent.glob(prefix + "*"):
+        pid = folder.name[len(prefix) :].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            logger.warning("removing %s, left by conversion process %s that no longer runs", folder, pid)
+            shutil.rmtree(folder, ignore_errors=True)
+        else:
+            logger.warning("%s: the staging folder of another conversion to the same OUT (in progress?)", folder)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
 def _write_atomically(model, tokenizer, report: dict, out: Path, max_shard_size: str) -> None:
     """Save into a temporary sibling folder, then rename it to `out`: never a half-written output."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.partial-"))
+    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=STAGING.format(name=out.name, pid=os.getpid())))
     try:
         model.save_pretrained(staging, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(staging)
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2, default=str))
         (staging / "README.md").write_text(model_card(report))
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # mkdtemp made it 0700: the finished folder gets ordinary permissions
         if out.exists():
             shutil.rmtree(out)
         os.replace(staging, out)

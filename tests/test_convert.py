@@ -128,7 +128,7 @@ def test_report_and_source_untouched(tmp_path):
         (dict(to="tree"), "to='tree' is not one of"),
         (dict(to="mla", kv_budget=0.5, calib_samples=1000, calib_len=512), "fewer than calib_samples x calib_len"),
         (dict(to="mqa", heal_steps=-1), "heal_steps=-1 must be a non-negative"),
-        (dict(to="mqa", heal_train="mlp"), "heal_train='mlp' is not one of"),
+        (dict(to="mqa", heal_steps=1, heal_train="mlp"), "heal_train='mlp' is not one of"),
         (dict(to="mqa", max_shard_size="lots"), "max_shard_size='lots': expected a positive size"),
     ],
 )
