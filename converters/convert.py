@@ -143,9 +143,10 @@ class ConvertOptions:
                              f"not to={self.to!r}")  # fmt: skip
         if self.to == "mla" and given("gqa"):
             raise ValueError(f"kv_heads={self.kv_heads!r} applies to to='gqa' / 'mqa' only, not to='mla'")
-        if self.regroup is not None and (self.to == "mla" or self.method in (None, "mean")):
+        method = self.method or (MLA_METHODS if self.to == "mla" else GQA_METHODS)[0]
+        if self.regroup is not None and (self.to == "mla" or method == "mean"):
             raise ValueError(f"regroup={self.regroup!r} applies to to='gqa' / 'mqa' with method 'aligned' or 'pca', "
-                             f"not to={self.to!r} with method={self.method!r}")  # fmt: skip
+                             f"not to={self.to!r} with method={method!r}")  # fmt: skip
         if not self.heal_steps and given("heal"):
             raise ValueError(f"{given('heal')[0]}={getattr(self, given('heal')[0])!r} applies to healing only: "
                              f"set heal_steps (--heal-steps N)")  # fmt: skip
