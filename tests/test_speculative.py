@@ -83,6 +83,49 @@ def test_greedy_identical_across_architectures(model_type, overrides, padded_bat
         assert torch.equal(model.generate(ids, **kw, **extra), reference), extra
 
 
+def test_early_exit_leaves_the_model_untouched(stories):
+    """Drafting runs a view of the first layers: the user's model keeps its layer list and config throughout
+    (another thread may run it meanwhile), and every forward of its first layer sees them whole."""
+    model, tok = stories
+    layers, config = model.model.layers, model.config
+    full = config.num_hidden_layers
+    seen = []
+    hook = layers[0].register_forward_pre_hook(
+        lambda *_: seen.append((model.model.layers is layers, len(model.model.layers), config.num_hidden_layers))
+    )
+    try:
+        enc = tok(PROMPTS, return_tensors="pt", padding=True)
+        _, stats = _generate(model, enc, max_new_tokens=12, assistant_early_exit=2, draft_length=3)
+    finally:
+        hook.remove()
+    assert stats.proposed > 0 and len(seen) > stats.rounds  # drafter forwards ran through the shared first layer
+    assert set(seen) == {(True, full, full)}
+    assert [type(m) for m in model.modules()].count(type(layers)) == 1
+
+
+FINAL_NORM = {"llama": "model.norm", "gpt2": "transformer.ln_f", "opt": "model.decoder.final_layer_norm",
+              "gpt_neox": "gpt_neox.final_layer_norm", "deepseek_v3": "model.norm"}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", list(FINAL_NORM))
+def test_early_exit_view_equals_the_first_layers_of_the_model(model_type):
+    """The view's logits are the final norm and LM head applied to the full model's hidden state after layer n
+    (hidden_states[n] of output_hidden_states; the last entry is post-norm, so n < num_layers is what we compare)."""
+    from hf_attn_patch.speculative.ragged import early_exit_view
+
+    model = tiny_model(model_type, num_hidden_layers=3) if model_type != "gpt2" else tiny_model("gpt2", n_layer=3)
+    ids = torch.randint(3, 97, (2, 7))
+    view = early_exit_view(model, 2)
+    with torch.no_grad():
+        hidden = model(ids, output_hidden_states=True).hidden_states[2]
+        norm = model.get_submodule(FINAL_NORM[model_type])
+        expected = model.get_output_embeddings()(norm(hidden))
+        got = view(ids).logits
+    # fp32, same ops in the same order: rounding only, eps 1.2e-7 x sqrt(hidden 64) x 3 layers x logits <= 5 ~ 1e-5
+    assert torch.allclose(got, expected, atol=1e-5)  # fp32, same ops in the same order: rounding only
+    assert model.config.get_text_config(decoder=True).num_hidden_layers == 3
+
+
 def test_eos_inside_a_draft_and_max_new_tokens(stories):
     model, tok = stories
     enc = tok(PROMPTS, return_tensors="pt", padding=True)

@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from transformers import DynamicCache
 
-from .ragged import RaggedModel, truncated
+from .ragged import RaggedModel, early_exit_view
 from .sequences import Sequences
 
 
@@ -83,30 +84,25 @@ class ModelDrafter(Drafter):
     are rolled back per row like the target's (ragged.RaggedModel)."""
 
     def __init__(self, model, vocab_size: int, num_layers: int | None = None):
-        self.model, self.vocab_size, self.num_layers = model, vocab_size, num_layers
-        if num_layers is not None:
-            total = model.config.get_text_config(decoder=True).num_hidden_layers
-            if not 1 <= num_layers < total:
-                raise ValueError(f"assistant_early_exit={num_layers}: must be in [1, {total - 1}] for this model")
+        self.early_exit = num_layers is not None
+        self.model = early_exit_view(model, num_layers) if self.early_exit else model
+        self.vocab_size = vocab_size
 
     def start(self, sequences: Sequences, attention_mask: torch.Tensor, target_cache=None) -> None:
         """Prefill the drafter's cache with the prompt. Early exit over a DynamicCache target needs no prefill: the
         target's first layers already hold exactly the drafter's keys and values for the prompt (shared tensors:
         caches grow by concatenation and shrink by slicing, never in place)."""
-        from transformers import DynamicCache
-
-        with truncated(self.model, self.num_layers):
-            cache = DynamicCache(config=self.model.config)
+        cache = DynamicCache(config=self.model.config)
         mask = attention_mask.long()
         self._proposed = 0
-        if self.num_layers is not None and type(target_cache) is DynamicCache:
+        if self.early_exit and type(target_cache) is DynamicCache:
             for mine, theirs in zip(cache.layers, target_cache.layers):
                 mine.lazy_initialization(theirs.keys, theirs.values)
                 mine.keys, mine.values = theirs.keys, theirs.values
-            self.state = RaggedModel(self.model, cache, mask, mask.sum(1), self.num_layers)
+            self.state = RaggedModel(self.model, cache, mask, mask.sum(1))
             self.synced = sequences.lengths.clone()
             return
-        self.state = RaggedModel(self.model, cache, mask[:, :0], torch.zeros_like(mask[:, 0]), self.num_layers)
+        self.state = RaggedModel(self.model, cache, mask[:, :0], torch.zeros_like(mask[:, 0]))
         width = sequences.tokens.shape[1]
         if width > 1:  # the prompt minus its last token, which is fed with the first draft step
             self.state.forward(sequences.tokens[:, : width - 1], mask[:, : width - 1].bool())

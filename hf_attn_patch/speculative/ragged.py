@@ -13,7 +13,7 @@ Layers with a sliding window count cache columns, holes included, so batches > 1
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import inspect
 
 import torch
@@ -34,7 +34,7 @@ def check_supported(config, batch_size: int) -> None:
 
 
 def decoder_layers(model) -> nn.ModuleList:
-    """The model's list of decoder layers: the ModuleList whose length is config.num_hidden_layers."""
+    """The model's list of decoder layers: the first ModuleList (module order) of config.num_hidden_layers."""
     count = model.config.get_text_config(decoder=True).num_hidden_layers
     for module in model.modules():
         if isinstance(module, nn.ModuleList) and len(module) == count:
@@ -42,31 +42,53 @@ def decoder_layers(model) -> nn.ModuleList:
     raise ValueError(f"{type(model).__name__}: no ModuleList of {count} decoder layers found for early exit")
 
 
-@contextlib.contextmanager
-def truncated(model, num_layers: int | None):
-    """Within the block the model runs only its first `num_layers` decoder layers (then final norm and LM head)."""
-    if num_layers is None:
-        yield
-        return
-    layers = decoder_layers(model)
-    owner = next(m for m in model.modules() if any(child is layers for child in m.children()))
-    name = next(n for n, child in owner.named_children() if child is layers)
+def early_exit_view(model: nn.Module, num_layers: int) -> nn.Module:
+    """A view of `model` that runs its first `num_layers` decoder layers, then its final norm and LM head.
+
+    The user's model is not touched: the modules on the path from the root to the layer list are shallow copies
+    (own `_modules` dict, every parameter, buffer and submodule shared), the layer list is a new ModuleList of the
+    same first layers, and the copies read a copy of the text config with `num_hidden_layers = num_layers` (model
+    code slices `layers[: config.num_hidden_layers]`, and a DynamicCache built from the view's config gets one
+    layer per kept layer). Embeddings, rotary embedding and mask construction are the model's own code.
+    """
     config = model.config.get_text_config(decoder=True)
-    original_count = config.num_hidden_layers
-    setattr(owner, name, layers[:num_layers])
-    config.num_hidden_layers = num_layers
-    try:
-        yield
-    finally:
-        setattr(owner, name, layers)
-        config.num_hidden_layers = original_count
+    if not 1 <= num_layers < config.num_hidden_layers:
+        raise ValueError(f"assistant_early_exit={num_layers}: must be in [1, {config.num_hidden_layers - 1}] for this model")
+    layers = decoder_layers(model)
+    path = _path_to(model, layers)  # [(module, child name)] from the root down to the owner of `layers`
+    view_config = copy.copy(config)
+    view_config.num_hidden_layers = num_layers
+    copies = [_shallow_copy(module, config, view_config) for module, _ in path]
+    for (_, name), parent, child in zip(path, copies, copies[1:]):
+        setattr(parent, name, child)
+    setattr(copies[-1], path[-1][1], nn.ModuleList(list(layers)[:num_layers]))
+    return copies[0]
+
+
+def _path_to(root: nn.Module, target: nn.Module) -> list[tuple[nn.Module, str]]:
+    for name, child in root.named_children():
+        if child is target:
+            return [(root, name)]
+        below = _path_to(child, target)
+        if below:
+            return [(root, name), *below]
+    return []
+
+
+def _shallow_copy(module: nn.Module, config, view_config) -> nn.Module:
+    """A module object sharing everything with `module` except its child dict and (where it is `config`) config."""
+    clone = copy.copy(module)
+    clone._modules = dict(module._modules)
+    if getattr(module, "config", None) is config:
+        clone.config = view_config
+    return clone
 
 
 class RaggedModel:
     """Forward passes of `model` over `cache` where rows keep different numbers of the appended columns."""
 
-    def __init__(self, model, cache, mask: torch.Tensor, next_position: torch.Tensor, num_layers: int | None = None):
-        self.model, self.cache, self.num_layers = model, cache, num_layers
+    def __init__(self, model, cache, mask: torch.Tensor, next_position: torch.Tensor):
+        self.model, self.cache = model, cache
         self.mask = mask.to(torch.long)  # [B, C]
         self.next_position = next_position.to(torch.long)  # [B]
         params = inspect.signature(model.forward).parameters
@@ -94,8 +116,7 @@ class RaggedModel:
             inputs["position_ids"] = positions
         if last_only and self._takes_logits_to_keep:
             inputs["logits_to_keep"] = 1
-        with truncated(self.model, self.num_layers):
-            logits = self.model(**inputs).logits
+        logits = self.model(**inputs).logits
         return (logits[:, -1:] if last_only else logits).float()
 
     def mark(self) -> None:
