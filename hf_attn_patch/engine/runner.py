@@ -24,9 +24,10 @@ class ModelRunner:
         self.model, self.kv = model, kv
         self.device = next(model.parameters()).device
 
-    def forward(self, scheduled) -> torch.Tensor:
+    def forward(self, scheduled, keep: list[int] | None = None) -> torch.Tensor:
         """Packed forward of the scheduled tokens -> float32 logits [sum(1 + drafts), V] on the CPU: per request
-        that reaches its end (request.remaining == n), its last token's and (speculation) every draft position's."""
+        that reaches its end (request.remaining == n), its last token's and (speculation) every draft position's.
+        keep: instead, the indices into the step's packed tokens (scheduled order) whose logits to return."""
         tokens, positions, slots, decode, chunks, last = [], [], [], [], [], []
         for request, n in scheduled:
             start = len(tokens)
@@ -46,7 +47,7 @@ class ModelRunner:
             decode_groups=_decode_groups(decode, device),
             chunks=[(s, n, c.to(device)) for s, n, c in chunks],
         )
-        keep = torch.tensor(last, dtype=torch.long, device=device)
+        keep = torch.tensor(last if keep is None else keep, dtype=torch.long, device=device)
         with torch.no_grad(), _attention(self.model, ENGINE_ATTENTION):
             out = self.model(input_ids=torch.tensor([tokens], device=device),
                              position_ids=torch.tensor([positions], device=device), past_key_values=self.kv,

@@ -27,13 +27,21 @@ def verify_sampling(
     draft_lengths: torch.Tensor,
     draft_probs: torch.Tensor | None,
     generator: torch.Generator | None = None,
+    *,
+    uniform: torch.Tensor | None = None,
+    race: torch.Tensor | None = None,
 ):
     """target_probs [B, k+1, V], drafts [B, k], draft_lengths [B], draft_probs [B, k, V] or None (point mass)
-    -> (accepted [B], next_token [B]), by rejection sampling (module docstring)."""
+    -> (accepted [B], next_token [B]), by rejection sampling (module docstring).
+
+    The randomness may be given (per-row seeded draws, the engine's sampler): uniform [B, k] U(0, 1) for the
+    acceptance tests, race [B, V] Exp(1) for the categorical draw argmax_v residual_v / race_v; else both come
+    from `generator`."""
     batch, k = drafts.shape
     p_draft = target_probs[:, :k].gather(2, drafts[..., None]).squeeze(2)  # p_j(d_j)  [B, k]
     q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, drafts[..., None]).squeeze(2)
-    uniform = torch.rand(p_draft.shape, generator=generator, device=p_draft.device, dtype=p_draft.dtype)
+    if uniform is None:
+        uniform = torch.rand(p_draft.shape, generator=generator, device=p_draft.device, dtype=p_draft.dtype)
     accepted = _leading_true(uniform * q_draft < p_draft, draft_lengths)  # u < p/q, without dividing by q = 0
 
     rows = torch.arange(batch, device=drafts.device)
@@ -50,7 +58,10 @@ def verify_sampling(
     # p == q at a rejected position can only happen through rounding (acceptance was then certain): fall back to p
     empty = residual.sum(-1, keepdim=True) <= 0
     residual = torch.where(empty, p_next, residual)
-    next_token = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator).squeeze(1)
+    if race is not None:
+        next_token = (residual / race.to(residual.device).clamp(min=1e-30)).argmax(-1)  # race > 0: no 0 / 0
+    else:
+        next_token = torch.multinomial(residual / residual.sum(-1, keepdim=True), 1, generator=generator).squeeze(1)
     return accepted, next_token
 
 
