@@ -21,7 +21,6 @@ if Version(transformers.__version__).release[:2] != Version(SUPPORTED_TRANSFORME
 
 from ._patching import is_patched, patch, unpatch, unpatched  # noqa: E402
 from .cache import CacheFullError, PagedKVCache  # noqa: E402
-from .engine import Engine, RequestOutput, SamplingParams  # noqa: E402
 from .kv_memory import kv_cache_bytes  # noqa: E402
 from .speculative import SpeculativeStats  # noqa: E402
 
@@ -30,3 +29,14 @@ __all__ = ["CacheFullError", "Engine", "PagedKVCache", "RequestOutput", "Samplin
            "is_patched", "kv_cache_bytes", "patch", "unpatch", "unpatched"]  # fmt: skip
 
 patch()
+
+_ENGINE_NAMES = ("Engine", "RequestOutput", "SamplingParams")
+
+
+def __getattr__(name: str):
+    """The engine (the top layer) loads on first use, so `import hf_attn_patch.cache` / `.attention` stay below it."""
+    if name in _ENGINE_NAMES:
+        from . import engine
+
+        return getattr(engine, name)
+    raise AttributeError(f"module 'hf_attn_patch' has no attribute {name!r}")

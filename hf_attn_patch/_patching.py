@@ -19,8 +19,10 @@ What is replaced, and why no official hook does it:
   know: `response_format=` / `grammar=` (with `tokenizer=`) become a grammar logits processor; `speculative_stats=`
   and `draft_length=` go to the speculative decoding loop.
 - Official hooks, recorded the same way: `AttentionInterface.register("paged_kv", ...)` and
-  `AttentionMaskInterface.register("paged_kv", sdpa_mask)` (attention that reads the paged blocks itself), and
-  `AttentionInterface.register("hf_attn_engine", ...)` (the engine's packed forward).
+  `AttentionMaskInterface.register("paged_kv", sdpa_mask)` (attention that reads the paged blocks itself).
+- `AttentionInterface.get_interface`: while a forward context is set on this thread (the engine's runner sets one
+  around each step's forward), every lookup returns the paged backend, so the engine never changes the model's
+  `config._attn_implementation` (attention/backend.py `interface_in_context`).
 """
 
 from __future__ import annotations
@@ -235,10 +237,10 @@ def patch() -> None:
 
     _register(AttentionInterface._global_mapping, PAGED_ATTENTION, paged_attention_forward)
     _register(AttentionMaskInterface._global_mapping, PAGED_ATTENTION, sdpa_mask)
-    # The engine's packed attention (no mask function: its step plan is the mask).
-    from .engine.attention import ENGINE_ATTENTION, engine_attention_forward
+    # Inside a forward context (the engine's step) every attention lookup returns the paged backend.
+    from .attention.backend import interface_in_context
 
-    _register(AttentionInterface._global_mapping, ENGINE_ATTENTION, engine_attention_forward)
+    _replace(AttentionInterface, "get_interface", interface_in_context(vars(AttentionInterface)["get_interface"]))
     logger.debug("hf_attn_patch: patched %d objects", len(_originals))
 
 

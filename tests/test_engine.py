@@ -38,7 +38,7 @@ def test_greedy_equals_generate_alone(stories, options):
         assert out.finish_reason in ("length", "stop")
     if "num_blocks" in options:
         assert engine.scheduler.preemptions > 0  # 39 blocks of 4 tokens cannot hold all four requests
-    assert engine.kv.pool.num_live() == 0  # finished requests freed every block
+    assert engine.kv.num_live_blocks() == 0  # finished requests freed every block
 
 
 def test_prefix_cache_reuses_a_shared_prompt(stories):

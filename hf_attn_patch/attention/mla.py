@@ -23,7 +23,8 @@ from torch import nn
 
 from ..cache import paged_attention
 from ..cache.paged_attention import gather_paged, is_paged_handle
-from ..engine.attention import engine_mla_forward, is_engine_handle
+from ..cache.metadata import get_forward_context
+from . import backend
 from .gqa import RMSNorm, attention_function
 from .rope import apply_rope, deinterleave, select_rope_pairs
 from .spec import AttentionSpec
@@ -137,10 +138,12 @@ class MultiHeadLatentAttention(nn.Module):
         q_nope, q_rope = self._queries(hidden_states)
         c, k_rope = self._latent(hidden_states)
         q_rope, k_rope = self._rope(q_rope, k_rope, position_embeddings)
+        context = get_forward_context()
+        if context is not None:  # the engine's packed forward: write and attend over the latent pages
+            out = backend.mla_attention(self, q_nope, q_rope, c, k_rope, context)
+            return self.o_proj(out.reshape(batch, length, -1)), None
         if cache is not None:
             c, k_rope = cache.update(c, k_rope, self.layer_idx)
-            if is_engine_handle(c):  # the engine's packed forward: per-request segments over latent pages
-                return self.o_proj(engine_mla_forward(self, q_nope, q_rope, c).reshape(batch, length, -1)), None
             if length == 1 and is_paged_handle(c) and paged_attention.use_decode_kernel(q_nope):
                 out = self._kernel_decode(q_nope, q_rope, c, attention_mask)
                 if out is not None:

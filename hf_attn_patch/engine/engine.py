@@ -19,9 +19,9 @@ import time
 
 import torch
 
+from ..kv_memory import kv_cache_bytes
 from ..speculative.drafters import ngram_lookup
 from ..speculative.rejection import verify_greedy, verify_sampling
-from .kv import EngineKV
 from .params import RequestOutput, SamplingParams
 from .runner import ModelRunner
 from .scheduler import Request, Scheduler
@@ -38,21 +38,16 @@ class Engine:
                             ("max_num_seqs", max_num_seqs)):  # fmt: skip
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"Engine: {name}={value!r} must be a positive integer")
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-            raise ValueError(f"Engine: sliding-window attention (sliding_window={config.sliding_window}) not served")
         dtype = next(model.parameters()).dtype
         if num_blocks is None:
-            from ..kv_memory import kv_cache_bytes  # here: attention/mla.py imports this package while kv_memory loads
-
             memory = max_memory if max_memory is not None else 512 * 1024 * 1024
             num_blocks = memory // kv_cache_bytes(config, block_size, dtype=dtype)  # one block, all layers
         if num_blocks < 2:
             raise ValueError(f"Engine: max_memory={max_memory} holds {num_blocks} blocks; need at least 2")
         self.model, self.tokenizer = model, tokenizer
-        self.kv = EngineKV(config.num_hidden_layers, num_blocks, block_size)
-        self.runner = ModelRunner(model, self.kv)
-        self.scheduler = Scheduler(self.kv, max_batch_tokens, max_num_seqs, chunked_prefill, prefill_chunk,
-                                   prefix_caching)  # fmt: skip
+        self.runner = ModelRunner(model, num_blocks, block_size, prefix_caching)
+        self.kv = self.runner.kv  # the KV manager: block tables, prefix hits, preemption
+        self.scheduler = Scheduler(self.kv, max_batch_tokens, max_num_seqs, chunked_prefill, prefill_chunk)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -117,11 +112,10 @@ class Engine:
             logits = self.runner.forward(scheduled)
             for request, n in scheduled:
                 request.computed += n
+                self.kv.commit(request.id, request.tokens[: request.computed])  # drafts are not named
             for request, _ in samplers:
                 rows, logits = logits[: 1 + len(request.draft)], logits[1 + len(request.draft) :]
                 outputs.append(self._advance(request, rows))
-            for request, _ in scheduled:
-                self.scheduler.register_full_blocks(request)
             self.steps += 1
         return outputs
 

@@ -1,84 +1,65 @@
-"""The model runner: one packed forward per engine step over the paged KV memory.
+"""The model runner: owns the paged KV storage, builds the step's AttentionMetadata once, runs one forward.
 
-    runner = ModelRunner(model, kv)
+    runner = ModelRunner(model, num_blocks=..., block_size=16)      # runner.kv: the KV manager the scheduler uses
     logits = runner.forward(scheduled)   # scheduled: [(request, n tokens)] -> float32 logits [sum(1 + drafts), V]
 
-The scheduled tokens of many requests go through the model as one row [1, T] with their own position ids; each
-layer reads its requests' contexts from the paged storage by the step's plan.
+The scheduled tokens of many requests go through the model as one row [1, T] with their own position ids. The
+metadata travels in a forward context (cache/metadata.py); while it is set, transformers' attention lookup returns
+the paged backend (attention/backend.py), which writes each layer's new K/V at slot_mapping and attends over the
+block tables. The model is called without a cache and with a 4-D placeholder mask, which transformers passes
+through untouched (the metadata is the mask); nothing on the model or its config is changed.
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from .attention import ENGINE_ATTENTION
-from .kv import EngineKV, StepPlan
-
-DECODE_GROUP = 16  # decodes per batched attention call: sorted by context length, each group padded to its longest
+from ..cache.manager import STATE, KVManager, layer_groups
+from ..cache.metadata import ForwardContext, build_metadata, forward_context
 
 
 class ModelRunner:
-    def __init__(self, model, kv: EngineKV):
-        self.model, self.kv = model, kv
+    def __init__(self, model, num_blocks: int, block_size: int, prefix_caching: bool = True):
+        config = model.config.get_text_config(decoder=True)
+        self.layer_groups = layer_groups(config)
+        if STATE in self.layer_groups:
+            raise ValueError("Engine: constant-state layers (linear attention / SSM / conv) are not served yet; "
+                             f"layer kinds {sorted(set(map(str, self.layer_groups)))}")  # fmt: skip
+        groups = sorted(set(self.layer_groups), key=lambda g: (g is not None, g or 0))
+        self.kv = KVManager(block_size, num_blocks, groups, prefix_caching)
+        self.model = model
         self.device = next(model.parameters()).device
+        self.storage: list = [None] * len(self.layer_groups)  # per layer [num_blocks, block_size, H_kv, d_k + d_v]
+        self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
 
     def forward(self, scheduled, keep: list[int] | None = None) -> torch.Tensor:
-        """Packed forward of the scheduled tokens -> float32 logits [sum(1 + drafts), V] on the CPU: per request
-        that reaches its end (request.remaining == n), its last token's and (speculation) every draft position's.
+        """Packed forward of the scheduled tokens -> float32 logits on the CPU: by default, per request that reaches
+        its end (request.remaining == n), its last token's and (speculation) every draft position's.
         keep: instead, the indices into the step's packed tokens (scheduled order) whose logits to return."""
-        tokens, positions, slots, decode, chunks, last = [], [], [], [], [], []
+        tokens, positions, tables, starts, counts, last = [], [], [], [], [], []
+        groups = self.kv.groups
         for request, n in scheduled:
-            start = len(tokens)
             tokens += (request.tokens + request.draft)[request.computed : request.computed + n]
             positions += range(request.computed, request.computed + n)
-            context = self.kv.slots(request.table, 0, request.computed + n)
-            slots.append(context[request.computed :])  # where this step's tokens are written
-            if n == 1:
-                decode.append((start, context))
-            else:
-                chunks.append((start, n, context))
+            tables.append({g: self.kv.table(request.id, g) for g in groups})
+            starts.append(request.computed)
+            counts.append(n)
             if request.remaining == n:  # logits of its last token, and of each draft position before it
                 last.extend(range(len(tokens) - 1 - len(request.draft), len(tokens)))
+        self._apply_copies()
+        metadata = build_metadata(tables, starts, counts, self.kv.block_size, self.layer_groups, self.device)
+        context = ForwardContext(metadata, self.storage, {g: self.kv.pools[g].num_blocks for g in groups})
         device = self.device
-        self.kv.plan = StepPlan(
-            slot_mapping=torch.cat(slots).to(device),
-            decode_groups=_decode_groups(decode, device),
-            chunks=[(s, n, c.to(device)) for s, n, c in chunks],
-        )
         keep = torch.tensor(last if keep is None else keep, dtype=torch.long, device=device)
-        with torch.no_grad(), _attention(self.model, ENGINE_ATTENTION):
+        with torch.no_grad(), forward_context(context):
             out = self.model(input_ids=torch.tensor([tokens], device=device),
-                             position_ids=torch.tensor([positions], device=device), past_key_values=self.kv,
-                             use_cache=True, logits_to_keep=keep)  # fmt: skip
-        self.kv.plan = None
+                             position_ids=torch.tensor([positions], device=device), attention_mask=self._mask,
+                             use_cache=False, logits_to_keep=keep)  # fmt: skip
         return out.logits[0].float().cpu()
 
-
-def _decode_groups(decode: list[tuple[int, torch.Tensor]], device) -> list:
-    """[(token index, context slots)] -> [(token indices [g], slots [g, Lmax], lengths [g])] by context length."""
-    decode = sorted(decode, key=lambda item: item[1].numel())
-    groups = []
-    for start in range(0, len(decode), DECODE_GROUP):
-        group = decode[start : start + DECODE_GROUP]
-        slots = torch.zeros((len(group), group[-1][1].numel()), dtype=torch.long)
-        for i, (_, context) in enumerate(group):
-            slots[i, : context.numel()] = context
-        groups.append((torch.tensor([t for t, _ in group], dtype=torch.long, device=device), slots.to(device),
-                       torch.tensor([c.numel() for _, c in group], dtype=torch.long, device=device)))  # fmt: skip
-    return groups
-
-
-@contextlib.contextmanager
-def _attention(model, name: str):
-    """Run the model with attention implementation `name`, restoring the user's afterwards."""
-    configs = [c for c in (model.config, model.config.get_text_config(decoder=True)) if c is not None]
-    saved = [c._attn_implementation for c in configs]
-    for c in configs:
-        c._attn_implementation = name
-    try:
-        yield
-    finally:
-        for c, value in zip(configs, saved):
-            c._attn_implementation = value
+    def _apply_copies(self) -> None:
+        """Copy-on-write copies the manager decided: block contents move before this step writes into them."""
+        for group, source, target in self.kv.take_copies():
+            for layer, storage in enumerate(self.storage):
+                if storage is not None and self.layer_groups[layer] == group:
+                    storage[target] = storage[source]

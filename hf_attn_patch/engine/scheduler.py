@@ -20,8 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..cache.prefix_cache import block_hashes
-from .kv import EngineKV
+from ..cache.manager import KVManager
 from .params import SamplingParams
 
 
@@ -32,9 +31,7 @@ class Request:
     params: SamplingParams
     arrival: float = field(default_factory=time.perf_counter)
     generated: list[int] = field(default_factory=list)
-    computed: int = 0  # leading tokens whose K/V is in the cache
-    table: list[int] = field(default_factory=list)  # block ids, position p lives in table[p // block_size]
-    hashes: list[bytes] = field(default_factory=list)  # names of table's leading full blocks (prefix cache)
+    computed: int = 0  # leading tokens whose K/V is in the cache (its blocks: the KV manager's, under its id)
     text: str = ""
     logprobs: list[float] = field(default_factory=list)
     finish_reason: str | None = None
@@ -58,10 +55,10 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, kv: EngineKV, max_batch_tokens: int, max_num_seqs: int, chunked_prefill: bool,
-                 prefill_chunk: int | None, prefix_caching: bool):  # fmt: skip
+    def __init__(self, kv: KVManager, max_batch_tokens: int, max_num_seqs: int, chunked_prefill: bool,
+                 prefill_chunk: int | None):  # fmt: skip
         self.kv, self.max_batch_tokens, self.max_num_seqs = kv, max_batch_tokens, max_num_seqs
-        self.chunked_prefill, self.prefix_caching = chunked_prefill, prefix_caching
+        self.chunked_prefill = chunked_prefill
         self.prefill_chunk = prefill_chunk or max_batch_tokens
         self.waiting: deque[Request] = deque()
         self._prefill_scheduled = False
@@ -84,7 +81,7 @@ class Scheduler:
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
-            hits = self._attach_prefix(request) if request.computed == 0 and not request.table else 0
+            hits = self._attach_prefix(request) if request.id not in self.kv.sequences else 0
             n = self._take(request, budget)
             if not n or not self._fits(request, n):
                 self._release(request)
@@ -104,23 +101,6 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
 
-    def register_full_blocks(self, request: Request) -> None:
-        """Name the request's newly completed blocks so later prompts can reuse them (one block per name)."""
-        if not self.prefix_caching:
-            return
-        size, tokens = self.kv.block_size, None
-        while len(request.hashes) < request.computed // size:
-            i = len(request.hashes)
-            tokens = request.tokens if tokens is None else tokens
-            parent = request.hashes[-1] if request.hashes else b""
-            name = _block_name(parent, tokens[i * size : (i + 1) * size])
-            kept = self.kv.pool.register(request.table[i], name)
-            if kept != request.table[i]:  # an identical block exists: share it, free ours
-                self.kv.pool.incref(kept)
-                self.kv.pool.free(request.table[i])
-                request.table[i] = kept
-            request.hashes.append(name)
-
     # -- helpers ---------------------------------------------------------------------------------------------
 
     def _take(self, request: Request, budget: int) -> int:
@@ -135,14 +115,12 @@ class Scheduler:
         self._prefill_scheduled = self._prefill_scheduled or n > 0
         return n
 
-    def _blocks_needed(self, request: Request, n: int) -> int:
-        return max(0, -(-(request.computed + n) // self.kv.block_size) - len(request.table))
-
     def _fits(self, request: Request, n: int) -> bool:
-        return self._blocks_needed(request, n) <= self.kv.pool.num_available()
+        return self.kv.can_allocate(request.id, request.computed, request.computed + n)
 
     def _grow(self, request: Request, n: int) -> None:
-        request.table.extend(self.kv.pool.allocate(self._blocks_needed(request, n)))
+        self.kv.free_out_of_window(request.id, request.computed)  # before allocating: the freed blocks are reusable
+        self.kv.allocate(request.id, request.computed, request.computed + n)
 
     def _reserve(self, request: Request, n: int, keep: list[Request]) -> bool:
         """Blocks for n more tokens of a running request, preempting the newest others if needed."""
@@ -164,29 +142,12 @@ class Scheduler:
         self.waiting.insert(position, request)
 
     def _release(self, request: Request) -> None:
-        for block in request.table:
-            self.kv.pool.free(block)
-        request.table, request.hashes, request.computed, request.draft = [], [], 0, []
+        self.kv.free(request.id)
+        request.computed, request.draft = 0, []
 
     def _attach_prefix(self, request: Request) -> int:
-        """Reuse cached blocks of the request's leading full blocks (not the one holding its last token)."""
-        if not self.prefix_caching:
-            return 0
-        size, tokens = self.kv.block_size, request.tokens
-        parent = b""
-        for i in range((len(tokens) - 1) // size):
-            name = _block_name(parent, tokens[i * size : (i + 1) * size])
-            block = self.kv.pool.lookup(name)
-            if block is None:
-                break
-            self.kv.pool.incref(block)
-            request.table.append(block)
-            request.hashes.append(name)
-            parent = name
-        request.computed = len(request.table) * size
+        """Start the request in the KV manager, sharing the cached blocks of its leading full blocks (not the one
+        holding its last token); returns the positions skipped."""
+        self.kv.add(request.id)
+        request.computed = self.kv.attach_prefix(request.id, self.kv.cached_prefix_blocks(request.tokens))
         return request.computed
-
-
-def _block_name(parent: bytes, tokens: list[int]) -> bytes:
-    """h_i = H(h_{i-1} || tokens of block i): the paged cache's hash chain (cache/prefix_cache.py)."""
-    return block_hashes(tokens, len(tokens), parent)[0]

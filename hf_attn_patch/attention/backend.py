@@ -1,0 +1,200 @@
+"""The one paged attention backend: reads AttentionMetadata from the forward context, writes the new K/V into the
+layer's block storage, and attends over the pages at block granularity.
+
+Registered as "paged_kv" (AttentionInterface), and, while a forward context is set (cache/metadata.py), returned by
+every attention lookup of transformers (`AttentionInterface.get_interface` is wrapped by `_patching.py` with
+`interface_in_context`): the engine's runner sets the context around its one forward per step and never touches
+the model's config.
+
+Dispatch per layer call, query [B, H, T, d] (the engine: B = 1, T packed tokens of many sequences):
+- CUDA (`use_kernels`), all new tokens single (decode): kernels.paged_decode_attention / kernels.mla_decode;
+- CUDA, otherwise: kernels.paged_prefill_attention (varlen, causal, bottom-right aligned);
+- CPU: the torch reference here (gather + SDPA per segment; decodes batched in groups of similar length).
+Each takes block tables [B, max_blocks] and seq_lens [B]; the null block (id 0) is zeros and masked.
+Sliding windows: query at position q sees keys (q - window, q], as transformers' sliding_window_overlay.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from ..cache.metadata import AttentionMetadata, ForwardContext, get_forward_context
+
+PAGED_ATTENTION = "paged_kv"
+DECODE_GROUP = 16  # decodes per batched CPU attention call: sorted by context length, padded to the group's longest
+
+
+def use_kernels(query: torch.Tensor) -> bool:
+    """Kernels run on CUDA; the CPU keeps the torch reference bit for bit (tests swap this to reach the kernels)."""
+    return query.is_cuda
+
+
+def interface_in_context(get_interface):
+    """Wrap AttentionInterface.get_interface: inside a forward context every lookup returns the paged backend."""
+
+    def lookup(self, attn_implementation, default):
+        if get_forward_context() is not None:
+            return paged_attention_forward
+        return get_interface(self, attn_implementation, default)
+
+    lookup.__wrapped__ = get_interface
+    return lookup
+
+
+# -- storage ------------------------------------------------------------------------------------------------------
+
+
+def layer_storage(context: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """The layer's storage [num_blocks, block_size, H_kv, d_k + d_v] (made, zeroed, at its first write)."""
+    storage = context.storage[layer]
+    if storage is None:
+        group = context.metadata.layer_groups[layer]
+        shape = (context.num_blocks[group], context.metadata.block_size, key.shape[1], key.shape[-1] + value.shape[-1])
+        storage = context.storage[layer] = key.new_zeros(shape)
+    return storage
+
+
+def write_new(context: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """Write the new tokens' key [1, H_kv, T, d_k], value [1, H_kv, T, d_v] at the step's slots -> flat storage
+    [slots, H_kv, d_k + d_v]."""
+    storage = layer_storage(context, layer, key, value)
+    flat = storage.view(-1, *storage.shape[2:])
+    slots = context.metadata.slot_mapping[context.metadata.layer_groups[layer]]
+    both = torch.cat((key[0], value[0]), dim=-1).transpose(0, 1)  # [T, H_kv, d_k + d_v]
+    flat.index_copy_(0, slots, both.to(flat.dtype))
+    return flat
+
+
+# -- the registered function --------------------------------------------------------------------------------------
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [B, H, T, d_k] -> ([B, T, H, d_v], None), as sdpa_attention_forward returns.
+
+    Without a forward context (a model set to "paged_kv" called with ordinary K/V tensors) this is SDPA."""
+    context = get_forward_context()
+    if context is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)  # fmt: skip
+    if dropout:
+        raise ValueError(f"paged attention has no dropout (got dropout={dropout}); call model.eval()")
+    layer, meta = module.layer_idx, context.metadata
+    flat = write_new(context, layer, key, value)
+    window = kwargs.get("sliding_window") or None
+    softcap = kwargs.get("softcap") or None
+    dk = key.shape[-1]
+    group = meta.layer_groups[layer]
+    q = query[0].transpose(0, 1)  # [T, H, d_k]
+    if use_kernels(query):
+        out = _kernel_attention(q, flat[..., :dk], flat[..., dk:], meta, group, scaling, window, softcap)
+    else:
+        out = _reference_attention(q, flat, dk, meta, group, scaling, window, softcap)
+    return out[None], None
+
+
+def _kernel_attention(q, key_cache, value_cache, meta: AttentionMetadata, group, scale, window, softcap):
+    from hf_attn_patch.kernels import paged_decode_attention, paged_prefill_attention
+
+    tables = meta.block_tables[group]
+    options = dict(block_size=meta.block_size, scale=scale, softcap=softcap, sliding_window=window, validate=False)
+    if meta.is_decode:  # one query per sequence: q [B, H, d_k]
+        return paged_decode_attention(q, key_cache, value_cache, tables, meta.seq_lens, **options)
+    return paged_prefill_attention(q, key_cache, value_cache, tables, meta.query_start_loc, meta.seq_lens, **options)
+
+
+# -- the torch reference (CPU) ------------------------------------------------------------------------------------
+
+
+def segments(meta: AttentionMetadata, group, window):
+    """Per forward and group (built by the first layer, shared by the rest): [(queries, slots, visible)] where
+    queries selects rows of the packed [T] queries (a [g] index tensor of decodes, or a slice of one chunk),
+    slots [g, L] / [L] the context slots and visible [g, 1, q, L] bool."""
+
+    def build():
+        tables, bs = meta.block_tables[group], meta.block_size
+        device = tables.device
+        out, decodes = [], []
+        for b, (n, length) in enumerate(zip(meta.query_lens, meta.seq_lens_host)):
+            start = int(meta.query_start_loc[b]) if n else 0
+            if n == 1:
+                decodes.append((start, b, length))
+            elif n > 1:
+                positions = torch.arange(length, device=device)
+                slots = tables[b, positions // bs] * bs + positions % bs
+                query_pos = positions[length - n :, None]
+                visible = positions[None, :] <= query_pos
+                if window is not None:
+                    visible = visible & (positions[None, :] > query_pos - window)
+                out.append((slice(start, start + n), slots, visible[None, None]))
+        decodes.sort(key=lambda item: item[2])
+        for i in range(0, len(decodes), DECODE_GROUP):
+            chunk = decodes[i : i + DECODE_GROUP]
+            longest = chunk[-1][2]
+            positions = torch.arange(longest, device=device)
+            rows = torch.tensor([b for _, b, _ in chunk], device=device)
+            lengths = torch.tensor([n for _, _, n in chunk], device=device)
+            slots = tables[rows][:, positions // bs] * bs + positions % bs
+            visible = positions[None, :] < lengths[:, None]
+            if window is not None:
+                visible = visible & (positions[None, :] > lengths[:, None] - 1 - window)
+            index = torch.tensor([t for t, _, _ in chunk], dtype=torch.long, device=device)
+            out.append((index, slots, visible[:, None, None, :]))
+        return out
+
+    return meta.derived(("segments", group, window), build)
+
+
+def _reference_attention(q, flat, dk, meta, group, scale, window, softcap):
+    """q [T, H, d_k], flat storage [slots, H_kv, d_k + d_v] -> [T, H, d_v]: gather + SDPA per segment."""
+    if softcap is not None:
+        raise ValueError(f"softcap={softcap}: the CPU paged reference does not implement it")
+    out = q.new_empty((q.shape[0], q.shape[1], flat.shape[-1] - dk))
+    for selector, slots, visible in segments(meta, group, window):
+        both = flat[slots]  # [g, L, H_kv, d] or [L, H_kv, d]
+        if isinstance(selector, slice):
+            both, queries = both[None], q[selector].transpose(0, 1)[None]  # [1, H, n, d_k]
+        else:
+            queries = q[selector][:, :, None]  # [g, H, 1, d_k]
+        both = both.transpose(1, 2)  # [b, H_kv, L, d]
+        k, v = both[..., :dk].to(q.dtype), both[..., dk:].to(q.dtype)
+        o = F.scaled_dot_product_attention(queries, k, v, attn_mask=visible, scale=scale,
+                                           enable_gqa=k.shape[1] != queries.shape[1])  # fmt: skip
+        o = o.transpose(1, 2)  # [b, q, H, d_v]
+        out[selector] = o[0] if isinstance(selector, slice) else o[:, 0]
+    return out
+
+
+# -- MLA ----------------------------------------------------------------------------------------------------------
+
+
+def mla_attention(module, q_nope, q_rope, latent, k_rope, context: ForwardContext) -> torch.Tensor:
+    """MLA over latent pages: q [1, H, T, *], new latent [1, 1, T, d_c], k_rope [1, 1, T, d_r] -> [1, T, H, d_v].
+
+    The storage holds [c | k_rope] per token (H = 1). CUDA decode: kernels.mla_decode with block tables; otherwise
+    the module's absorbed attention per segment (torch)."""
+    meta, layer = context.metadata, module.layer_idx
+    flat = write_new(context, layer, latent, k_rope)
+    group, d_c = meta.layer_groups[layer], module.kv_lora_rank
+    window = module.spec.sliding_window
+    if use_kernels(q_nope) and meta.is_decode and window is None and module.qk_rope_head_dim:
+        from hf_attn_patch.kernels import mla_decode
+
+        w_uk, w_uv = module._up_weights()
+        q_latent = torch.einsum("hbn,hnc->bhc", q_nope[0], w_uk)  # [T = B, H, d_c]
+        out_latent = mla_decode(q_latent, q_rope[0].transpose(0, 1), flat, meta.block_tables[group], meta.seq_lens,
+                                block_size=meta.block_size, scale=module.scaling, validate=False)  # fmt: skip
+        return torch.einsum("bhc,hvc->bhv", out_latent.to(q_nope.dtype), w_uv)[None]
+    out = q_nope.new_empty((q_nope.shape[2], q_nope.shape[1], module.v_head_dim))
+    for selector, slots, visible in segments(meta, group, window):
+        both = flat[slots]
+        if isinstance(selector, slice):
+            both = both[None]
+            qn, qr = q_nope[:, :, selector], q_rope[:, :, selector]
+        else:
+            qn, qr = (x[0][:, selector].transpose(0, 1)[:, :, None] for x in (q_nope, q_rope))
+        both = both.transpose(1, 2).to(q_nope.dtype)  # [b, 1, L, d_c + d_r]
+        o, _ = module._absorbed(qn, qr, both[..., :d_c], both[..., d_c:], visible)
+        out[selector] = o[0] if isinstance(selector, slice) else o[:, 0]
+    return out[None]
