@@ -20,7 +20,7 @@ from hf_attn_patch.models import load_default
 from hf_attn_patch.models.architectures import architecture_of
 from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
 
-from .conftest import tiny_model
+from .conftest import STORIES_ATOL, tiny_model
 from .test_models import CORPORA
 
 
@@ -42,7 +42,7 @@ def test_mla_at_full_rank_with_every_rope_pair_is_exact(stories, tmp_path):
     layer = converted.model.layers[0].self_attn
     assert isinstance(layer, MultiHeadLatentAttention) and (layer.kv_lora_rank, layer.qk_rope_head_dim) == (64, 32)
     ids = tokenizer("Once upon a time, there was a little dog named Max. He liked to run.", return_tensors="pt")
-    torch.testing.assert_close(logits(converted, ids.input_ids), logits(model, ids.input_ids), atol=1e-4, rtol=0)
+    torch.testing.assert_close(logits(converted, ids.input_ids), logits(model, ids.input_ids), atol=STORIES_ATOL, rtol=0)
     assert report["kv_ratio"] == pytest.approx((64 + 32) / (2 * 4 * 8))
 
 
@@ -189,6 +189,8 @@ def test_aligned_pooling_is_exact_for_rotated_heads():
               for n, m in layers.items()}  # fmt: skip
     merged = rebuild(model, "gqa", {"num_key_value_heads": 3}, lifted)
     ids = torch.randint(3, 97, (2, 11))
+    # tiny config: TINY_ATOL's rounding (1e-5) x 10 for the merge's own 8 x 8 solves (eigendecomposition / least
+    # squares), which amplify rounding by their condition number: allowed up to 10
     torch.testing.assert_close(logits(merged, ids), logits(model, ids), atol=1e-4, rtol=0)
     pooled = {n: mean_pool(arch.split_heads(m), model.config, 3) for n, m in layers.items()}
     naive = rebuild(model, "gqa", {"num_key_value_heads": 3}, pooled)
@@ -227,6 +229,9 @@ def test_rotated_rope_key_is_exact_when_kv_heads_share_their_pairs():
         assert isinstance(merged.model.layers[0].self_attn, MultiHeadLatentAttention)
         error[method], kept[method] = (logits(merged, ids) - logits(model, ids)).abs().max().item(), pairs[0]
     assert kept["calibrated"] == [0, 1, 2, 3]  # one component per frequency
+    # calibrated is exact here: tiny config: TINY_ATOL's rounding (1e-5) x 10 for the merge's own 8 x 8 solves (eigendecomposition / least
+    # squares), which amplify rounding by their condition number: allowed up to 10; mha2mla drops a rotating
+    # component, an error of the model's own scale (measured 6.5e-3), far above that
     assert error["calibrated"] < 1e-4 and error["mha2mla"] > 1e-3  # measured 1.3e-7 and 6.5e-3
 
 

@@ -89,6 +89,8 @@ def test_patched_stock_deepseek_decodes_absorbed_with_both_caches(model_type, pa
     assert layers[0].use_absorbed(ids.shape[1])
     assert len(absorbed_calls) == 2 * 10 * len(layers)
     with torch.no_grad():
+        # absorbed decoding reduces through the unnormalized latent (q W_uk^T, then against c): two more reductions
+        # (16 and 12 terms) on entries up to ~10, over 4 steps and 2 layers: 1.2e-7 x 4 x 10 x 4 x 2, x3 margin ~ 1e-4
         torch.testing.assert_close(
             stepwise_logits(patched, ids, mask, 4), stepwise_logits(stock, ids, mask, 4), atol=1e-4, rtol=0
         )

@@ -13,9 +13,9 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from hf_attn_patch.attention import GroupedQueryAttention, MultiHeadLatentAttention
 from hf_attn_patch.converters.exact import to_variant
 
-from .conftest import tiny_model
+from .conftest import TINY_ATOL, tiny_model
 
-ATOL = 1e-5  # fp32; the MLA lift reorders sums (scale folded into W_q, latent matmuls), measured error ~1e-7
+ATOL = TINY_ATOL  # fp32; the MLA lift reorders sums (scale folded into W_q, latent matmuls), measured error ~1e-7
 
 CASES = [
     ("llama", "gqa"), ("llama", "mla"),
@@ -216,4 +216,6 @@ def test_mla_gradients_agree_between_paths(padded_batch):
         grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if "kv_b_proj" in n or "q_proj" in n}
     assert grads["never"] and all(g.abs().sum() > 0 for g in grads["never"].values())
     for name, grad in grads["never"].items():
+        # gradients run the forward twice more (backward): ~3x the forward's 1e-5 rounding budget in absolute terms,
+        # and a relative 1e-4 = eps 1.2e-7 x 64-term reductions x 3 passes x 4 layers for large entries
         torch.testing.assert_close(grads["always"][name], grad, atol=1e-5, rtol=1e-4)

@@ -16,7 +16,7 @@ from hf_attn_patch.converters.exact import rebuild, stock_attention_layers
 from hf_attn_patch.converters.gqa_merge import GQA_METHODS, choose_groups, gqa_layer, mean_pool
 from hf_attn_patch.models.architectures import architecture_of, head_dim, rotary_dim
 
-from .conftest import tiny_model
+from .conftest import STORIES_ATOL, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: a second thread only contends
 
@@ -97,7 +97,9 @@ def test_pca_and_refit_are_exact_for_scaled_and_mixed_heads(stories):
         merged, groups = merged_model(model, weights, stats, method, 2, **options)
         assert all(g == [[0, 1], [2, 3]] for g in groups)  # the planted pairs are the groups by index
         error[label] = (logits(merged, ids) - reference).abs().max().item()
-    assert error["pca"] < 1e-4 and error["aligned"] < 1e-4, error
+    # stories260k: its fp32 rounding bound (STORIES_ATOL, 1e-4); the 8 x 8 solves of the merge add rounding of the
+    # weights' size (~1), far below the logits' scale
+    assert error["pca"] < STORIES_ATOL and error["aligned"] < STORIES_ATOL, error
     assert error["aligned, no refit"] > 1e-2 and error["mean"] > 1e-2, error
 
 
@@ -117,7 +119,9 @@ def test_regrouping_finds_a_planted_partition(stories, method):
     assert groups == [[[0, 2], [1, 3]]] * len(weights)
     by_index, index_groups = merged_model(model, weights, stats, method, 2, regroup=False)
     assert index_groups == [[[0, 1], [2, 3]]] * len(weights)
-    torch.testing.assert_close(logits(regrouped, ids), reference, atol=1e-4, rtol=0)
+    # stories260k: its fp32 rounding bound (STORIES_ATOL, 1e-4); the 8 x 8 solves of the merge add rounding of the
+    # weights' size (~1), far below the logits' scale
+    torch.testing.assert_close(logits(regrouped, ids), reference, atol=STORIES_ATOL, rtol=0)
     assert (logits(by_index, ids) - reference).abs().max() > 1e-2
 
 
@@ -154,6 +158,8 @@ def test_every_layout_and_bias_path_is_exact(model_type, overrides, copies, grou
     for method in ("pca", "aligned"):
         merged, chosen = merged_model(model, weights, stats, method, len(groups))
         assert chosen == [groups] * len(weights)
+        # tiny config: TINY_ATOL's rounding (1e-5) x 10 for the merge's own 8 x 8 solves (eigendecomposition / least
+        # squares), which amplify rounding by their condition number: allowed up to 10
         torch.testing.assert_close(logits(merged, ids), reference, atol=1e-4, rtol=0, msg=method)
 
 

@@ -64,6 +64,8 @@ def test_resume_continues_where_it_stopped(setup, tmp_path):
     result = heal(resumed, source, train, steps=6, lr=1e-3, checkpoint_dir=tmp_path, resume=True, progress=False)
     assert len(result.losses) == 3  # steps 4..6 only
     for (name, a), (_, b) in zip(straight.named_parameters(), resumed.named_parameters()):
+        # resumed = straight run: the same ops on the same data in the same order, and the saved state is exact, so
+        # equal up to one rounding of weights of size <= 1 (eps 1.2e-7 < 1e-6); measured 0
         torch.testing.assert_close(a, b, atol=1e-6, rtol=0, msg=name)
 
 
@@ -121,6 +123,8 @@ def test_convert_heals_with_checkpoints_and_resumes(tmp_path, monkeypatch):
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight")
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed")
     for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        # the same 4 steps with a save and load between: identical ops and an exact (safetensors) state, so equal up
+        # to one rounding of weights of size <= 1 (eps 1.2e-7 < 1e-6)
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=name)
     with pytest.raises(ValueError, match="need checkpoint_dir"):
         convert("default", tmp_path / "bad", resume=True, **options)
@@ -130,12 +134,16 @@ def test_two_process_data_parallel_healing_equals_one_process_with_twice_the_bat
     """torchrun --nproc_per_node 2 (accelerate picks gloo on CPU): each process takes its own windows, gradients are
     averaged, so the result equals one process with batch 2; only rank 0 writes OUT."""
     import os
+    import socket
     import subprocess
     import sys
 
     options = ["--to", "mla", "--kv-budget", "0.5", "--method", "mha2mla", "--heal-steps", "3", "--heal-lr", "1e-3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", "29531",
+    with socket.socket() as probe:  # a port free on this machine now, not a fixed one another program may hold
+        probe.bind(("127.0.0.1", 0))
+        port = str(probe.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
            "-m", "hf_attn_patch.cli", "convert", "default", str(tmp_path / "ddp"), *options, "--heal-batch-size", "1"]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
@@ -147,4 +155,7 @@ def test_two_process_data_parallel_healing_equals_one_process_with_twice_the_bat
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp")
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "single")
     for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        # two processes average their gradients (all-reduce) where one sums a batch twice as large: the reduction
+        # order differs, a relative eps 1.2e-7 per gradient; Adam normalizes updates to ~lr 1e-3, so 3 steps move
+        # a weight by <= 3e-3 with a relative error well under 1e-3: <= 1e-5 (measured <= 2.5e-7)
         torch.testing.assert_close(x, y, atol=1e-5, rtol=0, msg=name)  # measured <= 2.5e-7 (reduction order)

@@ -13,6 +13,8 @@ from hf_attn_patch.attention import GroupedQueryAttention, MultiHeadLatentAttent
 from hf_attn_patch.converters.exact import to_variant
 from hf_attn_patch.models import load_default, load_smollm2
 
+from .conftest import STORIES_ATOL
+
 CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"
 
 
@@ -40,7 +42,8 @@ def test_default_model_perplexity_and_exact_variants():
     for variant, cls in (("gqa", GroupedQueryAttention), ("mla", MultiHeadLatentAttention)):
         converted = to_variant(model, variant)
         assert isinstance(converted.model.layers[0].self_attn, cls)
-        assert perplexity(converted, ids) == pytest.approx(ppl, rel=1e-5)
+        # exact variants move logits by m <= STORIES_ATOL, so |d log p| <= 2m and |log ppl ratio| <= 2m (measured 1.4e-7)
+        assert perplexity(converted, ids) == pytest.approx(ppl, rel=2 * STORIES_ATOL)
 
 
 @pytest.mark.smollm2
@@ -64,4 +67,5 @@ def test_smollm2_loads_plain_and_converts_exactly():
         ids = tokenizer(text, return_tensors="pt").input_ids[:, :256]
         ppl = perplexity(model, ids)
         assert ppl < 60  # 26.8 measured over 6 windows of 512 tokens
+        # 30 layers of hidden 576: eps 1.2e-7 x sqrt(576) x 30 layers ~ 1e-4 relative on the mean log-probability
         assert perplexity(mla, ids) == pytest.approx(ppl, rel=1e-4)
