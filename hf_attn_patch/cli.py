@@ -86,6 +86,13 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not a finite number >= 0")
+    return value
+
+
 def cmd_kv_report(args) -> None:
     from .kv_memory import dtype_of, kv_report, seed_configs
 
@@ -112,7 +119,7 @@ def cmd_serve(args) -> None:
     except ValueError as err:
         raise SystemExit(f"error: {err}")
     print(f"serving {args.model} at http://{args.host}:{args.port}/v1 ({engine.kv.num_blocks} KV blocks)")
-    serve(engine, args.model, args.host, args.port, args.max_queue)
+    serve(engine, args.model, args.host, args.port, args.max_queue, args.drain_timeout, args.max_body_bytes)
 
 
 def cmd_demo(args) -> None:
@@ -322,6 +329,10 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--block-size", type=_positive_int, default=16)
     sv.add_argument("--max-memory", type=_positive_int, default=512 * 1024 * 1024, help="KV cache bytes")
     sv.add_argument("--max-queue", type=_positive_int, default=256, help="requests in flight before 429")
+    sv.add_argument("--drain-timeout", type=_non_negative_float, default=10.0,
+                    help="seconds in-flight requests may run after SIGTERM before they are aborted (default 10)")
+    sv.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024,
+                    help="larger request bodies are refused (413) before parsing (default 8 MiB)")
     sv.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser("demo", help="KV tables and a story from the embedded model, stock vs our attention")

@@ -1,0 +1,104 @@
+"""Function calling for /v1/chat/completions: `tools` and `tool_choice` -> a grammar, the output -> `tool_calls`.
+
+tool_choice (default "auto" with tools, "none" without):
+    "none"                       no constraint; the answer is text
+    {"type": "function", "function": {"name": F}}   the output is F's arguments: JSON of its `parameters` schema
+    "required"                   the output is {"name": one of the tools, "arguments": its schema} (JSON Schema anyOf)
+    "auto"                       the output is either text that does not start with "<", or
+                                 <tool_call>{"name": ..., "arguments": ...}</tool_call> (a Lark grammar with %json)
+Every constraint goes through hf_attn_patch.grammar, so arguments always parse and follow the schema unless the
+length limit cut them short (then the text comes back as content with finish_reason "length").
+At most one call per answer (parallel_tool_calls is accepted: one call is allowed either way).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+
+from .openai_protocol import _short, bad
+
+MAX_TOOLS = 128
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+
+@dataclass
+class ToolPlan:
+    mode: str  # "none" | "named" | "required" | "auto"
+    tools: list[dict]  # [{"type": "function", "function": {"name", "description", "parameters"}}] as validated
+    name: str | None = None  # the named function
+    grammar: dict | None = None  # for SamplingParams.grammar
+
+    @property
+    def active(self) -> bool:
+        return self.mode != "none"
+
+
+def read_tools(body: dict) -> ToolPlan:
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    if tools is None:
+        if choice not in (None, "none"):
+            raise bad("tool_choice", f"{_short(choice)} needs `tools`")
+        return ToolPlan("none", [])
+    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
+        raise bad("tools", f"expected a list of 1 to {MAX_TOOLS} function tools, got {_short(tools)}")
+    clean, schemas = [], {}
+    for i, tool in enumerate(tools):
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(fn, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"}:
+            raise bad("tools", f"tools[{i}]: expected {{'type': 'function', 'function': {{name, parameters}}}}, got "
+                               f"{_short(tool)}")  # fmt: skip
+        name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise bad("tools", f"tools[{i}].function.name={_short(name)}: expected 1-64 letters, digits, _ or -")
+        if name in schemas:
+            raise bad("tools", f"tools[{i}].function.name={name!r} appears twice")
+        if not isinstance(params, dict):
+            raise bad("tools", f"tools[{i}].function.parameters: expected a JSON Schema object, got {_short(params)}")
+        extra = set(fn) - {"name", "description", "parameters", "strict"}
+        if extra or not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("strict", False), bool):
+            raise bad("tools", f"tools[{i}].function: unknown key or wrong type ({_short(fn)})")
+        schemas[name] = params
+        clean.append({"type": "function", "function": {"name": name, "description": fn.get("description", ""),
+                                                       "parameters": params}})  # fmt: skip
+    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": s},
+                       "required": ["name", "arguments"], "additionalProperties": False} for n, s in schemas.items()]}
+    if choice is None or choice == "auto":
+        lark = f'start: TEXT | "{OPEN}" call "{CLOSE}"\nTEXT: /[^<](.|\\n)*/\ncall: %json {json.dumps(call)}\n'
+        return ToolPlan("auto", clean, grammar={"type": "lark", "grammar": lark})
+    if choice == "none":
+        return ToolPlan("none", clean)
+    if choice == "required":
+        return ToolPlan("required", clean, grammar={"type": "json_schema", "schema": call})
+    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
+        and isinstance(choice.get("function"), dict) else None  # fmt: skip
+    if name not in schemas:
+        raise bad("tool_choice", f"expected 'none', 'auto', 'required' or {{'type': 'function', 'function': {{'name': "
+                                 f"one of {sorted(schemas)}}}}}, got {_short(choice)}")  # fmt: skip
+    return ToolPlan("named", clean, name, {"type": "json_schema", "schema": schemas[name]})
+
+
+def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[dict] | None]:
+    """The model's text -> (content, tool_calls); a call that does not parse (cut by the length limit) stays text."""
+    if plan.mode == "none":
+        return text, None
+    try:
+        if plan.mode == "named":
+            json.loads(text)
+            return None, [_call(plan.name, text)]
+        if plan.mode == "auto":
+            if not text.startswith(OPEN):
+                return text, None
+            payload = json.loads(text[len(OPEN) :].removesuffix(CLOSE))
+        else:
+            payload = json.loads(text)
+        return None, [_call(payload["name"], json.dumps(payload["arguments"], ensure_ascii=False))]
+    except (ValueError, KeyError, TypeError):
+        return text, None
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}

@@ -1,0 +1,108 @@
+"""Tool calling and structured output through the real `openai` client: chat.completions.parse (a pydantic
+response_format) and tools / tool_choice, whose arguments follow each function's JSON Schema (grammar-constrained)."""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from hf_attn_patch.engine import Engine
+from hf_attn_patch.models.pretrained import load_default
+
+from ._server import running, sse
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+           "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
+NOTE = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 10}}, "required": ["text"],
+        "additionalProperties": False}  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "take_note", "parameters": NOTE}}]  # fmt: skip
+SCHEMAS = {"get_weather": WEATHER, "take_note": NOTE}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client():
+    model, tok = load_default()
+    with running(Engine(model, tok, block_size=8)) as (port, _):
+        yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0), port
+
+
+def _check_calls(choice, names):
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name in names and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return call
+
+
+def test_named_and_required_tool_choice(client):
+    client, _ = client
+    for seed in range(3):
+        named = client.chat.completions.create(model="stories260k", messages=ASK, tools=TOOLS, max_tokens=60, seed=seed,
+                                               tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        _check_calls(named.choices[0], {"get_weather"})
+        required = client.chat.completions.create(model="stories260k", messages=ASK, tools=TOOLS, max_tokens=80,
+                                                  tool_choice="required", seed=seed)  # fmt: skip
+        _check_calls(required.choices[0], set(SCHEMAS))
+
+
+def test_auto_and_none(client):
+    client, _ = client
+    seen = set()
+    for seed in range(4):
+        auto = client.chat.completions.create(model="stories260k", messages=ASK, tools=TOOLS, max_tokens=60, seed=seed)
+        choice = auto.choices[0]
+        if choice.message.tool_calls:
+            _check_calls(choice, set(SCHEMAS))
+            seen.add("call")
+        else:  # text: the grammar's other branch (anything not starting with "<")
+            assert choice.message.content and not choice.message.content.startswith("<")
+            seen.add("text")
+    assert seen
+    none = client.chat.completions.create(model="stories260k", messages=ASK, tools=TOOLS, tool_choice="none",
+                                          max_tokens=10, temperature=0)  # fmt: skip
+    assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
+
+
+def test_history_with_tool_calls_and_results(client):
+    client, _ = client
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 1})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]  # fmt: skip
+    reply = client.chat.completions.create(model="stories260k", messages=history, tools=TOOLS, tool_choice="none",
+                                           max_tokens=8, temperature=0)  # fmt: skip
+    assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content
+
+
+def test_streamed_tool_call(client):
+    _, port = client
+    body = {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "take_note"}},
+            "max_tokens": 40, "stream": True, "seed": 1}  # fmt: skip
+    events = sse(port, "/v1/chat/completions", body)
+    deltas = [e["choices"][0] for e in events[:-1]]
+    calls = [d["delta"]["tool_calls"] for d in deltas if d["delta"].get("tool_calls")]
+    assert len(calls) == 1 and calls[0][0]["function"]["name"] == "take_note"
+    jsonschema.validate(json.loads(calls[0][0]["function"]["arguments"]), NOTE)
+    assert deltas[-1]["finish_reason"] == "tool_calls" and events[-1] == "[DONE]"
+
+
+class Pet(pydantic.BaseModel):
+    name: str = pydantic.Field(max_length=12)
+    age: int = pydantic.Field(ge=0, le=20)
+
+
+def test_parse_with_a_pydantic_model(client):
+    client, _ = client
+    for seed in range(3):
+        result = client.chat.completions.parse(model="stories260k", response_format=Pet, max_tokens=40, seed=seed,
+                                               messages=[{"role": "user", "content": "Describe a pet."}])  # fmt: skip
+        pet = result.choices[0].message.parsed
+        assert isinstance(pet, Pet) and 0 <= pet.age <= 20
