@@ -34,7 +34,7 @@ def test_greedy_equals_generate_alone(stories, options):
     engine = Engine(model, tok, block_size=4, **options)
     outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=40, temperature=0))
     for out in outputs:
-        assert out.token_ids == _reference(model, out.prompt_token_ids, 40)[: len(out.token_ids)]
+        assert out.token_ids == _reference(model, out.prompt_token_ids, 40)  # full length: stopping early fails
         assert out.finish_reason in ("length", "stop")
     if "num_blocks" in options:
         assert engine.scheduler.preemptions > 0  # 39 blocks of 4 tokens cannot hold all four requests
@@ -146,3 +146,65 @@ def test_per_request_grammar(stories):
     assert tok.decode(reference[0, len(json_out.prompt_token_ids) :], skip_special_tokens=True) == json_out.text
     with pytest.raises(ValueError, match="response_format"):
         engine.add_request("Hi", SamplingParams(response_format={"type": "nope"}))
+
+
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [("mistral", dict(sliding_window=5)),
+     ("qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=1, num_hidden_layers=3))],
+    ids=["mistral-window", "qwen2-hybrid-window"],
+)  # fmt: skip
+def test_sliding_window_models(model_type, overrides, stories):
+    """Windowed layers free the blocks no query sees again, and the output is still generate()'s."""
+    model = tiny_model(model_type, **overrides)
+    window = overrides["sliding_window"]
+    engine = Engine(model, stories[1], block_size=2, max_batch_tokens=8)
+    prompts = [[5, 9, 13, 22, 40, 7, 8, 9, 10, 11, 3, 4], [3, 4, 5], [50, 60, 70, 80, 90, 11, 12]]
+    ids = [engine.add_request(p, SamplingParams(max_tokens=14, temperature=0, ignore_eos=True)) for p in prompts]
+    final, freed = {}, False
+    while engine.has_unfinished():
+        for out in engine.step():
+            final[out.request_id] = out
+        freed = freed or any(0 in seq.tables[window] for seq in engine.kv.sequences.values())
+    assert freed  # some windowed block went back to the pool mid-request
+    for prompt, rid in zip(prompts, ids):
+        assert final[rid].token_ids == _reference(model, prompt, 14)
+    assert engine.kv.num_live_blocks() == 0
+
+
+@pytest.mark.parametrize("model_type, overrides", [("llama", {}), ("mistral", dict(sliding_window=5)), ("llama", MLA)],
+                         ids=["llama", "mistral-window", "llama-mla"])  # fmt: skip
+def test_cuda_dispatch_calls_the_kernels_with_block_tables(model_type, overrides, stories, monkeypatch):
+    """With the kernel gate open (as on CUDA), prefill goes to paged_prefill_attention and decodes to
+    paged_decode_attention (MLA: mla_decode), all with block tables of the engine's block size."""
+    import hf_attn_patch.kernels as kernels
+    from hf_attn_patch.attention import backend
+
+    model = tiny_model(model_type, **overrides)
+    prompts = [[5, 9, 13, 22, 40, 7, 8, 9, 10, 11], [3, 4, 5]]
+    expected = [_reference(model, p, 6) for p in prompts]
+    calls = []
+
+    def spy(name):
+        original = getattr(kernels, name)
+
+        def call(*args, **kwargs):
+            tables = args[3]
+            calls.append((name, kwargs["block_size"], tables.shape[0], tables.shape[1]))
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, call)
+
+    for name in ("paged_decode_attention", "paged_prefill_attention", "mla_decode"):
+        spy(name)
+    monkeypatch.setattr(backend, "use_kernels", lambda query: True)
+    engine = Engine(model, stories[1], block_size=4, max_batch_tokens=32)
+    outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
+    assert [o.token_ids for o in outputs] == expected
+    names = {name for name, *_ in calls}
+    decode = "mla_decode" if overrides.get("attention_variant") == "mla" else "paged_decode_attention"
+    assert decode in names
+    assert ("paged_prefill_attention" in names) == (decode == "paged_decode_attention")  # MLA prefill: torch
+    assert all(size == 4 for _, size, _, _ in calls)
+    assert all(width <= -(-16 // 4) for _, _, _, width in calls)  # block granularity: <= 16 positions in 4 blocks
+

@@ -137,6 +137,8 @@ class KVManager:
             raise ValueError(f"attach_prefix: sequence {seq_id!r} already holds blocks")
         num_tokens = len(hashes) * self.block_size if num_tokens is None else num_tokens
         count = -(-num_tokens // self.block_size)
+        if not count:
+            return 0
         if count > len(hashes):
             raise ValueError(f"attach_prefix: {num_tokens} tokens need {count} cached blocks, {len(hashes)} given")
         pool = self.pools[None]
