@@ -236,11 +236,11 @@ def test_queue_full_is_429(server):
     _, _, _, port = server
     results = []
 
-    def call():
+    def post():
         body = {"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
         results.append(call(port, "/v1/completions", body)[0])
 
-    threads = [threading.Thread(target=call) for _ in range(10)]
+    threads = [threading.Thread(target=post) for _ in range(10)]
     for t in threads:
         t.start()
     for t in threads:
