@@ -1,33 +1,28 @@
-"""A request's grammar in the engine: the grammar package's GrammarState behind three calls the engine makes."""
+"""Requests' grammars in the engine: compile per request, then mask a step's sampling rows through one BatchMatcher
+(grammar/matcher.py: the same masks, bitmask op and dead-end policy as generate() and speculative decoding)."""
 
 from __future__ import annotations
 
 import torch
 
-from ..speculative.grammar_rows import mask_scores, next_allowed
+from ..grammar import processor_from_generate_kwargs
+from ..grammar.matcher import BatchMatcher
 
 
-class RequestGrammar:
-    def __init__(self, state, eos_ids: list[int]):
-        self.state, self.eos_ids = state, eos_ids
-
-    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """logits [1, V] -> disallowed tokens at -inf; a dead end allows only EOS (never an invalid token)."""
-        return mask_scores(logits.clone(), next_allowed(self.state, self.eos_ids)[None])
-
-    def accept(self, token: int) -> None:
-        self.state.accept_tokens([token])
-
-    def is_terminated(self) -> bool:
-        return self.state.is_terminated()
-
-
-def request_grammar(tokenizer, eos_ids, response_format, grammar) -> RequestGrammar | None:
-    """Compile (errors now, naming the field) -> RequestGrammar, or None for an unconstrained request."""
-    from ..grammar import processor_from_generate_kwargs
-
+def request_grammar(tokenizer, eos_ids, response_format, grammar):
+    """Compile (errors now, naming the field) -> a GrammarState, or None for an unconstrained request."""
     processor = processor_from_generate_kwargs(response_format=response_format, grammar=grammar, tokenizer=tokenizer,
                                                eos_token_id=sorted(eos_ids) or None)  # fmt: skip
     if processor is None:
         return None
-    return RequestGrammar(processor.grammars[0].new_state(), list(processor.eos_token_ids))
+    return processor.grammars[0].new_state()
+
+
+def mask_rows(logits: torch.Tensor, rows: list[int], states: list) -> BatchMatcher:
+    """In place: logits [N, V] rows `rows` masked by grammar states `states` (one each). -> the step's matcher
+    (its row i is states[i]), for accepting the sampled tokens."""
+    matcher = BatchMatcher(states)
+    bitmask = matcher.fill_bitmask(matcher.allocate_bitmask(), width=logits.shape[-1])
+    index = torch.tensor(rows, dtype=torch.long)
+    logits[index] = matcher.apply(logits[index], bitmask)
+    return matcher

@@ -147,7 +147,10 @@ class Scheduler:
 
     def _attach_prefix(self, request: Request) -> int:
         """Start the request in the KV manager, sharing the cached blocks of its leading full blocks (not the one
-        holding its last token); returns the positions skipped."""
+        holding its last token); returns the positions skipped. A request asking for prompt logprobs takes no hit
+        (every prompt position must be computed)."""
         self.kv.add(request.id)
-        request.computed = self.kv.attach_prefix(request.id, self.kv.cached_prefix_blocks(request.tokens))
+        wants_all = request.params.prompt_logprobs is not None
+        hits = [] if wants_all else self.kv.cached_prefix_blocks(request.tokens)
+        request.computed = self.kv.attach_prefix(request.id, hits)
         return request.computed

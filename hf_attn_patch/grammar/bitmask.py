@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-_SHIFTS: dict = {}
+from ..kernels import ops, reference
 
 
 def allocate_bitmask(batch: int, vocab_size: int) -> torch.Tensor:
@@ -50,23 +50,22 @@ def unpack(bitmask: torch.Tensor, width: int) -> torch.Tensor:
 
     Columns past 32 * words are False (tokens the tokenizer does not know are never allowed).
     """
-    key = bitmask.device
-    shifts = _SHIFTS.get(key)
-    if shifts is None:
-        shifts = _SHIFTS[key] = torch.arange(32, dtype=torch.int32, device=key)
-    bits = ((bitmask.unsqueeze(-1) >> shifts) & 1).view(bitmask.shape[0], -1).bool()
-    if bits.shape[1] >= width:
-        return bits[:, :width]
-    pad = torch.zeros(bitmask.shape[0], width - bits.shape[1], dtype=torch.bool, device=key)
-    return torch.cat([bits, pad], dim=1)
+    return reference.unpack_bitmask(_cover(bitmask, width), width)
+
+
+def _cover(bitmask: torch.Tensor, width: int) -> torch.Tensor:
+    """bitmask with zero words appended up to ceil(width / 32) (columns past the tokenizer's vocabulary: masked)."""
+    missing = (width + 31) // 32 - bitmask.shape[-1]
+    if missing <= 0:
+        return bitmask
+    return torch.cat([bitmask, bitmask.new_zeros((bitmask.shape[0], missing))], dim=1)
 
 
 def apply_bitmask_(scores: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """scores [batch, V] (any device, float): disallowed entries set to -inf in place. bitmask: CPU int32 [batch, W].
+    """scores [batch, V] (any device, float): disallowed entries set to -inf in place. bitmask: int32 [batch, W].
 
+    The one bitmask op of the package: kernels.ops.apply_token_bitmask (Triton on CUDA, torch on the CPU).
     V may differ from the tokenizer's vocabulary: columns the bitmask does not cover are masked.
     """
-    mask = bitmask.to(scores.device, non_blocking=True)
-    allowed = unpack(mask, scores.shape[-1])
-    scores.masked_fill_(~allowed, float("-inf"))
-    return scores
+    mask = _cover(bitmask, scores.shape[-1]).to(scores.device, non_blocking=True)
+    return ops.apply_token_bitmask(scores, mask)

@@ -8,10 +8,9 @@ longest prefix with it. ``prompt_len`` is the sequence length at the first call;
 columns differ from that prompt (or with another batch size) starts over, so one processor can serve several
 generate() calls (:meth:`reset` does it explicitly).
 
-Then the next-token masks of all rows are filled into one CPU bitmask and applied in place on ``scores``:
-- EOS is allowed only where the row's grammar accepts; a complete grammar allows only EOS (the row stops);
-- a dead end (a token in ``input_ids`` the grammar rejects, or no allowed token within the logits' width) allows only
-  EOS and records the reason in ``finish_reasons[row]``; an invalid token is never allowed.
+Then the rows' BatchMatcher (matcher.py: the masks, the bitmask op and the dead-end policy shared with speculative
+decoding and the engine) fills one CPU bitmask and applies it in place on ``scores``; a dead end's reason is in
+``finish_reasons[row]``.
 """
 
 from __future__ import annotations
@@ -22,9 +21,9 @@ import re
 import torch
 from transformers import LogitsProcessor
 
-from . import bitmask as bm
 from .compiler import CompiledGrammar, compile_grammar
 from .errors import GrammarError
+from .matcher import BatchMatcher
 from .spec import GrammarSpec
 from .state import GrammarState
 
@@ -80,10 +79,16 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
     def reset(self) -> None:
         """Forget all rows: the next call fixes a new prompt length and batch size."""
         self.prompt_len: int | None = None
-        self.states: list[GrammarState] = []
-        self.finish_reasons: list[str | None] = []
-        self._dead_at: list[int | None] = []
+        self.matcher = BatchMatcher([])
         self._bitmask: torch.Tensor | None = None
+
+    @property
+    def states(self) -> list[GrammarState]:
+        return self.matcher.states
+
+    @property
+    def finish_reasons(self) -> list[str | None]:
+        return [self.matcher.finish_reason(r) for r in range(len(self.matcher))]
 
     # ------------------------------------------------------------------ rows
     def _start(self, input_ids: torch.LongTensor) -> None:
@@ -94,10 +99,8 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
         per = batch // n
         self.prompt_len = input_ids.shape[1]
         self._prompt = input_ids.clone()
-        self.states = [self.grammars[r // per].new_state() for r in range(batch)]
-        self.finish_reasons = [None] * batch
-        self._dead_at = [None] * batch
-        self._bitmask = bm.allocate_bitmask(batch, self.vocab_size)
+        self.matcher = BatchMatcher([self.grammars[r // per].new_state() for r in range(batch)])
+        self._bitmask = self.matcher.allocate_bitmask()
 
     def _same_request(self, ids: torch.Tensor) -> bool:
         """Whether `ids` continues the prompt seen at the first call (else generate() reuses us for a new request)."""
@@ -115,7 +118,7 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
 
     def _sync(self, targets: list[list[int]]) -> None:
         """Bring every state to its row's target tokens: roll back what diverged, accept what is new."""
-        old = self.states
+        old = self.matcher.states
         prefix = [_common_prefix(s.tokens, t) for s, t in zip(old, targets)]
         source = list(range(len(old)))
         for r, (s, t) in enumerate(zip(old, targets)):
@@ -126,25 +129,12 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
                         if p > prefix[r]:  # a clone + short rollback beats re-advancing over the difference
                             source[r], prefix[r] = j, p
         # Clone from the untouched old states first, then mutate.
-        new = [old[r] if source[r] == r else old[source[r]].clone() for r in range(len(old))]
-        self.states = new
-        for r, (s, t) in enumerate(zip(new, targets)):
-            s.rollback(len(s.tokens) - prefix[r])
-            extra = t[prefix[r]:]
-            n = s.accept_tokens(extra) if extra else 0
-            if n < len(extra):
-                pos = len(s.tokens)
-                if self._dead_at[r] != pos:  # else: the EOS we forced after a dead end found at `pos`: keep that reason
-                    self._mark_dead(r, pos, f"token {extra[n]} at position {pos} rejected by the grammar")
-                continue
-            self._dead_at[r] = None
-            ended = s.is_terminated() and bool(s.tokens) and s.tokens[-1] in self.eos_token_ids
-            self.finish_reasons[r] = "eos" if ended else None
-
-    def _mark_dead(self, row: int, pos: int, reason: str) -> None:
-        self._dead_at[row] = pos
-        self.finish_reasons[row] = "dead_end: " + reason
-        logger.warning("grammar row %d: %s; forcing EOS", row, reason)
+        self.matcher = BatchMatcher([old[r] if source[r] == r else old[source[r]].clone() for r in range(len(old))])
+        for r, (s, t) in enumerate(zip(self.matcher.states, targets)):
+            self.matcher.rollback(r, len(s.tokens) - prefix[r])
+            if len(t) == prefix[r]:
+                self.matcher.clear_dead(r)  # the rejected token is gone (a "no token allowed" end is found again)
+            self.matcher.accept_tokens(r, t[prefix[r]:])  # a rejected token: a dead end (only EOS follows)
 
     # ------------------------------------------------------------------ call
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -157,30 +147,17 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
         if self.prompt_len is None:
             self._start(ids)
         self._sync(self._targets(ids))
-        mask = self._bitmask
-        width = min(scores.shape[-1], self.vocab_size)
-        for r, s in enumerate(self.states):
-            if self._dead_at[r] is not None:
-                bm.only_tokens(mask, r, self.eos_token_ids)
-                continue
-            s.fill_bitmask(mask, r)
-            if not s.is_terminated() and not bm.any_allowed(mask, r, width):
-                self._mark_dead(r, len(s.tokens), "no token allowed by the grammar within the model's vocabulary")
-                bm.only_tokens(mask, r, self.eos_token_ids)
-        return bm.apply_bitmask_(scores, mask)
+        self.matcher.fill_bitmask(self._bitmask, width=scores.shape[-1])
+        return self.matcher.apply(scores, self._bitmask)
 
     # ------------------------------------------------------------------ helpers for callers
     def forced_tokens(self, row: int) -> list[int]:
         """Tokens the grammar forces next for `row` (fast-forward), after the last call's synchronisation."""
-        if self._dead_at[row] is not None:
-            return []
-        return self.states[row].forced_tokens()
+        return self.matcher.forced_tokens(row)
 
     def validate_tokens(self, row: int, token_ids) -> int:
         """How many leading `token_ids` row `row`'s grammar accepts after its current tokens (draft checking)."""
-        if self._dead_at[row] is not None:
-            return 0
-        return self.states[row].validate_tokens(token_ids)
+        return self.matcher.validate_tokens(row, token_ids)
 
 
 def _per_row(value, is_single) -> list:

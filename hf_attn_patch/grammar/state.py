@@ -36,6 +36,10 @@ class GrammarState:
         self.backend = backend
         self.tokens: list[int] = []
         self._terminated = False
+        # dead end (set by grammar.matcher.BatchMatcher): at len(tokens) == dead_at only EOS may follow;
+        # a rollback below that point clears it
+        self.dead_at: int | None = None
+        self.dead_reason: str | None = None
 
     # ------------------------------------------------------------------ advancing
     def accept_token(self, token_id: int) -> bool:
@@ -81,6 +85,8 @@ class GrammarState:
             num_tokens -= 1
         self._m.rollback(num_tokens)
         del self.tokens[len(self.tokens) - num_tokens:]
+        if self.dead_at is not None and len(self.tokens) < self.dead_at:
+            self.dead_at = self.dead_reason = None
 
     def reset(self) -> None:
         """Back to the start of the grammar."""
@@ -135,6 +141,7 @@ class GrammarState:
                              banned_token_ids=self.banned_token_ids)
         other.tokens = list(self.tokens)
         other._terminated = self._terminated
+        other.dead_at, other.dead_reason = self.dead_at, self.dead_reason
         return other
 
     def __repr__(self) -> str:

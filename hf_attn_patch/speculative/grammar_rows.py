@@ -9,7 +9,8 @@ rows grow by different amounts, so the loop drives the processor's grammars itse
 - after verification the row's emitted tokens are accepted;
 - a model drafter's logits are masked too, by walking the states along its drafts as it makes them (then rolling
   back), so its drafts stay valid (any proposal q keeps rejection sampling exact; a masked one is accepted more).
-The masks are applied where the processor sits in generate()'s processor list, so temperature / top-k / top-p see
+Masks, the bitmask op and the dead-end policy are grammar/matcher.py's BatchMatcher, shared with the logits
+processors and the engine. The masks are applied where the processor sits in generate()'s processor list, so temperature / top-k / top-p see
 exactly what they see in plain decoding.
 """
 
@@ -17,88 +18,78 @@ from __future__ import annotations
 
 import torch
 
+from ..grammar import GrammarConstrainedLogitsProcessor
+from ..grammar.matcher import BatchMatcher
 from .drafters import Draft
 
 
-def next_allowed(state, eos_ids: list[int]) -> torch.Tensor:
-    """Bool [V]: the grammar's next tokens; a dead end allows only EOS (the row ends, never an invalid token)."""
-    allowed = state.allowed_mask()
-    return allowed if allowed.any() else only_eos(allowed.numel(), eos_ids)
-
-
-def only_eos(vocab_size: int, eos_ids: list[int]) -> torch.Tensor:
-    allowed = torch.zeros(vocab_size, dtype=torch.bool)
-    allowed[eos_ids] = True
-    return allowed
-
-
-def mask_scores(scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-    """scores [B, V'] with tokens not in allowed [B or 1, V] (and logit columns past V) at -inf, in place."""
-    allowed = allowed.to(scores.device)
-    width = min(scores.shape[-1], allowed.shape[-1])
-    scores[:, :width] = scores[:, :width].masked_fill(~allowed[:, :width], float("-inf"))
-    scores[:, width:] = float("-inf")
-    return scores
-
-
 def grammar_processors(processors) -> list:
-    from ..grammar import GrammarConstrainedLogitsProcessor
-
     return [p for p in processors if isinstance(p, GrammarConstrainedLogitsProcessor)]
 
 
 class GrammarRows:
+    """The grammar rows of one processor inside the speculative loop (masks and dead ends: grammar/matcher.py)."""
+
     def __init__(self, processor, batch: int):
         per = batch // len(processor.grammars)
-        self.processor = processor
-        self.states = [processor.grammars[r // per].new_state() for r in range(batch)]
-        self.eos = list(processor.eos_token_ids)
-        self.vocab_size = processor.vocab_size
-        self.masks: list[torch.Tensor] = []  # per draft position: bool [B, V] allowed
+        self.matcher = BatchMatcher([processor.grammars[r // per].new_state() for r in range(batch)])
+        self.masks: list[torch.Tensor] = []  # per draft position: int32 bitmask [B, W]
+        self._tokens, self._valid = [], [0] * batch
 
     def prepare(self, draft: Draft, cut: bool) -> Draft:
-        """Masks for positions 0..k of this round; with `cut`, drafts end at their first rejected token."""
-        k = draft.tokens.shape[1]
-        tokens = draft.tokens.tolist()
-        valid = [state.validate_tokens(row[: int(n)]) for state, row, n in zip(self.states, tokens, draft.lengths)]
+        """This round's drafts; with `cut`, drafts end at their first rejected token. The masks of positions 0..k
+        are built at the first apply() (which knows the logits' width: no token below it is a dead end)."""
+        m = self.matcher
+        self._tokens = draft.tokens.tolist()
+        self._valid = [m.validate_tokens(b, row[:n]) for b, (row, n) in enumerate(zip(self._tokens, draft.lengths.tolist()))]
         self.masks = []
-        for j in range(k + 1):
-            self.masks.append(torch.stack([next_allowed(state, self.eos) for state in self.states]))
-            if j < k:
-                for state, row, ok in zip(self.states, tokens, valid):
-                    if j < ok:
-                        state.accept_tokens([row[j]])
-        for state, ok in zip(self.states, valid):
-            state.rollback(min(ok, k))
         if not cut:
             return draft
-        lengths = torch.minimum(draft.lengths, torch.tensor(valid, device=draft.lengths.device))
+        lengths = torch.minimum(draft.lengths, torch.tensor(self._valid, device=draft.lengths.device))
         return Draft(draft.tokens, lengths, draft.probs)
 
+    def _build_masks(self, width: int) -> None:
+        """Walk every row along its valid drafts: the mask of position j is the one after its first j drafts."""
+        m, k = self.matcher, len(self._tokens[0]) if self._tokens else 0
+        for j in range(k + 1):
+            self.masks.append(m.fill_bitmask(m.allocate_bitmask(), width=width))
+            if j < k:
+                for b, (row, ok) in enumerate(zip(self._tokens, self._valid)):
+                    if j < ok:
+                        m.accept_tokens(b, [row[j]])
+        for b, ok in enumerate(self._valid):
+            m.rollback(b, min(ok, k))
+
     def begin_draft(self, width: int) -> None:
-        self._base, self._walked = width, [0] * len(self.states)
+        self._base, self._walked = width, [0] * len(self.matcher)
 
     def draft_mask(self, tokens: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        """A drafter's scores [B, V] for its next draft token, given tokens [B, width + j] (its j drafts so far)."""
-        rows = tokens[:, self._base :].tolist()
-        masks = []
-        for b, (state, drafted) in enumerate(zip(self.states, rows)):
+        """A drafter's scores [B, V] for its next draft token, given tokens [B, width + j] (its j drafts so far);
+        a row whose draft left the grammar may only propose EOS (the verifier rejects it there anyway)."""
+        m = self.matcher
+        bitmask = m.allocate_bitmask()
+        for b, drafted in enumerate(tokens[:, self._base :].tolist()):
             new = drafted[self._walked[b] :]
-            taken = state.accept_tokens(new) if new else 0
-            self._walked[b] += taken
-            masks.append(next_allowed(state, self.eos) if taken == len(new) else only_eos(self.vocab_size, self.eos))
-        return mask_scores(scores, torch.stack(masks))
+            ok = m.validate_tokens(b, new) if new else 0
+            self._walked[b] += m.accept_tokens(b, new[:ok]) if ok else 0
+            if ok == len(new):
+                m.fill_bitmask(bitmask, [b], width=scores.shape[-1], out_rows=[b])
+            else:
+                m.only_eos(bitmask, b, b)
+        return m.apply(scores, bitmask)
 
     def end_draft(self) -> None:
-        for state, walked in zip(self.states, self._walked):
-            state.rollback(walked)
+        for b, walked in enumerate(self._walked):
+            self.matcher.rollback(b, walked)
 
     def apply(self, scores: torch.Tensor, position: int) -> torch.Tensor:
-        return mask_scores(scores, self.masks[position])
+        if not self.masks:
+            self._build_masks(scores.shape[-1])
+        return self.matcher.apply(scores, self.masks[position])
 
     def commit(self, new_tokens: list[list[int]]) -> None:
-        for state, tokens in zip(self.states, new_tokens):
-            state.accept_tokens(tokens)
+        for b, tokens in enumerate(new_tokens):
+            self.matcher.accept_tokens(b, tokens)
 
     def select(self, rows: torch.Tensor) -> None:
-        self.states = [self.states[i] for i in rows.tolist()]
+        self.matcher.select(rows.tolist())
