@@ -118,7 +118,9 @@ def cmd_serve(args) -> None:
                         max_memory=args.max_memory)  # fmt: skip
     except ValueError as err:
         raise SystemExit(f"error: {err}")
-    print(f"serving {args.model} at http://{args.host}:{args.port}/v1 ({engine.kv.num_blocks} KV blocks)")
+    blocks = sum(pool.num_blocks for pool in engine.kv.pools.values())
+    print(f"serving {args.model} at http://{args.host}:{args.port}/v1 ({blocks} KV blocks, context "
+          f"{engine.max_model_len}; SIGTERM drains for {args.drain_timeout:g} s)")
     serve(engine, args.model, args.host, args.port, args.max_queue, args.drain_timeout, args.max_body_bytes)
 
 

@@ -147,18 +147,13 @@ class EngineRunner:
         self._thread.join(timeout=5)
 
 
-def context_length(engine) -> int | None:
-    config = engine.model.config.get_text_config(decoder=True)
-    return getattr(config, "max_position_embeddings", None)
-
-
 def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: float = 10.0,
                max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):  # fmt: skip
     """The FastAPI app. The engine thread starts now; the app's shutdown drains it (see the module docstring)."""
     runner = EngineRunner(engine, max_queue)
     tokenizer = engine.tokenizer
     token_text = TokenText(tokenizer)
-    limit = context_length(engine)
+    limit = engine.max_model_len  # the model's context (None: unbounded)
     vocab_size = engine.vocab_size
 
     @asynccontextmanager
