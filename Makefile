@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # CPU build of torch from the local wheel; GPU users install their own torch first.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test install clean
+.PHONY: demo test install clean test-llamacpp
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,33 @@ demo: install
 	$(VENV)/bin/hf-attn demo
 
 test: install
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q tests -m "not llamacpp"
+
+# Our exports in llama.cpp (tests/test_llamacpp.py): llama-cpp-python is a C++ build (about 6-9 minutes on 2 cores,
+# once: the wheel is cached under build/llamacpp/wheels, so later runs install it in seconds) plus the converter
+# sources of its sdist (convert_hf_to_gguf.py, conversion/, gguf-py/). Disk: about 100 MB under build/llamacpp and
+# about 60 MB in the venv.
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_DIR := build/llamacpp
+LLAMACPP_SDIST := $(LLAMACPP_DIR)/llama_cpp_python-$(LLAMACPP_VERSION).tar.gz
+LLAMACPP_SRC := $(LLAMACPP_DIR)/llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp
+
+$(LLAMACPP_SDIST):
+	mkdir -p $(LLAMACPP_DIR)
+	$(PY) -m pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMACPP_VERSION) -d $(LLAMACPP_DIR)
+
+$(LLAMACPP_SRC)/convert_hf_to_gguf.py: $(LLAMACPP_SDIST)
+	tar -xzf $< -C $(LLAMACPP_DIR) $(addprefix llama_cpp_python-$(LLAMACPP_VERSION)/vendor/llama.cpp/,convert_hf_to_gguf.py conversion gguf-py)
+	touch $@
+
+$(VENV)/.llamacpp-installed: $(VENV)/.installed $(LLAMACPP_SDIST)
+	ls $(LLAMACPP_DIR)/wheels/llama_cpp_python-$(LLAMACPP_VERSION)-*.whl >/dev/null 2>&1 || \
+		CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip wheel -q --no-deps -w $(LLAMACPP_DIR)/wheels $(LLAMACPP_SDIST)
+	$(PY) -m pip install -q --find-links $(LLAMACPP_DIR)/wheels -e ".[llamacpp]"
+	touch $@
+
+test-llamacpp: $(VENV)/.llamacpp-installed $(LLAMACPP_SRC)/convert_hf_to_gguf.py
+	LLAMACPP_SRC=$(LLAMACPP_SRC) $(PY) -m pytest -q tests/test_llamacpp.py -m llamacpp
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -51,6 +51,10 @@ def cmd_eval(args) -> None:
     from .converters.convert import load_source
     from .converters.evaluate import evaluate, read_text, windows_of
 
+    if (args.text is None) == (args.tasks is None):
+        raise SystemExit("error: eval needs exactly one of --text FILE (perplexity) and --tasks T[,T...] (lm-eval)")
+    if args.tasks is not None:
+        return _eval_tasks(args)
     try:
         text = read_text(args.text)
         model, tokenizer = load_source(args.model)
@@ -60,6 +64,27 @@ def cmd_eval(args) -> None:
     except ValueError as err:
         raise SystemExit(f"error: {err}")
     print(json.dumps({"model": args.model, "reference": args.reference, "text": args.text, **result.to_dict()}))
+
+
+def _eval_tasks(args) -> None:
+    """lm-eval tasks on MODEL (and --reference), one table; lm-eval and the task names are checked before loading."""
+    from .converters.convert import load_source
+    from .converters.lm_eval_runner import check_tasks, run_tasks, table, task_manager
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    try:
+        manager = task_manager(args.include_path)
+        check_tasks(tasks, manager)
+        scores = {}
+        for name in [args.model] + ([args.reference] if args.reference else []):
+            model, tokenizer = load_source(name)
+            scores[name] = run_tasks(model, tokenizer, tasks, manager, limit=args.limit, batch_size=args.batch_size,
+                                     num_fewshot=args.num_fewshot)  # fmt: skip
+            del model
+    except ValueError as err:
+        raise SystemExit(f"error: {err}")
+    reference = scores.get(args.reference) if args.reference else None
+    print(table(scores[args.model], reference, names=(args.model, args.reference or "")))
 
 
 def cmd_convert(args) -> None:
@@ -315,12 +340,19 @@ def main(argv: list[str] | None = None) -> None:
     ps.add_argument("--dry-run", action="store_true", help="list what would be uploaded; upload nothing")
     ps.set_defaults(func=cmd_push)
 
-    ev = sub.add_parser("eval", help="perplexity on a text, and mean KL per token against a reference model (JSON)")
+    ev = sub.add_parser("eval", help="perplexity and KL on a text (JSON), or lm-eval tasks (a table), against a reference")
     ev.add_argument("model", metavar="MODEL", help="model folder, 'default', 'smollm2' or a Hub id")
-    ev.add_argument("--text", required=True, help="UTF-8 text file")
+    ev.add_argument("--text", help="UTF-8 text file: perplexity, and KL per token to --reference (JSON)")
+    ev.add_argument("--tasks", metavar="T[,T...]", help="lm-eval task names (needs hf-attn-patch[eval]): a table of "
+                    "their metrics, beside --reference's")
+    ev.add_argument("--limit", type=_positive_int, help="--tasks: examples per task at most (default all)")
+    ev.add_argument("--num-fewshot", type=int, help="--tasks: few-shot examples (default: each task's own)")
+    ev.add_argument("--batch-size", type=_positive_int, default=1, help="--tasks: lm-eval batch size (default 1)")
+    ev.add_argument("--include-path", metavar="DIR", help="--tasks: a folder of extra lm-eval task YAMLs")
     ev.add_argument("--ctx", type=_positive_int, default=512, help="tokens per window (default 512)")
     ev.add_argument("--max-tokens", type=_positive_int, default=4096, help="tokens evaluated at most (default 4096)")
-    ev.add_argument("--reference", metavar="MODEL", help="model to measure KL(reference || model) against")
+    ev.add_argument("--reference", metavar="SRC", help="reference model: KL(reference || model) with --text, a "
+                    "side-by-side column with --tasks")
     ev.set_defaults(func=cmd_eval)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible server (continuous batching engine) for a model")
