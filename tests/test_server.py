@@ -192,6 +192,8 @@ def test_clear_errors(server):
         (b'{"prompt": "Hi", "stream_options": {"include_usage": true}}', "stream_options"),
         (b'{"prompt": "Hi", "n": true}', "n"), (b'{"prompt": "Hi", "suffix": "x"}', "suffix"),
         (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", None), (b'{"prompt": "Hi", "stop": [""]}', "stop"),
+        (b'{"prompt": "Hi", "\\ud800": null}', None),  # found by test_server_fuzz: a lone surrogate (was a 500)
+        (b'{"prompt": "\\udfff"}', None), (b'{"prompt": "Hi", "max_tokens": 1' + b"0" * 5000 + b"}", None),
     ]
     for raw, param in cases:
         status, body = call(port, "/v1/completions", raw)
