@@ -146,7 +146,8 @@ def bench(label, model, tok, text_file, n, max_prompt, max_out, rate, plots):
     tok.pad_token = tok.pad_token or tok.eos_token
     requests = workload(tok, text_file, n, max_prompt, max_out)
     tokens = sum(k for _, k in requests)
-    options = dict(max_batch_tokens=256, block_size=16, max_memory=256 * 1024 * 1024)
+    # max_model_len: stories260k was trained on 512 positions; its RoPE runs on (as generate() lets it) to 1024 + 256
+    options = dict(max_batch_tokens=256, block_size=16, max_memory=256 * 1024 * 1024, max_model_len=max_prompt + max_out)
     print(f"\n## {label}: {n} requests, prompts 16..{max_prompt}, outputs 16..{max_out} ({tokens} tokens)\n")
     run_ours(model, tok, requests[:2], **options)  # warm-up
     rows = []

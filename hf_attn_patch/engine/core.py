@@ -50,8 +50,14 @@ class _Output:
 class Engine:
     def __init__(self, model, tokenizer, *, max_batch_tokens: int = 512, block_size: int = 16,
                  max_memory: int | None = None, num_blocks: int | None = None, max_num_seqs: int = 64,
-                 chunked_prefill: bool = True, prefill_chunk: int | None = None, prefix_caching: bool = True):  # fmt: skip
+                 chunked_prefill: bool = True, prefill_chunk: int | None = None, prefix_caching: bool = True,
+                 max_model_len: int | None = None):  # fmt: skip
+        """max_model_len: the longest prompt + max_tokens accepted (default: config.max_position_embeddings; larger
+        only for models known to extrapolate, e.g. RoPE ones in a benchmark)."""
         config = model.config.get_text_config(decoder=True)
+        if max_model_len is not None and (not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
+                                          or max_model_len < 1):  # fmt: skip
+            raise ValueError(f"Engine: max_model_len={max_model_len!r} must be a positive integer or None")
         for name, value in (("max_batch_tokens", max_batch_tokens), ("block_size", block_size),
                             ("max_num_seqs", max_num_seqs)):  # fmt: skip
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -70,7 +76,7 @@ class Engine:
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
         self.vocab_size = config.vocab_size
-        self.max_model_len = getattr(config, "max_position_embeddings", None)  # context length (None: unbounded)
+        self.max_model_len = max_model_len or getattr(config, "max_position_embeddings", None)  # None: unbounded
         self.requests: dict[str, Request] = {}
         self._out: dict[str, _Output] = {}
         self.lock = threading.RLock()  # add_request / abort may come from other threads (the server)
@@ -161,9 +167,11 @@ class Engine:
                     keep.extend(range(start + n - 1 - len(request.draft), start + n))
                 start += n
             logits = self.runner.forward(scheduled, keep)[:, : self.vocab_size]
+            size = self.kv.block_size
             for request, n in scheduled:
                 request.computed += n
-                self.kv.commit(request.id, request.tokens[: request.computed])  # drafts are not named
+                if request.draft or request.computed // size > (request.computed - n) // size:  # a block filled
+                    self.kv.commit(request.id, request.tokens[: request.computed])  # drafts are not named
             self._prompt_logprobs(logits, prompt_rows)
             outputs.extend(self._sample(logits, samplers))
             self.steps += 1

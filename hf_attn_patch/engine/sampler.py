@@ -47,12 +47,16 @@ class SamplingBatch:
         for r, d in enumerate(drafts):
             if d:
                 padded[r, : len(d)] = torch.tensor(d)
+        lengths = torch.tensor([len(d) for d in drafts], dtype=torch.long)
+        if all(greedy):  # the common serving case: nothing else is needed
+            off = torch.empty(0)
+            return SamplingBatch(off, off, off, off, padded, lengths, list(generators), True, False, False)
         top_k = [p.top_k if 0 < p.top_k < vocab_size and not g else vocab_size for p, g in zip(params, greedy)]
         top_p = [p.top_p if not g else 1.0 for p, g in zip(params, greedy)]
         return SamplingBatch(
             temperature=torch.tensor([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]),
             greedy=torch.tensor(greedy), top_k=torch.tensor(top_k), top_p=torch.tensor(top_p, dtype=torch.float32),
-            drafts=padded, draft_lengths=torch.tensor([len(d) for d in drafts], dtype=torch.long),
+            drafts=padded, draft_lengths=lengths,
             generators=list(generators), all_greedy=all(greedy), use_top_k=any(t < vocab_size for t in top_k),
             use_top_p=any(p < 1.0 for p in top_p),
         )  # fmt: skip
@@ -103,6 +107,8 @@ def _noise(batch: SamplingBatch, shape: tuple, kind: str) -> torch.Tensor:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
     """logits float32 [sum(1 + d_r), V] (already grammar-masked where constrained) -> accepted drafts and tokens."""
     R, k = batch.drafts.shape
+    if batch.all_greedy and k == 0:  # one row per request: its argmax
+        return SampleResult(torch.zeros(R, dtype=torch.long), [[t] for t in logits.argmax(-1).tolist()])
     scores = ragged_to_padded(logits, batch.draft_lengths, k)  # [R, k+1, V]
     if batch.all_greedy:
         accepted, nxt = verify_greedy(scores, batch.drafts, batch.draft_lengths)

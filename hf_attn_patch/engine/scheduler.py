@@ -24,7 +24,7 @@ from ..cache.manager import KVManager
 from .params import SamplingParams
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `in` / remove() on the queues must not compare every field
 class Request:
     id: str
     prompt_ids: list[int]
