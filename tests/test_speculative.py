@@ -249,13 +249,27 @@ def test_adaptive_draft_length_follows_acceptance():
     good, bad = DraftLength(8, batch_size=2), DraftLength(8, batch_size=2)
     for _ in range(20):
         k = good.choose()
-        good.update(k, torch.tensor([k, k]), torch.tensor([k, k]), seconds=1.0 + 0.05 * k)
+        good.update(k, torch.tensor([k, k]), torch.tensor([k, k]), verify_seconds=1.0, draft_seconds=0.05 * k)
         k = bad.choose()
-        bad.update(k, torch.tensor([0, 0]), torch.tensor([k, k]), seconds=1.0 + 0.3 * k)
+        bad.update(k, torch.tensor([0, 0]), torch.tensor([k, k]), verify_seconds=1.0, draft_seconds=0.3 * k)
     assert good.choose() == 8
     assert bad.choose() <= 1
     fixed = DraftLength(5, batch_size=1, adaptive=False)
     assert fixed.choose() == 5
+
+
+def test_adaptive_draft_length_remembers_what_drafting_costs():
+    """A drafter that accepts a quarter of its tokens at half a round per token does not pay (E(1)/t(1) =
+    1.25 / 1.5 < 1): after its first rounds only k = 1 probes remain, spaced 16, 32, 64 rounds apart, even after
+    long runs of plain rounds (which carry no drafting cost: the per-token cost must not be forgotten)."""
+    lengths, chosen = DraftLength(8, batch_size=1, start=1), []
+    for round_index in range(200):
+        k = lengths.choose()
+        chosen.append(k)
+        accepted = torch.tensor([1 if k and round_index % 4 == 0 else 0])
+        lengths.update(k, accepted, torch.tensor([k]), verify_seconds=1.0 + 0.02 * k, draft_seconds=0.5 * k)
+    probes = [i for i, k in enumerate(chosen) if k and i > 3]
+    assert set(chosen[4:]) == {0, 1} and len(probes) <= 6, chosen
 
 
 def test_sequences_keep_rows_right_aligned():

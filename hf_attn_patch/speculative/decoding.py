@@ -124,8 +124,10 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     schedule = options.get("draft_length", "adaptive")
     if schedule != "adaptive" and not (isinstance(schedule, int) and schedule >= 1):
         raise ValueError(f"draft_length: expected 'adaptive' or an int >= 1, got {schedule!r}")
-    # n-gram drafts cost nothing to make: start at the longest; a model drafter starts short (2) and adapts
-    start = max_draft if isinstance(drafter, PromptLookupDrafter) else 2
+    # n-gram drafts cost nothing to make: start at the longest; a separate model drafter starts short (2) and
+    # adapts; early exit starts at 1 (a draft token costs a fixed share of a target forward, and layers that were
+    # not trained to exit early rarely agree with the last one)
+    start = max_draft if isinstance(drafter, PromptLookupDrafter) else 1 if drafter.early_exit else 2
     lengths = DraftLength(max_draft if schedule == "adaptive" else schedule, batch, adaptive=schedule == "adaptive",
                           start=start)  # fmt: skip
 
@@ -163,7 +165,7 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     # Prefill exactly as generate() does (a PagedKVCache learns each row's padding and prefix hits there).
     outputs = model._prefill(input_ids, generation_config, model_kwargs)
     target = RaggedModel(model, cache, attention_mask, attention_mask.long().sum(1))
-    drafter.start(sequences, attention_mask, cache)
+    drafter.start(sequences, attention_mask, target)
     for rows in grammars.values():
         rows.prepare(_empty_draft(input_ids[:, -1]), cut=False)
     first = pick(process(sequences.tokens, outputs.logits[:, -1].float(), position=0))
@@ -212,7 +214,7 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
             _stream(streamer, torch.tensor(new_tokens[0]))
 
         done = time.perf_counter()
-        lengths.update(k, accepted, draft.lengths, done - round_start)
+        lengths.update(k, accepted, draft.lengths, verify_seconds=done - drafted, draft_seconds=drafted - round_start)
         stats.rounds += 1
         stats.row_steps += len(counts)
         stats.proposed += int(draft.lengths.sum())

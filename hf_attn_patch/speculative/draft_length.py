@@ -1,10 +1,12 @@
 """Adaptive draft length: each round picks the k that maximizes expected emitted tokens per second.
 
 Row b accepts each draft token with probability a_b (estimated online, recent rounds weigh more), so a round with
-draft length k emits E_b(k) = 1 + a_b + ... + a_b^k tokens for that row. A round costs t(k) = t0 + t1 * k
-(verification forward plus drafting; fitted online by least squares with forgetting). We pick
-k* = argmax_k sum_b E_b(k) / t(k) over 0..max_length, where k = 0 is plain decoding, so a drafter that is
-rarely right or too slow costs little. While k* = 0, a k = 1 probe keeps the estimates fresh;
+draft length k emits E_b(k) = 1 + a_b + ... + a_b^k tokens for that row. A round costs
+t(k) = v0 + v1 * k + d * k: verifying k + 1 tokens (a line through the mean verification time of each k seen so
+far; until two k's are seen, each extra token is assumed to add 10% of a round) plus drafting, d seconds per draft
+token (measured on its own). Both are kept per k / per token, so rounds without drafts do not erase what drafting
+costs. We pick k* = argmax_k sum_b E_b(k) / t(k) over 0..max_length, where k = 0 is plain decoding, so a drafter
+that is rarely right or too slow costs little. While k* = 0, a k = 1 probe keeps the estimates fresh;
 the gap between probes (16 rounds) doubles, up to 64, each time a probe accepts nothing.
 """
 
@@ -23,7 +25,8 @@ class DraftLength:
         # acceptance evidence per row: accepted and attempted draft tokens (a weak prior of 1 in 2)
         self.accepted = torch.full((batch_size,), 1.0, dtype=torch.float64)
         self.attempted = torch.full((batch_size,), 2.0, dtype=torch.float64)
-        self._sums = torch.zeros(5, dtype=torch.float64)  # weighted sums of 1, k, k^2, t, k*t for t(k) = t0 + t1 k
+        self._verify = [None] * (max_length + 1)  # per k: recency-weighted mean verification seconds (None: unseen)
+        self._draft_per_token: float | None = None  # recency-weighted mean drafting seconds per draft token
         self._rounds_at_zero = 0
         self._evidence = False
         self._probe_gap = probe_every
@@ -37,11 +40,12 @@ class DraftLength:
             return self.max_length
         if not self._evidence:  # no draft verified yet: keep the starting length
             return self.current
-        t0, t1 = self._fit()
+        v0, v1 = self._fit_verify()
         ks = torch.arange(self.max_length + 1, dtype=torch.float64)
         a = self.acceptance().clamp(max=0.999)[:, None]
         emitted = ((1 - a ** (ks + 1)) / (1 - a)).sum(0)  # [K]: expected tokens of the whole batch
-        best = int((emitted / (t0 + t1 * ks).clamp(min=1e-9)).argmax())
+        seconds = (v0 + (v1 + (self._draft_per_token or 0.0)) * ks).clamp(min=1e-9)
+        best = int((emitted / seconds).argmax())
         if best > 0:
             self._rounds_at_zero, self._probe_gap = 0, self.probe_every
         else:
@@ -51,9 +55,11 @@ class DraftLength:
         self.current = best
         return best
 
-    def update(self, k: int, accepted: torch.Tensor, proposed: torch.Tensor, seconds: float) -> None:
-        """After a round with draft length k: accepted [B] of proposed [B] draft tokens per row, the round's time.
-        Rows that proposed nothing (an n-gram miss costs nothing) carry no evidence about acceptance."""
+    def update(self, k: int, accepted: torch.Tensor, proposed: torch.Tensor, verify_seconds: float,
+               draft_seconds: float = 0.0) -> None:  # fmt: skip
+        """After a round with draft length k: accepted [B] of proposed [B] draft tokens per row, and the round's
+        verification and drafting times. Rows that proposed nothing (an n-gram miss costs nothing) carry no
+        evidence about acceptance."""
         if self._probing:
             self._probing = False
             if int(accepted.sum()) == 0:
@@ -64,19 +70,24 @@ class DraftLength:
             rejected = (accepted < proposed).double().cpu()  # a row's first rejection ends its run
             self.accepted = self.forget * self.accepted + tried * accepted.double().cpu()
             self.attempted = self.forget * self.attempted + tried * (accepted.double().cpu() + rejected)
-        self._sums *= self.forget
-        self._sums += torch.tensor([1.0, k, k * k, seconds, k * seconds], dtype=torch.float64)
+            self._draft_per_token = self._mean(self._draft_per_token, draft_seconds / k)
+        self._verify[k] = self._mean(self._verify[k], verify_seconds)
 
     def select(self, rows: torch.Tensor) -> None:
         rows = rows.cpu()
         self.accepted, self.attempted = self.accepted[rows], self.attempted[rows]
 
-    def _fit(self) -> tuple[float, float]:
-        n, sk, skk, st, skt = self._sums.tolist()
-        variance = n * skk - sk * sk
-        if variance <= 1e-9 * max(n * skk, 1.0):  # one k seen so far: assume each draft token adds 10% of a round
-            mean_k = sk / n
-            t0 = (st / n) / (1 + 0.1 * mean_k)
-            return t0, 0.1 * t0
-        t1 = max((n * skt - sk * st) / variance, 0.0)
-        return max((st - t1 * sk) / n, 1e-9), t1
+    def _mean(self, old: float | None, new: float) -> float:
+        return new if old is None else self.forget * old + (1 - self.forget) * new
+
+    def _fit_verify(self) -> tuple[float, float]:
+        """(v0, v1) of verify(k) = v0 + v1 k: least squares through the per-k means seen so far."""
+        points = [(k, t) for k, t in enumerate(self._verify) if t is not None]
+        if len(points) == 1:
+            k, t = points[0]
+            v0 = t / (1 + 0.1 * k)
+            return v0, 0.1 * v0
+        ks, ts = torch.tensor(points, dtype=torch.float64).T
+        dk = ks - ks.mean()
+        v1 = max(float((dk * (ts - ts.mean())).sum() / (dk * dk).sum()), 0.0)
+        return max(float(ts.mean()) - v1 * float(ks.mean()), 1e-9), v1

@@ -2,7 +2,7 @@
 
 The interface is four methods, so a new drafter (say a converted MQA/MLA or layer-pruned copy of the target) plugs
 in by subclassing `Drafter`:
-- `start(sequences, attention_mask, target_cache)`: once, after the target's prefill;
+- `start(sequences, attention_mask, target)`: once, after the target's prefill (`target`: its ragged.RaggedModel);
 - `propose(sequences, k, process, do_sample) -> Draft`: tokens [B, k], per-row lengths [B] (<= k) and, for
   drafters that sample, their processed probabilities q [B, k, V] (None = point mass on each token);
 - `accepted(counts)`: row b's first counts[b] drafts were accepted (the sequences are extended after this call);
@@ -32,7 +32,7 @@ class Draft:
 class Drafter:
     """Base class (see the module docstring for the protocol)."""
 
-    def start(self, sequences: Sequences, attention_mask: torch.Tensor, target_cache=None) -> None:
+    def start(self, sequences: Sequences, attention_mask: torch.Tensor, target: RaggedModel | None = None) -> None:
         pass
 
     def propose(self, sequences: Sequences, k: int, process, do_sample: bool) -> Draft:
@@ -80,35 +80,42 @@ def ngram_lookup(row: torch.Tensor, k: int, max_ngram: int = 3, min_ngram: int =
 
 class ModelDrafter(Drafter):
     """A smaller model sharing the tokenizer (`assistant_model=`), or the target's first `num_layers` layers with its
-    final norm and LM head (`assistant_early_exit=`, layer-skip self-drafting). Keeps its own cache, whose rows
-    are rolled back per row like the target's (ragged.RaggedModel)."""
+    final norm and LM head (`assistant_early_exit=`, layer-skip self-drafting, run through ragged.early_exit_view).
+
+    A separate model keeps its own cache, whose rows are rolled back per row like the target's (ragged.RaggedModel).
+    Early exit over a DynamicCache target keeps none: the target's first `num_layers` layers hold exactly the
+    drafter's keys and values for every verified token, so each round starts from an alias of them (shared tensors:
+    caches grow by concatenation and shrink by slicing, never in place) and feeds only the target's newest token.
+    No prefill, no catch-up after rounds without drafts, nothing to roll back."""
 
     def __init__(self, model, vocab_size: int, num_layers: int | None = None):
         self.early_exit = num_layers is not None
         self.model = early_exit_view(model, num_layers) if self.early_exit else model
         self.vocab_size = vocab_size
 
-    def start(self, sequences: Sequences, attention_mask: torch.Tensor, target_cache=None) -> None:
-        """Prefill the drafter's cache with the prompt. Early exit over a DynamicCache target needs no prefill: the
-        target's first layers already hold exactly the drafter's keys and values for the prompt (shared tensors:
-        caches grow by concatenation and shrink by slicing, never in place)."""
-        cache = DynamicCache(config=self.model.config)
-        mask = attention_mask.long()
+    def start(self, sequences: Sequences, attention_mask: torch.Tensor, target: RaggedModel | None = None) -> None:
         self._proposed = 0
-        if self.early_exit and type(target_cache) is DynamicCache:
-            for mine, theirs in zip(cache.layers, target_cache.layers):
-                mine.lazy_initialization(theirs.keys, theirs.values)
-                mine.keys, mine.values = theirs.keys, theirs.values
-            self.state = RaggedModel(self.model, cache, mask, mask.sum(1))
-            self.synced = sequences.lengths.clone()
+        self.target = target if self.early_exit and target is not None and type(target.cache) is DynamicCache else None
+        if self.target is not None:
             return
-        self.state = RaggedModel(self.model, cache, mask[:, :0], torch.zeros_like(mask[:, 0]))
+        mask = attention_mask.long()
+        self.state = RaggedModel(self.model, DynamicCache(config=self.model.config), mask[:, :0], torch.zeros_like(mask[:, 0]))
         width = sequences.tokens.shape[1]
         if width > 1:  # the prompt minus its last token, which is fed with the first draft step
             self.state.forward(sequences.tokens[:, : width - 1], mask[:, : width - 1].bool())
         self.synced = sequences.lengths - 1
 
+    def _alias_target(self, sequences: Sequences) -> None:
+        """Start this round from the target's first layers (it holds every token but the newest of each row)."""
+        cache = DynamicCache(config=self.model.config)
+        for mine, theirs in zip(cache.layers, self.target.cache.layers):
+            vars(mine).update(vars(theirs))  # keys, values (and a sliding layer's counters) by reference
+        self.state = RaggedModel(self.model, cache, self.target.mask, self.target.next_position)
+        self.synced = sequences.lengths - 1
+
     def propose(self, sequences: Sequences, k: int, process, do_sample: bool) -> Draft:
+        if self.target is not None:
+            self._alias_target(sequences)
         pending = sequences.lengths - self.synced  # >= 1 tokens per row not yet in the drafter's cache
         n = int(pending.max())
         feed = sequences.tokens[:, -n:]
@@ -133,6 +140,9 @@ class ModelDrafter(Drafter):
         return Draft(tokens, torch.full_like(pending, k), torch.stack(probs, 1) if do_sample else None)
 
     def accepted(self, counts: torch.Tensor) -> None:
+        if self.target is not None:  # the next round aliases the target again
+            self.state, self._proposed = None, 0
+            return
         if not self._proposed:
             return
         in_cache = counts.clamp(max=self._proposed - 1)  # the last draft token was never fed to the drafter
@@ -141,8 +151,9 @@ class ModelDrafter(Drafter):
         self._proposed = 0
 
     def select(self, rows: torch.Tensor) -> None:
-        self.state.select(rows)
-        self.synced = self.synced[rows]
+        if self.target is None:  # an alias of the target follows the target's own select
+            self.state.select(rows)
+            self.synced = self.synced[rows]
 
     def _fit_vocab(self, logits: torch.Tensor) -> torch.Tensor:
         """The drafter's logits over the target's vocabulary (embedding matrices are often padded differently)."""
