@@ -48,7 +48,7 @@ class ConvertOptions:
     kv_lora_rank: int | None = None  # mla: latent dims d_c
     rope_dim: int | None = None  # mla: shared RoPE key dims d_r (default: one head's d_h, at most 1/3 of kv_budget)
     kv_budget: float | None = None  # mla: fraction of the source's KV values per token (instead of kv_lora_rank)
-    method: str | None = None  # gqa: mean (default), aligned or pca; mla: calibrated (default) or mha2mla
+    method: str | None = None  # gqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla
     regroup: bool | None = None  # gqa aligned / pca: group KV heads by similarity, not by index (default True)
     rank_allocation: str = "uniform"  # mla with kv_budget: uniform, or energy (per-layer ranks; measured worse)
     calib_data: str | None = None  # text file, folder of .txt files or a datasets dataset; default: the package's corpus

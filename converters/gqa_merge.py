@@ -56,7 +56,7 @@ from ..models.architectures import AttentionWeights, architecture_of, head_dim, 
 from .calibration import LayerStats
 from .mla_lift import with_bias_column
 
-GQA_METHODS = ("mean", "aligned", "pca")
+GQA_METHODS = ("pca", "aligned", "mean")  # the first is the default: best measured (BENCHMARKS.md, README)
 _METRIC_FLOOR = 1e-6  # added to consumer metrics (times their mean diagonal): heads nobody reads still count a little
 _RIDGE = 1e-9  # ridge of the refit regressions (times the mean diagonal of E[k^ k^H]): numerical only
 _REGROUP_TOLERANCE = 1e-6  # retained-energy fraction another partition must gain over the one by index

@@ -65,7 +65,8 @@ def test_gqa_native_format_for_gpt2(tmp_path):
     source.save_pretrained(tmp_path / "src")
     (tmp_path / "src" / "tokenizer.json").write_text((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
     (tmp_path / "src" / "tokenizer_config.json").write_text((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
-    report = convert(str(tmp_path / "src"), tmp_path / "mqa", to="mqa")
+    # method="mean": the default pca calibrates, and this tiny gpt2 (vocab 97, 64 positions) cannot read the text
+    report = convert(str(tmp_path / "src"), tmp_path / "mqa", to="mqa", method="mean")
     assert report["format"] == "native"
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "mqa")
     attn = converted.transformer.h[0].attn

@@ -179,7 +179,7 @@ def test_impossible_requests_are_named():
         gqa_layer("pca", w, model.config, 1, dataclasses.replace(layer_stats, input_cov=torch.eye(5)))
     state, groups = gqa_layer("mean", w, model.config, 1)
     assert groups == [[0, 1]] and all(torch.equal(t, mean_pool(w, model.config, 1)[k]) for k, t in state.items())
-    assert GQA_METHODS == ("mean", "aligned", "pca")
+    assert GQA_METHODS == ("pca", "aligned", "mean")  # pca first: the default
     qwen3 = tiny_model("qwen3")
     w3 = architecture_of(qwen3.config).split_heads(qwen3.model.layers[0].self_attn)
     for method in ("aligned", "pca"):
