@@ -27,7 +27,7 @@ NAMED = "Once upon a time, there was a little girl named"  # the next word is " 
 
 
 @pytest.fixture(scope="module")
-def server():
+def server(one_torch_thread):
     model, tok = load_default()
     engine = Engine(model, tok, block_size=8)
     with running(engine, max_queue=4, max_body_bytes=1 << 20) as (port, _):

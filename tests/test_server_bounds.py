@@ -42,7 +42,7 @@ class SlowEngine:
 
 
 @pytest.fixture(scope="module")
-def stories():
+def stories(one_torch_thread):
     return load_default()
 
 

@@ -50,7 +50,7 @@ def bodies(draw):
 
 
 @pytest.fixture(scope="module")
-def port():
+def port(one_torch_thread):
     model, tok = load_default()
     with running(Engine(model, tok, block_size=8), max_queue=64) as (port, _):
         yield port

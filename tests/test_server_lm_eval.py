@@ -36,12 +36,12 @@ def _responses(result, task):
 
 
 @pytest.fixture(scope="module")
-def reference():
+def reference(one_torch_thread):
     return _evaluate("hf", f"pretrained={DEFAULT_MODEL_DIR},dtype=float32")
 
 
 @pytest.mark.parametrize("tokenized", [True, False])
-def test_local_completions_matches_hf(reference, tokenized):
+def test_local_completions_matches_hf(reference, tokenized, one_torch_thread):
     model, tok = load_default()
     with running(Engine(model, tok, block_size=8)) as (port, _):
         args = (f"model=stories260k,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={DEFAULT_MODEL_DIR},"

@@ -13,7 +13,7 @@ import pytest
 from hf_attn_patch.engine import Engine
 from hf_attn_patch.models.pretrained import load_default
 
-from ._server import running, sse
+from ._server import http, running, sse
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
@@ -27,7 +27,7 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 
 @pytest.fixture(scope="module")
-def client():
+def client(one_torch_thread):
     model, tok = load_default()
     with running(Engine(model, tok, block_size=8)) as (port, _):
         yield openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0), port
@@ -106,3 +106,15 @@ def test_parse_with_a_pydantic_model(client):
                                                messages=[{"role": "user", "content": "Describe a pet."}])  # fmt: skip
         pet = result.choices[0].message.parsed
         assert isinstance(pet, Pet) and 0 <= pet.age <= 20
+
+
+@pytest.mark.parametrize("schema", [{"type": "foo"}, {"$ref": "#/nope"}, {"type": "string", "pattern": "("},
+                                    {"type": "string", "minLength": -1}, {"enum": []}, {"not": {}}, 5, "x"])
+def test_unusable_schemas_are_400s(client, schema):
+    _, port = client
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]
+    status, body = http(port, "/v1/chat/completions", {"messages": ASK, "tools": tools, "tool_choice": "required"})
+    assert status == 400 and body["error"]["param"] == "tools"
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+    status, body = http(port, "/v1/completions", {"prompt": "x", "response_format": response_format})
+    assert status == 400 and body["error"]["param"] == "response_format"
