@@ -142,6 +142,14 @@ def test_streamed_n_and_usage(server):
     assert [texts[0], texts[1]] == [c["text"] for c in plain["choices"]]
     assert "".join(tokens[0]) == texts[0] and tokens[0] == plain["choices"][0]["logprobs"]["tokens"]
     assert events[-2]["usage"]["completion_tokens"] == plain["usage"]["completion_tokens"]
+    for max_tokens in (0, 3):  # echo streamed: the prompt's text and logprobs come first
+        body = {"prompt": NAMED, "max_tokens": max_tokens, "temperature": 0, "echo": True, "logprobs": 1}
+        plain = call(port, "/v1/completions", body)[1]["choices"][0]
+        events = sse(port, "/v1/completions", dict(body, stream=True))
+        choices = [e["choices"][0] for e in events[:-1]]
+        assert "".join(c["text"] for c in choices) == plain["text"]
+        streamed = [x for c in choices if c["logprobs"] for x in c["logprobs"]["token_logprobs"]]
+        assert streamed == plain["logprobs"]["token_logprobs"]
 
 
 def test_chat_logprobs(server):
