@@ -28,7 +28,7 @@ from ..models.pretrained import DEFAULT_MODEL_DIR
 from .calibration import calibration_windows, collect_stats, read_calibration_text
 from .deepseek_export import check_source, stock_frequencies, to_deepseek_v3
 from .exact import rebuild, stock_attention_layers
-from .hub import check_repo_id, model_card, push
+from .hub import check_repo_id, engines, model_card, push
 from .gqa_merge import GQA_METHODS, gqa_layer
 from .methods import MLA_METHODS, allocate_ranks, lift_plan, plan_layer, ranked_components
 
@@ -295,6 +295,7 @@ def _heal(student, teacher, tokenizer, text: str, opts: ConvertOptions) -> dict:
 
 
 def _mla_sizes(opts: ConvertOptions, config, source_kv: int, d_h: int) -> tuple[int, int]:
+    report["engines"] = engines(report)  # where the export was run (tested) and where only in theory
     """(rope_dim, kv_lora_rank) from the options, checked against the source."""
     arch = architecture_of(config)
     max_rope = source_kv * rotary_dim(config) if arch.rotary else 0

@@ -10,8 +10,37 @@ logger = logging.getLogger(__name__)
 KNOWN_BASES = {"default": "stories260K (karpathy/llama2.c)", "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
 
 
+LLAMA_CPP_TESTED = "tested: logits within fp32 noise of transformers, greedy tokens identical (tests/test_llamacpp.py)"
+
+
+def engines(report: dict) -> dict[str, str]:
+    """Where this export has been run (tested) and where it should run but was never tried (in theory)."""
+    fmt, model_type = report["format"], report["model_type"]
+    if fmt == "native":
+        never = "no: the config's attention fields are hf-attn-patch's, not a stock architecture (--format stock / deepseek_v3)"
+        return {"transformers": "tested, with `import hf_attn_patch` (it registers the attention variant)",
+                "llama.cpp": never, "vLLM / SGLang": never}  # fmt: skip
+    out = {"transformers": "tested: loads without hf_attn_patch (a stock architecture)"}
+    theory = "in theory only: not installable here, never run"
+    if fmt == "stock":
+        out["llama.cpp"] = (LLAMA_CPP_TESTED if model_type == "llama" else
+                            f"in theory: llama.cpp's converter takes {model_type}; only llama sources are tested here")  # fmt: skip
+        out["vLLM / SGLang"] = f"{theory} (a stock {model_type} config)"
+        return out
+    out["llama.cpp"] = (LLAMA_CPP_TESTED + " through llama.cpp's own convert_hf_to_gguf.py. Its DeepSeek converter takes "
+                        "only byte-level BPE tokenizers (SmolLM2's: no manual step); a sentencepiece-style one "
+                        "(stories260k, Llama-2) is refused there and needs the vocab step of its Llama converter")  # fmt: skip
+    fm = report["deepseek_v3"]["flashmla"]
+    fit = (f"its ranks fit vLLM's FlashMLA kernel (kv_lora_rank {fm['kv_lora_rank']}, qk_rope_head_dim "
+           f"{fm['qk_rope_head_dim']})" if fm["fits"] else
+           f"its ranks do not fit vLLM's FlashMLA kernel (kv_lora_rank {fm['kv_lora_rank']} + qk_rope_head_dim "
+           f"{fm['qk_rope_head_dim']}; FlashMLA takes only 512 + 64): vLLM would need another MLA backend")  # fmt: skip
+    out["vLLM / SGLang"] = f"{theory} (they serve DeepseekV3ForCausalLM); {fit}"
+    return out
+
+
 def model_card(report: dict) -> str:
-    """README.md with Hub metadata (base_model, tags, library) and how to load the conversion."""
+    """README.md with Hub metadata (base_model, tags, library), where it runs, and how to load the conversion."""
     source = str(report["source"])
     base = KNOWN_BASES.get(source, source)
     target = report["options"]["to"]
@@ -34,14 +63,19 @@ def model_card(report: dict) -> str:
         "",
     ]
     if fmt == "deepseek_v3":
-        kl = report["deepseek_v3"]["kl_to_native_per_token"]
+        ds = report["deepseek_v3"]
+        q = ds["q_lora"]
         lines += [
-            "A stock `DeepseekV3ForCausalLM` (dense layers, no MoE): transformers loads it without custom code, and",
-            "engines that serve DeepSeek-V3 (vLLM, SGLang) are meant to. The export is approximate: stock DeepSeek",
-            f"normalizes the latent (kv_a_layernorm); KL to the exact conversion before healing: {kl:.4f} per token.",
+            "A stock `DeepseekV3ForCausalLM` (dense layers, no MoE): transformers loads it without custom code. The",
+            "export is approximate: stock DeepSeek normalizes the latent (kv_a_layernorm); KL to the exact conversion",
+            f"before healing: {ds['kl_to_native_per_token']:.4f} per token. Its query LoRA of rank {q['rank']} (llama.cpp",
+            f"needs one) adds {q['extra_parameters']:,} parameters ({q['extra_fraction_of_model']:.1%}) at KL "
+            f"{q['kl_to_q_proj_per_token']:.1e} per token.",
             "",
         ]
-    lines += ["```python", load + 'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")', "```", "",
+    lines += ["## Engines", "", "| engine | status |", "|---|---|"]
+    lines += [f"| {name} | {status} |" for name, status in report.get("engines", engines(report)).items()]
+    lines += ["", "```python", load + 'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")', "```", "",
               "The full conversion report is in `conversion_report.json`.", ""]  # fmt: skip
     return "\n".join(lines)
 

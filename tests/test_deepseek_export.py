@@ -14,7 +14,7 @@ import hf_attn_patch
 from hf_attn_patch.attention import MultiHeadLatentAttention
 from hf_attn_patch.converters.calibration import calibration_windows, collect_stats, read_calibration_text
 from hf_attn_patch.converters.convert import convert
-from hf_attn_patch.converters.deepseek_export import Q_SCALE, stock_frequencies, to_deepseek_v3
+from hf_attn_patch.converters.deepseek_export import Q_SCALE, flashmla_fit, stock_frequencies, to_deepseek_v3
 from hf_attn_patch.converters.exact import rebuild, stock_attention_layers
 from hf_attn_patch.converters.methods import mla_layer
 from hf_attn_patch.models.architectures import architecture_of
@@ -40,6 +40,11 @@ def test_export_loads_in_stock_transformers_and_matches_the_patched_load(tmp_pat
     assert q_lora["extra_parameters"] == 5 * (64 * 64 + 64)  # q_a_proj + q_a_layernorm, 5 layers of hidden 64
     assert 0 <= q_lora["kl_to_q_proj_per_token"] < 1e-6  # measured 4e-10: the factor sqrt(1 + eps / ms(h)) only
     assert report["deepseek_v3"]["flashmla"]["fits"] is False  # kv_lora_rank 24, rope 8: not FlashMLA's 512 + 64
+    saved = json.loads((tmp_path / "ds" / "conversion_report.json").read_text())
+    assert saved["engines"]["llama.cpp"].startswith("tested") and "in theory only" in saved["engines"]["vLLM / SGLang"]
+    card = (tmp_path / "ds" / "README.md").read_text()
+    assert "| llama.cpp | tested" in card and "do not fit vLLM's FlashMLA kernel (kv_lora_rank 24 + qk_rope_head_dim 8" in card
+    assert "adds 20,800 parameters (7.3%)" in card
     assert report["format"] == "deepseek_v3" and report["deepseek_v3"]["exact"] is False
     # not a rounding bound: the stock latent norm is fitted, not exact; 0.2 caps a regression at ~4x the measured KL
     assert 0 < report["deepseek_v3"]["kl_to_native_per_token"] < 0.2  # measured 0.054 (stories260k, 50%)
@@ -126,3 +131,16 @@ def test_sources_stock_deepseek_cannot_express_are_refused(tmp_path, model_type,
 def test_deepseek_format_needs_mla(tmp_path):
     with pytest.raises(ValueError, match="format='deepseek_v3' is an MLA export"):
         convert("default", tmp_path / "out", to="gqa", kv_heads=2, format="deepseek_v3")
+
+
+def test_engines_per_format():
+    from hf_attn_patch.converters.hub import engines
+
+    flash = lambda d_c, d_r: {"deepseek_v3": {"flashmla": flashmla_fit(d_c, d_r)}}  # noqa: E731
+    fits = engines({"format": "deepseek_v3", "model_type": "llama", **flash(512, 64)})["vLLM / SGLang"]
+    assert "in theory only" in fits and "fit vLLM's FlashMLA kernel (kv_lora_rank 512" in fits
+    assert "do not fit" in engines({"format": "deepseek_v3", "model_type": "llama", **flash(512, 32)})["vLLM / SGLang"]
+    stock = engines({"format": "stock", "model_type": "llama"})
+    assert stock["llama.cpp"].startswith("tested") and stock["transformers"].startswith("tested")
+    assert engines({"format": "stock", "model_type": "qwen2"})["llama.cpp"].startswith("in theory")
+    assert engines({"format": "native", "model_type": "gpt2"})["llama.cpp"].startswith("no:")
