@@ -250,6 +250,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     if opts.dtype is not None:
         new = new.to(dtype_of(opts.dtype))
     report["format"] = "stock" if stock_format else opts.format if opts.format == "deepseek_v3" else "native"
+    report["engines"] = engines(report)  # where the export was run (tested) and where only in theory
     report["kv_bytes_per_token_fp16"] = {
         "before": kv_cache_bytes(config, 1),
         "after": kv_cache_bytes(new.config, 1),
@@ -295,7 +296,6 @@ def _heal(student, teacher, tokenizer, text: str, opts: ConvertOptions) -> dict:
 
 
 def _mla_sizes(opts: ConvertOptions, config, source_kv: int, d_h: int) -> tuple[int, int]:
-    report["engines"] = engines(report)  # where the export was run (tested) and where only in theory
     """(rope_dim, kv_lora_rank) from the options, checked against the source."""
     arch = architecture_of(config)
     max_rope = source_kv * rotary_dim(config) if arch.rotary else 0
