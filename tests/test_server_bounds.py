@@ -23,7 +23,7 @@ class SlowEngine:
     """The engine with EOS ignored and `delay` seconds per step; records aborted request ids."""
 
     def __init__(self, engine, delay: float):
-        self.engine, self.delay, self.aborted = engine, delay, []
+        self.engine, self.delay, self.aborted, self.finished = engine, delay, [], []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
@@ -38,7 +38,9 @@ class SlowEngine:
 
     def step(self):
         time.sleep(self.delay)
-        return self.engine.step()
+        outputs = self.engine.step()
+        self.finished += [out for out in outputs if out.finished]
+        return outputs
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +110,14 @@ def test_large_body_does_not_block_health(stories):
         status, body = answer["big"]
         assert status == 400 and body["error"]["param"] == "prompt" and "512" in body["error"]["message"]
         assert healthy_before > 0  # /health answered while the big body was parsed and tokenized
+
+
+def test_n_choices_compute_their_prompt_once(stories):
+    engine = SlowEngine(Engine(*stories, block_size=8), delay=0.0)
+    prompt = stories[1]("Once upon a time, there was a little girl named Lily. She loved to play outside.").input_ids
+    with running(engine) as (port, _):
+        status, body = http(port, "/v1/completions", {"prompt": prompt, "n": 4, "max_tokens": 3, "seed": 1})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    hits = sorted(out.prefix_hit_tokens for out in engine.finished)
+    full = len(prompt) // 8 * 8  # the prompt's full blocks
+    assert len(prompt) >= 16 and hits == [0, full, full, full]  # the first computes it, three reuse its blocks

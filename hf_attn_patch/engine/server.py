@@ -62,6 +62,7 @@ class EngineRunner:
         self.engine, self.max_queue = engine, max_queue
         self.routes: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self.reserved = 0  # slots promised to requests still being tokenized / added
+        self.started: dict[str, asyncio.Future] = {}  # request id -> resolved at its first output
         self.accepting = True
         self.drain_deadline: float | None = None
         self._lock = threading.Lock()
@@ -88,10 +89,13 @@ class EngineRunner:
         with self._lock:
             self.reserved -= count
 
-    def add(self, request_id: str, prompt_ids: list[int], params, loop, queue) -> None:
-        """Called in the threadpool for a reserved slot: queue one request in the engine, outputs to `queue`."""
+    def add(self, request_id: str, prompt_ids: list[int], params, loop, queue, started=None) -> None:
+        """Called in the threadpool for a reserved slot: queue one request in the engine, outputs to `queue`;
+        `started` (an asyncio future) is resolved when its first output (prompt computed) is routed."""
         with self._lock:
             self.routes[request_id] = (loop, queue)
+            if started is not None:
+                self.started[request_id] = started
         try:
             self.engine.add_request(prompt_ids, params, request_id=request_id)
         except Exception:
@@ -125,11 +129,14 @@ class EngineRunner:
                 if target is None:
                     continue
                 loop, queue = target
-                if out.finished:
-                    with self._lock:
+                with self._lock:
+                    if out.finished:
                         self.routes.pop(out.request_id, None)
+                    started = self.started.pop(out.request_id, None)
                 try:
                     loop.call_soon_threadsafe(queue.put_nowait, out)
+                    if started is not None:
+                        loop.call_soon_threadsafe(_resolve, started)
                 except RuntimeError:  # the event loop is closed (the server is gone)
                     pass
 
@@ -155,6 +162,7 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
     token_text = TokenText(tokenizer)
     limit = engine.max_model_len  # the model's context (None: unbounded)
     vocab_size = engine.vocab_size
+    block_size = engine.kv.block_size
 
     @asynccontextmanager
     async def lifespan(app):
@@ -246,10 +254,23 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
         runner.reserve(len(jobs))  # routes + reserved counts a request twice while it is added: conservative
         loop, queue = asyncio.get_running_loop(), asyncio.Queue()
         ids, added = [f"{name}-{i}" for i in range(len(jobs))], []
+        # A prompt that several choices share (n > 1, or repeated prompts) is computed once: its first choice goes
+        # first, the others join when its prompt blocks are in the prefix cache (after one step).
+        first: dict[tuple, int] = {}
+        for i, (prompt_ids, _) in enumerate(jobs):
+            first.setdefault(tuple(prompt_ids), i)
+        leaders = [i for i in first.values() if sum(1 for p, _ in jobs if p == jobs[i][0]) > 1
+                   and len(jobs[i][0]) >= block_size]  # fmt: skip
+        order = leaders + [i for i in range(len(jobs)) if i not in leaders]
         try:
-            for request_id, (prompt_ids, params) in zip(ids, jobs):
-                await run_in_threadpool(runner.add, request_id, prompt_ids, params, loop, queue)
-                added.append(request_id)
+            waits = []
+            for position, i in enumerate(order):
+                if position == len(leaders) and waits:
+                    await asyncio.wait(waits, timeout=30)
+                started = loop.create_future() if i in leaders else None
+                waits += [started] if started is not None else []
+                await run_in_threadpool(runner.add, ids[i], jobs[i][0], jobs[i][1], loop, queue, started)
+                added.append(ids[i])
         except GrammarError as error:
             runner.abort(added)
             raise bad(grammar_param, str(error)) from None
@@ -455,6 +476,11 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
             runner.abort([rid for rid in ids if rid in left])
 
     return app
+
+
+def _resolve(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def _parse_json(raw: bytes):
