@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-shot GPU check of hf_attn_patch.kernels: the CUDA test grid, then the kernel benchmark.
+# One-shot GPU check of hf_attn_patch.kernels: the CUDA test grid, the engine's paged path, the kernel benchmark.
 #
 #   bash scripts/gpu_check.sh            # from the repository root, on a machine with one CUDA GPU
 #
@@ -14,7 +14,7 @@
 # empty hf_attn_patch/__init__.py and only the kernels are checked (the paged_kv wiring test skips itself).
 #
 # Output: the test summary and the benchmark tables in $OUT/gpu_check_results.md if $OUT is set, else
-# ./gpu_check_results.md. Bounded to finish in under 8 minutes on one H200: tests 270 s, benchmark 180 s at most.
+# ./gpu_check_results.md. Bounded to finish in under 9 minutes on one H200: tests 270 s, engine check 60 s, benchmark 180 s at most.
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -71,6 +71,17 @@ if "$PYTHON" -c "import pytest" 2>/dev/null; then
     grep -E "^(FAILED|ERROR)" "$TREE/pytest.txt" | head -20
 else
     echo "pytest is not importable: tests not run (carry it: GPU_SITE, see the header)"
+fi >>"$RESULTS" 2>&1
+echo '```' >>"$RESULTS"
+echo >>"$RESULTS"
+
+echo "## Engine on the GPU: scripts/gpu_engine_check.py (kernels at block granularity, outputs = generate())" >>"$RESULTS"
+echo '```' >>"$RESULTS"
+if [ "$MODE" = full ]; then
+    timeout 60 "$PYTHON" scripts/gpu_engine_check.py 2>&1 | grep -v "^Loading" | tail -8
+    echo "exit status ${PIPESTATUS[0]} (124: stopped at the 60 s limit)"
+else
+    echo "skipped: the full package is not importable here"
 fi >>"$RESULTS" 2>&1
 echo '```' >>"$RESULTS"
 echo >>"$RESULTS"

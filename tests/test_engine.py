@@ -176,7 +176,7 @@ def test_cuda_dispatch_calls_the_kernels_with_block_tables(model_type, overrides
     """With the kernel gate open (as on CUDA), prefill goes to paged_prefill_attention and decodes to
     paged_decode_attention (MLA: mla_decode), all with block tables of the engine's block size."""
     import hf_attn_patch.kernels as kernels
-    from hf_attn_patch.attention import backend
+    from hf_attn_patch.cache import metadata
 
     model = tiny_model(model_type, **overrides)
     prompts = [[5, 9, 13, 22, 40, 7, 8, 9, 10, 11], [3, 4, 5]]
@@ -195,7 +195,7 @@ def test_cuda_dispatch_calls_the_kernels_with_block_tables(model_type, overrides
 
     for name in ("paged_decode_attention", "paged_prefill_attention", "mla_decode"):
         spy(name)
-    monkeypatch.setattr(backend, "use_kernels", lambda query: True)
+    monkeypatch.setattr(metadata, "use_kernels", lambda query: True)
     engine = Engine(model, stories[1], block_size=4, max_batch_tokens=32)
     outputs = engine.generate(prompts, SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))
     assert [o.token_ids for o in outputs] == expected

@@ -257,10 +257,10 @@ def test_bad_input_names_the_argument():
 @pytest.mark.parametrize("model_type,batch_lengths", [("llama", (9, 4, 13)), ("llama", (11,)), ("mistral", (9, 4, 13))])
 def test_paged_attention_forward_decode_goes_through_the_kernel_entry(model_type, batch_lengths, monkeypatch):
     """With the CUDA gate opened on CPU, decode steps call kernels.paged_decode_attention (auto -> the torch twin)
-    on the storage and slot table (left padding hidden by key_mask; mistral: the sliding-window mask), and greedy
-    tokens match sdpa with DynamicCache."""
+    on the pages by block table (block_size 4; left padding is not stored; mistral: the window is the layer's), and
+    greedy tokens match sdpa with DynamicCache."""
     from hf_attn_patch import PagedKVCache
-    from hf_attn_patch.cache import paged_attention
+    from hf_attn_patch.cache import metadata
 
     from .conftest import tiny_model
     from .test_paged_cache import ragged
@@ -273,11 +273,11 @@ def test_paged_attention_forward_decode_goes_through_the_kernel_entry(model_type
     original = kernels.paged_decode_attention
 
     def spy(*args, **kwargs):
-        calls.append(kwargs["key_mask"] is not None)
+        calls.append((kwargs["block_size"], kwargs["sliding_window"]))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(kernels, "paged_decode_attention", spy)
-    monkeypatch.setattr(paged_attention, "use_decode_kernel", lambda query: True)
+    monkeypatch.setattr(metadata, "use_kernels", lambda query: True)
     model.set_attn_implementation("paged_kv")
     try:
         out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
@@ -285,15 +285,14 @@ def test_paged_attention_forward_decode_goes_through_the_kernel_entry(model_type
         model.set_attn_implementation("sdpa")
     assert torch.equal(out, expected)
     assert len(calls) == 7 * model.config.num_hidden_layers  # every decode step after the prefill, every layer
-    if len(batch_lengths) > 1:
-        assert all(calls)  # the ragged batch is left padded: the mask reaches the kernel
+    assert set(calls) == {(4, model.config.sliding_window if model_type == "mistral" else None)}
 
 
 def test_paged_attention_forward_cpu_path_is_the_reference():
     """On CPU the kernel gate is shut: the reference (gather + SDPA) runs, bit for bit as before."""
-    from hf_attn_patch.cache import paged_attention
+    from hf_attn_patch.cache import metadata
 
-    assert paged_attention.use_decode_kernel(torch.zeros(1, 1, 1, 1)) is False
+    assert metadata.use_kernels(torch.zeros(1, 1, 1, 1)) is False
 
 
 # -- the Triton kernels, interpreted on CPU in a subprocess ---------------------------------------------------------

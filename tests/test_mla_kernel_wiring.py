@@ -1,4 +1,5 @@
-"""Our MLA's decode steps over PagedKVCache go through kernels.mla_decode on CUDA (gate opened here on CPU)."""
+"""Our MLA's decode steps over PagedKVCache go through kernels.mla_decode on CUDA by block table (gate opened here
+on CPU)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch
 
 import hf_attn_patch.kernels as kernels
 from hf_attn_patch import PagedKVCache
-from hf_attn_patch.cache import paged_attention
+from hf_attn_patch.cache import metadata
 
 from .conftest import tiny_model
 from .test_paged_cache import ragged
@@ -25,16 +26,17 @@ def test_mla_decode_goes_through_the_kernel_entry(model_type, overrides, monkeyp
     original = kernels.mla_decode
 
     def spy(*args, **kwargs):
-        calls.append(kwargs["key_mask"] is not None)
+        calls.append(kwargs["block_size"])
         return original(*args, **kwargs)
 
     monkeypatch.setattr(kernels, "mla_decode", spy)
-    monkeypatch.setattr(paged_attention, "use_decode_kernel", lambda query: True)
-    model.set_attn_implementation("paged_kv")  # the cache then hands attention its storage and slot table
+    monkeypatch.setattr(metadata, "use_kernels", lambda query: True)
+    model.set_attn_implementation("paged_kv")  # decode steps then hand attention the pages and their metadata
     out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
     assert torch.equal(out, expected)
-    assert len(calls) == 5 * model.config.num_hidden_layers and all(calls)  # every decode step, padding masked
+    assert len(calls) == 5 * model.config.num_hidden_layers  # every decode step, every layer
+    assert set(calls) == {4}  # block tables of the cache's block size (left padding is not stored)
 
 
 def test_cpu_keeps_the_reference_path():
-    assert paged_attention.use_decode_kernel(torch.zeros(1)) is False
+    assert metadata.use_kernels(torch.zeros(1)) is False

@@ -221,26 +221,31 @@ def test_smollm2_greedy_identical():
 @pytest.mark.parametrize("model_type,variant", [("llama", None), ("gpt2", "gqa"), ("llama", "mla")])
 @pytest.mark.parametrize("batch_lengths", [(9, 4, 13), (11,)])  # gather path, and the one-row contiguous view
 def test_registered_paged_attention_reads_blocks_itself(model_type, variant, batch_lengths, monkeypatch):
-    """attn_implementation="paged_kv": update() hands over views of the block storage, the registered function
-    gathers by slot table (the reference a GPU kernel replaces); tokens match sdpa with DynamicCache."""
-    from hf_attn_patch.cache import paged_attention
+    """attn_implementation="paged_kv" with the kernel gate open (as on CUDA): every decode step hands attention the
+    pages and the step's metadata, the decode kernel reads them by block table (block_size 4, left padding not
+    stored), and tokens match sdpa with DynamicCache; no forward context outlives the forward."""
+    import hf_attn_patch.kernels as kernels
+    from hf_attn_patch.cache import metadata
 
     model = tiny_model(model_type)
     model = to_variant(model, variant) if variant else model
     ids, mask = ragged(lengths=batch_lengths)
     kw = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=10, do_sample=False)
     reference = model.generate(ids, **kw)
-    handles_seen = []
-    original = paged_attention.gather_paged
+    name = "mla_decode" if variant == "mla" else "paged_decode_attention"
+    original, calls = getattr(kernels, name), []
 
-    def spy(key, value):
-        handles_seen.append(paged_attention.is_paged_handle(key))
-        return original(key, value)
+    def spy(*args, **kwargs):
+        calls.append((kwargs["block_size"], args[4].tolist()))  # block size, context lengths [B]
+        return original(*args, **kwargs)
 
-    monkeypatch.setattr(paged_attention, "gather_paged", spy)
+    monkeypatch.setattr(kernels, name, spy)
+    monkeypatch.setattr(metadata, "use_kernels", lambda query: True)
     model.set_attn_implementation("paged_kv")
     out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
-    assert torch.equal(out, reference)
-    if variant != "mla":  # MLA resolves the handles inside the module (absorbed path), not in the function
-        assert handles_seen and all(handles_seen)
     model.set_attn_implementation("sdpa")
+    assert torch.equal(out, reference)
+    assert len(calls) == 9 * model.config.num_hidden_layers  # every decode step after the prefill, every layer
+    assert all(size == 4 for size, _ in calls)
+    assert calls[0][1] == [n + 1 for n in batch_lengths]  # stored lengths: each row's own, padding excluded
+    assert metadata.get_forward_context() is None

@@ -1,10 +1,11 @@
 """The one paged attention backend: reads AttentionMetadata from the forward context, writes the new K/V into the
 layer's block storage, and attends over the pages at block granularity.
 
-Registered as "paged_kv" (AttentionInterface), and, while a forward context is set (cache/metadata.py), returned by
-every attention lookup of transformers (`AttentionInterface.get_interface` is wrapped by `_patching.py` with
-`interface_in_context`): the engine's runner sets the context around its one forward per step and never touches
-the model's config.
+Registered as "paged_kv" (AttentionInterface), and, while a routing forward context is set (cache/metadata.py),
+returned by every attention lookup of transformers (`AttentionInterface.get_interface` is wrapped by `_patching.py`
+with `interface_in_context`): the engine's runner sets the context around its one forward per step and never
+touches the model's config. PagedKVCache under "paged_kv" sets a non-routing context for its decode steps on CUDA
+(it wrote the K/V itself and hands attention the layer's storage): the decode kernels read it by block table.
 
 Dispatch per layer call, query [B, H, T, d] (the engine: B = 1, T packed tokens of many sequences):
 - CUDA (`use_kernels`), all new tokens single (decode): kernels.paged_decode_attention / kernels.mla_decode;
@@ -20,22 +21,23 @@ import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from ..cache.metadata import AttentionMetadata, ForwardContext, get_forward_context
+from ..cache import metadata
+from ..cache.metadata import (PAGED_ATTENTION, AttentionMetadata, ForwardContext, get_forward_context,
+                              set_forward_context)  # fmt: skip
 
-PAGED_ATTENTION = "paged_kv"
+__all__ = ["PAGED_ATTENTION", "interface_in_context", "mla_attention", "paged_attention_forward"]
 DECODE_GROUP = 16  # decodes per batched CPU attention call: sorted by context length, padded to the group's longest
-
-
-def use_kernels(query: torch.Tensor) -> bool:
-    """Kernels run on CUDA; the CPU keeps the torch reference bit for bit (tests swap this to reach the kernels)."""
-    return query.is_cuda
+# Keyword arguments the decode kernels do not take: with any set, the reference runs (sliding_window needs none:
+# the window is the layer's group; SDPA raises for softcap as it always did).
+_REFERENCE_ONLY_KWARGS = ("softcap", "position_bias", "s_aux", "sinks", "head_mask", "output_attentions")
 
 
 def interface_in_context(get_interface):
-    """Wrap AttentionInterface.get_interface: inside a forward context every lookup returns the paged backend."""
+    """Wrap AttentionInterface.get_interface: inside a routing forward context every lookup returns the backend."""
 
     def lookup(self, attn_implementation, default):
-        if get_forward_context() is not None:
+        context = get_forward_context()
+        if context is not None and context.route:
             return paged_attention_forward
         return get_interface(self, attn_implementation, default)
 
@@ -75,6 +77,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
 
     Without a forward context (a model set to "paged_kv" called with ordinary K/V tensors) this is SDPA."""
     context = get_forward_context()
+    if context is not None and not context.route:  # PagedKVCache's decode step
+        return _cache_decode(module, query, key, value, attention_mask, scaling, dropout, context, kwargs)
     if context is None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                                       **kwargs)  # fmt: skip
@@ -87,11 +91,47 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     dk = key.shape[-1]
     group = meta.layer_groups[layer]
     q = query[0].transpose(0, 1)  # [T, H, d_k]
-    if use_kernels(query):
+    if metadata.use_kernels(query):
         out = _kernel_attention(q, flat[..., :dk], flat[..., dk:], meta, group, scaling, window, softcap)
     else:
         out = _reference_attention(q, flat, dk, meta, group, scaling, window, softcap)
     return out[None], None
+
+
+def reads_pages(context: ForwardContext | None, layer: int, key: torch.Tensor) -> bool:
+    """Whether `key` is a view of the context's storage of `layer` (PagedKVCache handed attention its pages)."""
+    storage = None if context is None or context.route else context.storage[layer]
+    return storage is not None and key.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
+
+
+def finish_layer(context: ForwardContext, layer: int) -> None:
+    """A PagedKVCache context ends after its last paged layer (no call encloses a generate() forward)."""
+    if not context.route and layer == context.last_layer:
+        set_forward_context(None)
+
+
+def _cache_decode(module, query, key, value, attention_mask, scaling, dropout, context, kwargs):
+    """One decode token per row over PagedKVCache's pages: the kernel by block table where it applies, else
+    gathered K/V and SDPA. query [B, H, 1, d_k] -> ([B, 1, H, d_v], None)."""
+    layer = module.layer_idx
+    try:
+        if not reads_pages(context, layer, key):  # stale context: ordinary tensors
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                          dropout=dropout, **kwargs)  # fmt: skip
+        meta, storage = context.metadata, context.storage[layer]
+        group = meta.layer_groups[layer]
+        kernel = not dropout and not any(kwargs.get(name) for name in _REFERENCE_ONLY_KWARGS)
+        if kernel and query.dtype == storage.dtype:
+            flat, dk = storage.view(-1, *storage.shape[2:]), key.shape[-1]
+            window = group if isinstance(group, int) else None
+            out = _kernel_attention(query[:, :, 0], flat[..., :dk], flat[..., dk:], meta, group, scaling, window,
+                                    None)  # fmt: skip
+            return out.unsqueeze(1), None
+        key, value = context.gather(layer)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)  # fmt: skip
+    finally:
+        finish_layer(context, layer)
 
 
 def _kernel_attention(q, key_cache, value_cache, meta: AttentionMetadata, group, scale, window, softcap):
@@ -178,16 +218,10 @@ def mla_attention(module, q_nope, q_rope, latent, k_rope, context: ForwardContex
     flat = write_new(context, layer, latent, k_rope)
     group, d_c = meta.layer_groups[layer], module.kv_lora_rank
     window = module.spec.sliding_window
-    if use_kernels(q_nope) and meta.is_decode and window is None and module.qk_rope_head_dim:
-        from hf_attn_patch.kernels import mla_decode
-
-        w_uk, w_uv = module._up_weights()
-        q_latent = torch.einsum("hbn,hnc->bhc", q_nope[0], w_uk)  # [T = B, H, d_c]
-        out_latent = mla_decode(q_latent, q_rope[0].transpose(0, 1), flat, meta.block_tables[group], meta.seq_lens,
-                                block_size=meta.block_size, scale=module.scaling, validate=False)  # fmt: skip
-        return torch.einsum("bhc,hvc->bhv", out_latent.to(q_nope.dtype), w_uv)[None]
+    if metadata.use_kernels(q_nope) and meta.is_decode and window is None and module.qk_rope_head_dim:
+        return mla_kernel_decode(module, q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), flat, meta)[None]
     out = q_nope.new_empty((q_nope.shape[2], q_nope.shape[1], module.v_head_dim))
-    for selector, slots, visible in segments(meta, group, window):
+    for selector, slots, visible in segments(meta, group, window):  # the torch reference
         both = flat[slots]
         if isinstance(selector, slice):
             both = both[None]
@@ -198,3 +232,31 @@ def mla_attention(module, q_nope, q_rope, latent, k_rope, context: ForwardContex
         o, _ = module._absorbed(qn, qr, both[..., :d_c], both[..., d_c:], visible)
         out[selector] = o[0] if isinstance(selector, slice) else o[:, 0]
     return out[None]
+
+
+def mla_kernel_decode(module, q_nope, q_rope, flat, meta: AttentionMetadata) -> torch.Tensor:
+    """kernels.mla_decode by block table: q_nope [B, H, d_n], q_rope [B, H, d_r] (one token per sequence), flat
+    latent pages [slots, 1, d_c + d_r] -> [B, H, d_v] (W_UK folded into the query, W_UV applied to the output)."""
+    from hf_attn_patch.kernels import mla_decode
+
+    w_uk, w_uv = module._up_weights()
+    q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
+    group = meta.layer_groups[module.layer_idx]
+    out_latent = mla_decode(q_latent, q_rope, flat, meta.block_tables[group], meta.seq_lens,
+                            block_size=meta.block_size, scale=module.scaling, validate=False)  # fmt: skip
+    return torch.einsum("bhc,hvc->bhv", out_latent.to(q_nope.dtype), w_uv)
+
+
+def mla_cache_decode(module, q_nope, q_rope, latent, context: ForwardContext):
+    """MLA decode over PagedKVCache's pages (CUDA, no window): q [B, H, 1, *] -> [B, 1, H, d_v], or None when the
+    module must run its own path on gathered tensors (`context.gather`)."""
+    layer = module.layer_idx
+    try:
+        storage = context.storage[layer]
+        if module.spec.sliding_window is not None or not module.qk_rope_head_dim or latent.dtype != q_nope.dtype:
+            return None
+        flat = storage.view(-1, *storage.shape[2:])
+        return mla_kernel_decode(module, q_nope[:, :, 0], q_rope[:, :, 0], flat, context.metadata)[:, None]
+    finally:
+        finish_layer(context, layer)
+

@@ -21,8 +21,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache import paged_attention
-from ..cache.paged_attention import gather_paged, is_paged_handle
 from ..cache.metadata import get_forward_context
 from . import backend
 from .gqa import RMSNorm, attention_function
@@ -139,16 +137,17 @@ class MultiHeadLatentAttention(nn.Module):
         c, k_rope = self._latent(hidden_states)
         q_rope, k_rope = self._rope(q_rope, k_rope, position_embeddings)
         context = get_forward_context()
-        if context is not None:  # the engine's packed forward: write and attend over the latent pages
+        if context is not None and context.route:  # the engine's packed forward: write, attend over latent pages
             out = backend.mla_attention(self, q_nope, q_rope, c, k_rope, context)
             return self.o_proj(out.reshape(batch, length, -1)), None
         if cache is not None:
             c, k_rope = cache.update(c, k_rope, self.layer_idx)
-            if length == 1 and is_paged_handle(c) and paged_attention.use_decode_kernel(q_nope):
-                out = self._kernel_decode(q_nope, q_rope, c, attention_mask)
+            context = get_forward_context()
+            if backend.reads_pages(context, self.layer_idx, c):  # PagedKVCache's decode step handed us its pages
+                out = backend.mla_cache_decode(self, q_nope, q_rope, c, context) if length == 1 else None
                 if out is not None:
                     return self.o_proj(out.reshape(batch, length, -1)), None
-            c, k_rope = gather_paged(c, k_rope)  # paged handles -> tensors
+                c, k_rope = context.gather(self.layer_idx)
         if self.use_absorbed(length):
             out, weights = self._absorbed(q_nope, q_rope, c, k_rope, attention_mask)
         else:
@@ -173,22 +172,6 @@ class MultiHeadLatentAttention(nn.Module):
             sliding_window=self.spec.sliding_window,
             **kwargs,
         )
-
-    def _kernel_decode(self, q_nope, q_rope, handle, attention_mask):
-        """One decode token over PagedKVCache's latent pages through kernels.mla_decode (CUDA): q [B, H, 1, *]
-        -> [B, 1, H, d_v], or None when the call needs the reference path (additive masks, sliding windows)."""
-        from ..kernels import mla_decode  # lazy: not needed on CPU
-
-        if self.spec.sliding_window is not None or not self.qk_rope_head_dim:
-            return None
-        if not paged_attention.kernel_mask_ok(attention_mask, handle.paged_length):
-            return None
-        slots, lengths, key_mask = paged_attention.kernel_decode_tables(handle, attention_mask, q_nope.shape[0])
-        w_uk, w_uv = self._up_weights()
-        q_latent = torch.einsum("bhn,hnc->bhc", q_nope[:, :, 0], w_uk)
-        out_latent = mla_decode(q_latent, q_rope[:, :, 0], handle.paged_storage, slots, lengths, block_size=1,
-                                scale=self.scaling, key_mask=key_mask, validate=False)  # fmt: skip
-        return torch.einsum("bhc,hvc->bhv", out_latent.to(q_nope.dtype), w_uv)[:, None]
 
     def _absorbed(self, q_nope, q_rope, c, k_rope, attention_mask):
         """Attention over the latent. q [B, H, T, *], c [B, 1, S, d_c], k_rope [B, 1, S, d_r] -> [B, T, H, d_v]."""

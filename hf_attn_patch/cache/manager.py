@@ -152,15 +152,20 @@ class KVManager:
     def allocate(self, seq_id, start: int, end: int) -> None:
         """Make positions [start, end) writable: new blocks up to `end`, and a private copy of the block holding
         `start` when it is shared or hashed (copy-on-write). All or nothing: raises CacheFullError unchanged."""
-        seq = self.sequences[seq_id]
-        needs = {g: self._need(seq.tables[g], start, end, g) for g in self.groups}
-        for g, (n, _) in needs.items():
-            pool = self.pools[g]
+        self.allocate_many([(seq_id, start, end)])
+
+    def allocate_many(self, requests: list[tuple]) -> None:
+        """allocate() for several (seq_id, start, end) at once, all or nothing (a batch of generate() rows)."""
+        needs = [(seq_id, start, g, *self._need(self.sequences[seq_id].tables[g], start, end, g))
+                 for seq_id, start, end in requests for g in self.groups]  # fmt: skip
+        for g in self.groups:
+            n, pool = sum(need[3] for need in needs if need[2] == g), self.pools[g]
             while self.growable and n > pool.num_available():
                 pool.grow(pool.num_blocks)
             if n > pool.num_available():
                 raise CacheFullError(n, pool.num_available(), pool.num_blocks - 1)
-        for g, (n, copy) in needs.items():
+        for seq_id, start, g, n, copy in needs:
+            seq = self.sequences[seq_id]
             table, pool = seq.tables[g], self.pools[g]
             if copy:
                 k = start // self.block_size

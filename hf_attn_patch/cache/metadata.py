@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+PAGED_ATTENTION = "paged_kv"  # the name the one paged attention backend (attention/backend.py) is registered under
 _CONTEXT: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("hf_attn_forward", default=None)
 
 
@@ -54,13 +55,32 @@ class AttentionMetadata:
 
 @dataclass
 class ForwardContext:
+    """route=True (the engine): every attention lookup returns the paged backend, which writes the new K/V.
+    route=False (PagedKVCache under "paged_kv"): the cache wrote them; the backend reads the pages by block table
+    where update() returned the storage itself, and `gather(layer)` gives K/V tensors for the reference path."""
+
     metadata: AttentionMetadata
     storage: list  # per layer: [num_blocks, block_size, H, d_k + d_v] tensor (None until the layer first writes)
     num_blocks: dict  # group -> blocks in its pool (the storage's first dimension)
+    route: bool = True
+    gather: object = None  # layer -> (K [B, H, L, d_k], V [B, H, L, d_v]); route=False only
+    last_layer: int | None = None  # route=False: the context ends after this layer's attention
+
+
+def use_kernels(query: torch.Tensor) -> bool:
+    """The kernel gate of every paged path: kernels run on CUDA; the CPU keeps the torch reference bit for bit
+    (tests swap this to reach the kernel calls on CPU)."""
+    return query.is_cuda
 
 
 def get_forward_context() -> ForwardContext | None:
     return _CONTEXT.get()
+
+
+def set_forward_context(context: ForwardContext | None) -> None:
+    """Set (or clear, with None) the context without a block: PagedKVCache's forward has no enclosing call, so
+    it sets one at its first layer and the backend clears it after `context.last_layer`."""
+    _CONTEXT.set(context)
 
 
 @contextlib.contextmanager

@@ -12,14 +12,19 @@ blocks no future query can see and point their entries at the null block too.
 Sharing. Beam reordering, num_return_sequences forks and prefix hits share blocks by reference count; the first
 write into a shared, partly filled block copies it first (copy-on-write). Full prompt blocks are named by a hash
 chain (prefix_cache.py); a later request whose prompt starts with them reuses them and skips their prefill.
+All of that bookkeeping is the KV manager's (manager.py): this class is the transformers `Cache` adapter over it,
+owning only the storage tensors and the slot tables built from the manager's block tables.
 
 Attention reads a row's blocks through a gather (the pure-torch path; one row in consecutive slots is read as a
 view); the returned K/V are [B, H, L, d] as DynamicCache returns them, so every attention implementation and both
-MLA paths work unchanged. Under the registered "paged_kv" attention the cache returns storage handles instead.
+MLA paths work unchanged. Under the registered "paged_kv" attention, a decode step on CUDA instead returns the
+layer's storage itself and sets a forward context with the step's AttentionMetadata (block tables in stored
+positions, left padding excluded, built once at the first layer), so the decode kernels read the pages by block.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass, field
 
@@ -27,9 +32,11 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, get_layer_types_and_kwargs
 
 from ..kv_memory import layer_caches
-from .block_pool import NULL_BLOCK, BlockPool
-from .paged_attention import PAGED_ATTENTION, paged_handles, read_paged
-from .prefix_cache import block_hashes
+from .block_pool import NULL_BLOCK
+from .manager import KVManager
+from . import metadata
+from .manager import STATE
+from .metadata import PAGED_ATTENTION, ForwardContext, build_metadata, get_forward_context, set_forward_context
 
 logger = logging.getLogger(__name__)
 
@@ -40,13 +47,11 @@ _GROWABLE_START_BLOCKS = 64
 
 @dataclass
 class _Row:
-    """One sequence: left padding, prompt tokens (for prefix hashing) and a block table per group."""
+    """One sequence: its id in the KV manager, left padding and prompt tokens (for prefix hashing)."""
 
+    id: int
     pad: int = 0
     tokens: list[int] = field(default_factory=list)
-    tables: dict = field(default_factory=dict)  # group -> list of block ids
-    hashes: list[bytes] = field(default_factory=list)  # hash chain of the prompt's full blocks
-    registered: int = 0  # leading blocks already named in the pool's prefix table
 
 
 class PagedLayer(CacheLayerMixin):
@@ -133,9 +138,11 @@ class PagedKVCache(Cache):
         if enable_prefix_caching and not self.prefix_caching:
             logger.info("prefix caching disabled: it needs full attention in every layer (no windows, no SSM)")
         self.num_blocks = num_blocks
-        self.pools: dict = {}  # group -> BlockPool, created at the first update (max_memory needs the dtype)
+        self.manager: KVManager | None = None  # created at the first update (max_memory needs the dtype)
         self.growable = num_blocks is None and max_memory is None
+        self._ids = itertools.count()
         self.rows: list[_Row] = []
+        self._version = -1  # the manager's version the kept read slots were built against
         self.prefix_hit_tokens = 0
         # group -> slot ids of the step in flight: write [B, T], read [B, L] (kept and extended between steps)
         self._write: dict = {}
@@ -155,43 +162,34 @@ class PagedKVCache(Cache):
             self.layers[idx] = DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         pads = (mask.cumsum(1) == 0).sum(1).tolist()  # leading zeros = left padding
-        self.rows = []
-        for r, pad in enumerate(pads):
-            tokens = input_ids[r, pad:].tolist()
-            row = _Row(pad=pad, tokens=tokens, tables={g: [] for g in self.groups})
-            if self.prefix_caching:
-                row.hashes = block_hashes(tokens, self.block_size)
-            self.rows.append(row)
-        skip = self._attach_prefix() if self.prefix_caching and self.pools else 0
+        self.rows = [_Row(next(self._ids), pad, input_ids[r, pad:].tolist()) for r, pad in enumerate(pads)]
+        skip = self._attach_prefix() if self.prefix_caching and self.manager is not None else 0
+        for row in self.rows:
+            if self.manager is not None and row.id not in self.manager.sequences:
+                self.manager.add(row.id)
         for layer in self.paged:
             layer.length = skip
         return skip
 
     def _attach_prefix(self) -> int:
-        """Attach cached blocks for the first `skip` logical positions of every row (same for all rows)."""
-        pool = self.pools[None]
-        hits = []
-        for row in self.rows:
-            usable = (len(row.tokens) - 1) // self.block_size  # keep >= 1 token to compute: generate needs logits
-            n = 0
-            while n < min(usable, len(row.hashes)) and pool.lookup(row.hashes[n]) is not None:
-                n += 1
-            hits.append(n)
-        skip = min(row.pad + n * self.block_size for row, n in zip(self.rows, hits))
-        for row in self.rows:
-            stored = max(0, skip - row.pad)
-            for k in range(-(-stored // self.block_size)):  # ceil: a partly used block is shared, copied on write
-                block = pool.lookup(row.hashes[k])
-                pool.incref(block)
-                row.tables[None].append(block)
-            self.prefix_hit_tokens += stored
+        """Attach cached blocks for the first `skip` logical positions of every row (the same for all rows; a
+        partly used block is shared and copied on the first write)."""
+        hits = [self.manager.cached_prefix_blocks(row.tokens) for row in self.rows]
+        skip = min(row.pad + len(h) * self.block_size for row, h in zip(self.rows, hits))
+        for row, h in zip(self.rows, hits):
+            self.manager.add(row.id)
+            self.prefix_hit_tokens += self.manager.attach_prefix(row.id, h, max(0, skip - row.pad))
         return skip
 
     def _release_rows(self) -> None:
         for row in self.rows:
-            self._drop(row)
+            if self.manager is not None:
+                self.manager.free(row.id)
         self.rows = []
         self._read.clear()
+
+    def _table(self, row: _Row, group) -> list[int]:
+        return self.manager.table(row.id, group)
 
     # -- the step: allocation on the first paged layer, write + gather on every layer ------------------------
 
@@ -201,7 +199,7 @@ class PagedKVCache(Cache):
             layer.lazy_initialization(keys, values)
         if layer is self.paged[0]:
             self._begin_step(keys.shape[0], keys.shape[2], keys.element_size(), keys.device)
-        if layer.storage is None or layer.storage.shape[0] < self.pools[layer.window].num_blocks:
+        if layer.storage is None or layer.storage.shape[0] < self.manager.pools[layer.window].num_blocks:
             self._grow_storage(layer, keys, values)
         window, dk = layer.window, layer.key_dim
         flat = layer.storage.view(-1, *layer.storage.shape[2:])  # [slots, H, d_k + d_v]
@@ -221,68 +219,61 @@ class PagedKVCache(Cache):
                 flat[write[valid]] = new[valid]
         if layer is self.paged[-1]:
             self._end_step()
-        if self.config._attn_implementation == PAGED_ATTENTION:
-            return paged_handles(flat, dk, read, first, length)  # the registered attention function reads blocks
+        if self.config._attn_implementation == PAGED_ATTENTION and keys.shape[2] == 1 and metadata.use_kernels(keys):
+            if layer is self.paged[0]:
+                set_forward_context(self._decode_context(keys.device))
+            get_forward_context().storage[layer.layer_idx] = layer.storage
+            return flat[..., :dk], flat[..., dk:]  # the pages themselves: the backend reads them by block table
         return read_paged(flat, dk, read, first, length)
+
+    def _decode_context(self, device) -> ForwardContext:
+        """The decode step's metadata (one new token per row, stored coordinates) for the paged backend."""
+        tables = [{g: self._table(row, g) for g in self.groups} for row in self.rows]
+        starts = [self.paged[0].length - 1 - row.pad for row in self.rows]
+        kinds = [layer.window if isinstance(layer, PagedLayer) else STATE for layer in self.layers]
+        meta = build_metadata(tables, starts, [1] * len(self.rows), self.block_size, kinds, device)
+        return ForwardContext(meta, [None] * len(self.layers), {g: p.num_blocks for g, p in self.manager.pools.items()},
+                              route=False, gather=self._gather, last_layer=self.paged[-1].layer_idx)  # fmt: skip
+
+    def _gather(self, layer_idx: int):
+        """K [B, H, L, d_k], V [B, H, L, d_v] of one paged layer (the reference path of a paged_kv decode)."""
+        layer = self.layers[layer_idx]
+        flat = layer.storage.view(-1, *layer.storage.shape[2:])
+        return read_paged(flat, layer.key_dim, self._read.get(layer.window), self._contiguous_from[layer.window],
+                          layer.length)  # fmt: skip
 
     def _begin_step(self, batch: int, new: int, element_size: int, device) -> None:
         """Give every row blocks for `new` more positions (copying shared partly filled ones) and build slots."""
-        if not self.pools:
-            self._create_pools(element_size)
+        if self.manager is None:
+            self._create_manager(element_size)
         if len(self.rows) != batch:
             if self.rows:
                 raise ValueError(f"the cache holds {len(self.rows)} rows but the model was called with batch {batch}")
-            self.rows = [_Row(tables={g: [] for g in self.groups}) for _ in range(batch)]
-        start = self.paged[0].length
-        bs = self.block_size
-        for group in self.groups:
-            pool = self.pools[group]
-            # Allocate first for every row, so a CacheFullError leaves the cache unchanged.
-            needs = []
-            for row in self.rows:
-                table = row.tables[group]
-                stored_start, stored_end = max(0, start - row.pad), max(0, start + new - row.pad)
-                copy = stored_start % bs != 0 and stored_start < stored_end and pool.is_shared(
-                    table[stored_start // bs]
-                )
-                needs.append((-(-stored_end // bs) - len(table), copy))
-            self._reserve(group, sum(n + c for n, c in needs))
-            for row, (n, copy) in zip(self.rows, needs):
-                table = row.tables[group]
-                if copy:
-                    self._copy_on_write(table, max(0, start - row.pad) // bs, group)
-                table.extend(pool.allocate(n) if n > 0 else [])
-            if group is not None:
-                self._free_out_of_window(group, start)
-            self._update_slots(group, start, new, device)
-
-    def _reserve(self, group, blocks: int) -> None:
-        pool = self.pools[group]
-        while self.growable and blocks > pool.num_available():
-            self._grow_pool(group)
-        if blocks > pool.num_available():
-            pool.allocate(blocks)  # raises CacheFullError naming the numbers, changes nothing
-
-    def _copy_on_write(self, table: list[int], k: int, group) -> None:
-        pool = self.pools[group]
-        old, (new,) = table[k], pool.allocate(1)
-        for layer in self.paged:
-            if layer.window == group and layer.storage is not None:
-                layer.storage[new] = layer.storage[old]
-        pool.free(old)
-        table[k] = new
-        self._read.clear()  # the table changed under the kept read slots
-
-    def _free_out_of_window(self, window: int, start: int) -> None:
-        """Positions <= start - window are out of every future query's window: free blocks made only of them."""
+            self.rows = [_Row(next(self._ids)) for _ in range(batch)]
         for row in self.rows:
-            table = row.tables[window]
-            dead = max(0, start - window + 1 - row.pad)  # stored positions < dead are invisible from now on
-            for k in range(min(dead // self.block_size, len(table))):
-                if table[k] != NULL_BLOCK:
-                    self.pools[window].free(table[k])
-                    table[k] = NULL_BLOCK
-                    self._read.clear()
+            if row.id not in self.manager.sequences:
+                self.manager.add(row.id)
+        start = self.paged[0].length
+        # stored positions (left padding excluded) written this step; all rows or none (CacheFullError)
+        self.manager.allocate_many([(row.id, max(0, start - row.pad), max(0, start + new - row.pad))
+                                    for row in self.rows])  # fmt: skip
+        for layer in self.paged:  # the pools may have grown: storage first, so copies have their targets
+            if layer.storage is not None and layer.storage.shape[0] < self.manager.pools[layer.window].num_blocks:
+                self._grow_storage(layer, None, None)
+        for group, source, target in self.manager.take_copies():
+            for layer in self.paged:
+                if layer.window == group and layer.storage is not None:
+                    layer.storage[target] = layer.storage[source]
+        for group in self.groups:
+            if group is not None:
+                for row in self.rows:
+                    self.manager.free_out_of_window(row.id, max(0, start - row.pad))
+                break  # free_out_of_window serves every window group at once
+        if self._version != self.manager.version:  # tables changed under the kept read slots
+            self._read.clear()
+            self._version = self.manager.version
+        for group in self.groups:
+            self._update_slots(group, start, new, device)
 
     def _update_slots(self, group, start: int, new: int, device) -> None:
         """Slots of this step: write [B, new] (-1: padding, not stored) and read [B, start + new].
@@ -295,7 +286,7 @@ class PagedKVCache(Cache):
         if first is not None and len(self.rows) == 1 and self._read.get(group) is None and start:
             # One contiguous row, decoding: if the new positions extend the run, nothing needs building.
             row, bs = self.rows[0], self.block_size
-            table = row.tables[group]
+            table = self._table(row, group)
             if all(table[(p - row.pad) // bs] * bs + (p - row.pad) % bs == first + p for p in range(start, start + new)):
                 self._write_all_valid[group] = True
                 return
@@ -330,12 +321,12 @@ class PagedKVCache(Cache):
             slots = []
             for row in self.rows:
                 stored = start - row.pad
-                slots.append([row.tables[group][stored // bs] * bs + stored % bs if stored >= 0 else -1])
+                slots.append([self._table(row, group)[stored // bs] * bs + stored % bs if stored >= 0 else -1])
             return torch.tensor(slots, dtype=torch.long)
         positions = torch.arange(start, end)
         out = []
         for row in self.rows:
-            table = torch.tensor(row.tables[group] or [NULL_BLOCK], dtype=torch.long)
+            table = torch.tensor(self._table(row, group) or [NULL_BLOCK], dtype=torch.long)
             stored = positions - row.pad
             index = stored.clamp(min=0)
             slots = table[(index // bs).clamp(max=len(table) - 1)] * bs + index % bs
@@ -344,20 +335,9 @@ class PagedKVCache(Cache):
 
     def _end_step(self) -> None:
         """Name the prompt blocks that just became full, so later requests can reuse them."""
-        if not self.prefix_caching:
-            return
-        length, pool = self.paged[0].length, self.pools[None]
+        length = self.paged[0].length
         for row in self.rows:
-            table = row.tables[None]
-            full = min((length - row.pad) // self.block_size, len(row.hashes))
-            for k in range(row.registered, max(0, full)):
-                kept = pool.register(table[k], row.hashes[k])
-                if kept != table[k]:  # an equal block exists (e.g. a forked row): share it, free ours
-                    pool.incref(kept)
-                    pool.free(table[k])
-                    table[k] = kept
-                    self._read.clear()
-            row.registered = max(row.registered, full)
+            self.manager.commit(row.id, row.tokens[: max(0, length - row.pad)])
 
     # -- pool and storage ------------------------------------------------------------------------------------
 
@@ -365,8 +345,10 @@ class PagedKVCache(Cache):
         """Bytes one block of `group` takes: block_size tokens of every layer in the group."""
         return self.group_values[group] * self.block_size * element_size
 
-    def _create_pools(self, element_size: int) -> None:
-        """Fixed pools from num_blocks (each group) or max_memory (split by each group's bytes per token)."""
+    def _create_manager(self, element_size: int) -> None:
+        """The KV manager with pools from num_blocks (each group) or max_memory (split by each group's bytes per
+        token); without either, small pools that double when they run out."""
+        sizes = {}
         for group in self.groups:
             if self.max_memory is not None:
                 share = self.group_values[group] / sum(self.group_values.values())
@@ -378,18 +360,12 @@ class PagedKVCache(Cache):
                     )
             else:
                 blocks = self.num_blocks or _GROWABLE_START_BLOCKS
-            self.pools[group] = BlockPool(blocks)
-
-    def _grow_pool(self, group) -> None:
-        pool = self.pools[group]
-        pool.grow(pool.num_blocks)
-        for layer in self.paged:
-            if layer.window == group and layer.storage is not None:
-                self._grow_storage(layer, None, None)
+            sizes[group] = blocks
+        self.manager = KVManager(self.block_size, sizes, self.groups, self.prefix_caching, growable=self.growable)
 
     def _grow_storage(self, layer: PagedLayer, keys, values) -> None:
         """Allocate (first call) or extend this layer's storage to pool.num_blocks blocks; new blocks are zero."""
-        num_blocks = self.pools[layer.window].num_blocks
+        num_blocks = self.manager.pools[layer.window].num_blocks
         if layer.storage is None:
             if keys.shape[1] != values.shape[1]:
                 raise ValueError(f"keys have {keys.shape[1]} heads and values {values.shape[1]}: they must match")
@@ -423,10 +399,15 @@ class PagedKVCache(Cache):
     def _remap_rows(self, sources: list[int]) -> None:
         """New row i continues old row sources[i], sharing its blocks by reference count (nothing is copied)."""
         self._read.clear()
-        old = self.rows
-        self.rows = [self._fork(old[i]) for i in sources]
+        old, self.rows = self.rows, []
+        for i in sources:
+            row = _Row(next(self._ids), old[i].pad, old[i].tokens)
+            if self.manager is not None:
+                self.manager.fork(old[i].id, row.id)
+            self.rows.append(row)
         for row in old:
-            self._drop(row)
+            if self.manager is not None:
+                self.manager.free(row.id)
 
     def _pass_through_layers(self) -> list:
         return [layer for layer in self.layers if not isinstance(layer, PagedLayer)]
@@ -439,10 +420,8 @@ class PagedKVCache(Cache):
         keep = max(0, self.get_seq_length() + tokens_to_remove)
         self._read.clear()
         for row in self.rows:
-            stored = max(0, keep - row.pad)
-            for group, table in row.tables.items():
-                while len(table) > -(-stored // self.block_size):
-                    self.pools[group].free(table.pop())
+            if self.manager is not None:
+                self.manager.crop(row.id, max(0, keep - row.pad))
         for layer in self.paged:
             layer.length = keep
         for layer in self._pass_through_layers():
@@ -451,17 +430,6 @@ class PagedKVCache(Cache):
     def reset(self) -> None:
         self._release_rows()
         super().reset()
-
-    def _fork(self, row: _Row) -> _Row:
-        for group, table in row.tables.items():
-            for block in table:
-                self.pools[group].incref(block)
-        return _Row(row.pad, row.tokens, {g: list(t) for g, t in row.tables.items()}, row.hashes, row.registered)
-
-    def _drop(self, row: _Row) -> None:
-        for group, table in row.tables.items():
-            for block in table:
-                self.pools[group].free(block)
 
     # -- accounting ------------------------------------------------------------------------------------------
 
@@ -476,15 +444,15 @@ class PagedKVCache(Cache):
         allocated = used = 0
         for group in self.groups:
             filled = {}  # block -> slots holding tokens
-            for row in self.rows:
+            for row in self.rows if self.manager is not None else []:
                 stored = max(0, layer.length - row.pad)
-                for k, block in enumerate(row.tables[group]):
+                for k, block in enumerate(self._table(row, group)):
                     if block != NULL_BLOCK:
                         filled[block] = max(filled.get(block, 0), min(self.block_size, stored - k * self.block_size))
             per_slot = self.group_values[group] * element_size
             allocated += len(filled) * self.block_size * per_slot
             used += sum(filled.values()) * per_slot
-        pools = list(self.pools.values())
+        pools = list(self.manager.pools.values()) if self.manager is not None else []
         return {
             "allocated_bytes": allocated,
             "used_bytes": used,
@@ -496,3 +464,15 @@ class PagedKVCache(Cache):
             "blocks_free": sum(p.num_available() - p.num_cached() for p in pools),
             "block_size": self.block_size,
         }
+
+
+def read_paged(storage, key_dim: int, read_slots, contiguous_from: int | None, length: int):
+    """K [B, H, L, d_k], V [B, H, L, d_v] from storage [slots, H, d_k + d_v]: a view for one contiguous row,
+    else one gather of keys and values together (they sit side by side)."""
+    if contiguous_from is not None:
+        both = storage[contiguous_from : contiguous_from + length].unsqueeze(0)
+    else:
+        both = storage.index_select(0, read_slots.reshape(-1)).view(*read_slots.shape, *storage.shape[1:])
+    both = both.transpose(1, 2)
+    return both[..., :key_dim], both[..., key_dim:]
+
