@@ -10,6 +10,9 @@ needs (each sampling request's last token and draft positions; every prompt posi
 prompt logprobs); the grammar rows are masked with one bitmask; all sampling requests are sampled / verified at once
 (sampler.py); each request's new tokens go through its incremental detokenizer and stop checks; finished requests
 free their blocks at once (full blocks stay cached for prefix hits until evicted).
+
+Finish reasons: "stop" (EOS, a stop token, a stop string: cut from the text, or a grammar that can only end: the
+EOS it forces is not emitted), "length" (max_tokens; also max_tokens=0, which only computes the prompt), "abort".
 """
 
 from __future__ import annotations
