@@ -118,3 +118,20 @@ def test_unusable_schemas_are_400s(client, schema):
     response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
     status, body = http(port, "/v1/completions", {"prompt": "x", "response_format": response_format})
     assert status == 400 and body["error"]["param"] == "response_format"
+
+
+def test_streamed_auto_equals_whole(client):
+    client, port = client
+    for seed in range(3):
+        body = {"messages": ASK, "tools": TOOLS, "max_tokens": 30, "seed": seed}
+        whole = client.chat.completions.create(model="stories260k", **body).choices[0]
+        events = sse(port, "/v1/chat/completions", dict(body, stream=True))
+        deltas = [e["choices"][0] for e in events[:-1]]
+        content = "".join(d["delta"].get("content") or "" for d in deltas)
+        calls = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+        assert deltas[-1]["finish_reason"] == whole.finish_reason
+        if whole.message.tool_calls:
+            assert [c["function"]["arguments"] for c in calls] == [whole.message.tool_calls[0].function.arguments]
+        else:
+            assert content == whole.message.content and not calls
+            assert sum(1 for d in deltas if d["delta"].get("content")) > 1  # text streamed, not held to the end

@@ -438,11 +438,21 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
         return dict(head, choices=choices, usage=usage(len(prompt), completion))
 
     async def stream_chat(ids, queue, head, req, plan: ToolPlan, prompt_tokens: int):
+        """Content streams as it comes. With tools the answer is held until it is known to be text (tool_choice
+        "auto": its first character is not "<") or, for a call, until its end (one tool_calls delta)."""
         index, sent, left, completion = {rid: i for i, rid in enumerate(ids)}, dict.fromkeys(ids, 0), set(ids), 0
+        held = dict.fromkeys(ids, "")  # text (new_text of the outputs) not streamed yet
+        texting = set(ids) if not plan.active else set()
 
         def chunk(i, delta, finish_reason=None, logprobs=None):
             choice = {"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             return f"data: {json.dumps(dict(head, choices=[choice]))}\n\n"
+
+        def pending_logprobs(rid, out):
+            if req.top_logprobs is None:
+                return None
+            entries, sent[rid] = (out.logprobs or [])[sent[rid] :], len(out.token_ids)
+            return {"content": chat_logprobs(entries, token_text, req.top_logprobs)}
 
         try:
             for i in range(len(ids)):
@@ -450,24 +460,27 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
             while left:
                 out = await queue.get()
                 rid, i = out.request_id, index[out.request_id]
-                logprobs = None
-                if req.top_logprobs is not None:
-                    logprobs = {"content": chat_logprobs((out.logprobs or [])[sent[rid] :], token_text, req.top_logprobs)}
-                    sent[rid] = len(out.token_ids)
-                if not plan.active and (out.new_text or logprobs and logprobs["content"]):
-                    yield chunk(i, {"content": out.new_text}, logprobs=logprobs)
+                held[rid] += out.new_text
+                if plan.mode == "auto" and rid not in texting and held[rid] and not held[rid].startswith("<"):
+                    texting.add(rid)  # the grammar's text branch: no call can follow
+                if rid in texting:
+                    text, held[rid] = held[rid], ""
+                    logprobs = pending_logprobs(rid, out)
+                    if text or logprobs and logprobs["content"]:
+                        yield chunk(i, {"content": text}, logprobs=logprobs)
                 if not out.finished:
                     continue
                 left.discard(rid)
                 completion += len(out.token_ids)
                 reason = out.finish_reason
-                if plan.active:  # tools: the answer is known to be text or a call only at its end
+                if rid not in texting:  # held: a tool call, or text that could not be told apart until the end
                     content, calls = parse_output(plan, out.text)
+                    logprobs = pending_logprobs(rid, out)
                     if calls:
                         reason = "tool_calls"
-                        yield chunk(i, {"tool_calls": [dict(calls[0], index=0)]})
-                    elif content:
-                        yield chunk(i, {"content": content})
+                        yield chunk(i, {"tool_calls": [dict(calls[0], index=0)]}, logprobs=logprobs)
+                    elif content or logprobs:
+                        yield chunk(i, {"content": content}, logprobs=logprobs)
                 yield chunk(i, {}, reason)
             if req.common.include_usage:
                 yield f"data: {json.dumps(dict(head, choices=[], usage=usage(prompt_tokens, completion)))}\n\n"
