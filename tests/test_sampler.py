@@ -108,3 +108,16 @@ def test_token_logprobs_are_of_the_raw_distribution():
         assert e.token_id == int(tokens[row]) and abs(e.logprob - float(logp[row, tokens[row]])) < 1e-6
         values, ids = logp[row].topk(3)
         assert [t for t, _ in e.top] == ids.tolist() and all(abs(a - b) < 1e-6 for (_, a), b in zip(e.top, values.tolist()))
+
+
+def test_seeded_speculative_rows_do_not_depend_on_the_others_drafts():
+    """A seeded request with 1 draft draws the same noise whether the batch's longest draft is 1 or 4."""
+    torch.manual_seed(6)
+    logits = torch.randn(2, V)
+    other = torch.randn(5, V)
+    for seed in range(20):  # with the longest draft's worth drawn, most of these would differ
+        p = SamplingParams(temperature=1.0, seed=seed)
+        alone = sample(logits, _batch([p], [torch.Generator().manual_seed(seed)], [[3]]))
+        both = sample(torch.cat([logits, other]), _batch([p, SamplingParams(temperature=0.7)],
+                                                         [torch.Generator().manual_seed(seed), None], [[3], [1, 2, 3, 4]]))  # fmt: skip
+        assert both.tokens[0] == alone.tokens[0]

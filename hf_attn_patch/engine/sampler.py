@@ -93,14 +93,14 @@ def process(scores: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return scores.masked_fill(torch.zeros_like(drop).scatter_(-1, order, drop), float("-inf"))
 
 
-def _noise(batch: SamplingBatch, shape: tuple, kind: str) -> torch.Tensor:
-    """[R, *shape] i.i.d. uniform or Exp(1) noise; seeded requests' rows from their own generators."""
-    rows = len(batch.generators)
+def _noise(batch: SamplingBatch, width: int, kind: str) -> torch.Tensor:
+    """[R, width] i.i.d. uniform (one per draft: a seeded row draws only its own drafts' worth, so its stream does
+    not depend on the others' draft lengths) or Exp(1) noise; seeded requests' rows from their own generators."""
     draw = (lambda t, g: t.uniform_(generator=g)) if kind == "uniform" else (lambda t, g: t.exponential_(generator=g))
-    out = draw(torch.empty((rows, *shape)), None)
+    out = draw(torch.empty((len(batch.generators), width)), None)
     for r, g in enumerate(batch.generators):
         if g is not None:
-            draw(out[r], g)
+            draw(out[r, : int(batch.draft_lengths[r])] if kind == "uniform" else out[r], g)
     return out
 
 
@@ -121,8 +121,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
                             False, batch.use_top_k, batch.use_top_p)  # fmt: skip
         probs = process(scores[idx], sub).softmax(-1)
         s_acc, s_next = verify_sampling(probs, sub.drafts, sub.draft_lengths, None,
-                                        uniform=_noise(sub, (k,), "uniform"),
-                                        race=_noise(sub, (probs.shape[-1],), "exponential"))  # fmt: skip
+                                        uniform=_noise(sub, k, "uniform"),
+                                        race=_noise(sub, probs.shape[-1], "exponential"))  # fmt: skip
         accepted, nxt = accepted.clone(), nxt.clone()
         accepted[idx], nxt[idx] = s_acc, s_next
     counts, nexts, drafts = accepted.tolist(), nxt.tolist(), batch.drafts.tolist()
