@@ -286,3 +286,14 @@ def test_text_is_exact_and_streams_with_its_leading_space(stories):
     assert len(out.token_offsets) == len(out.token_ids) and out.token_offsets[0] == 0
     stopped = final[stop_id]
     assert stopped.finish_reason == "stop" and out.text.startswith(stopped.text + " She loved")
+
+
+def test_seeded_request_does_not_depend_on_its_batch(stories):
+    model, tok = stories
+    seeded = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=123)
+    alone = Engine(model, tok, block_size=4).generate(PROMPTS[1], seeded)[0]
+    others = [SamplingParams(max_tokens=12, temperature=1.2), SamplingParams(max_tokens=25, temperature=0),
+              SamplingParams(max_tokens=8, temperature=0.5, top_k=5)]  # fmt: skip
+    batch = Engine(model, tok, block_size=4).generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]],
+                                                      [others[0], seeded, others[1], others[2]])  # fmt: skip
+    assert batch[1].token_ids == alone.token_ids and batch[1].text == alone.text
