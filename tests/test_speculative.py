@@ -270,6 +270,16 @@ def test_adaptive_draft_length_remembers_what_drafting_costs():
         lengths.update(k, accepted, torch.tensor([k]), verify_seconds=1.0 + 0.02 * k, draft_seconds=0.5 * k)
     probes = [i for i, k in enumerate(chosen) if k and i > 3]
     assert set(chosen[4:]) == {0, 1} and len(probes) <= 6, chosen
+    # where verifying a second token per row costs a whole round (a CPU at batch > 1), a probe costs 1.5 rounds:
+    # they are spaced >= 1.5 / PROBE_BUDGET = 75 rounds apart
+    lengths, chosen = DraftLength(8, batch_size=4, start=1), []
+    for _ in range(200):
+        k = lengths.choose()
+        chosen.append(k)
+        lengths.update(k, torch.zeros(4, dtype=torch.long), torch.full((4,), k), verify_seconds=1.0 + k,
+                       draft_seconds=0.5 * k)  # fmt: skip
+    probes = [i for i, k in enumerate(chosen) if k]
+    assert probes[0] == 0 and all(b - a >= 75 for a, b in zip(probes, probes[1:])) and len(probes) <= 3, probes
 
 
 def test_sequences_keep_rows_right_aligned():

@@ -7,12 +7,18 @@ far; until two k's are seen, each extra token is assumed to add 10% of a round) 
 token (measured on its own). Both are kept per k / per token, so rounds without drafts do not erase what drafting
 costs. We pick k* = argmax_k sum_b E_b(k) / t(k) over 0..max_length, where k = 0 is plain decoding, so a drafter
 that is rarely right or too slow costs little. While k* = 0, a k = 1 probe keeps the estimates fresh;
-the gap between probes (16 rounds) doubles, up to 64, each time a probe accepts nothing.
+the gap between probes (16 rounds) doubles, up to 64, each time a probe accepts nothing, and is never shorter than
+what keeps probing within PROBE_BUDGET of the time: a probe costs (v1 + d) / v0 rounds more than a plain one
+(on a CPU, where verifying a second token per row can cost nearly a whole round, that is a gap of ~75 rounds).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+PROBE_BUDGET = 0.02  # share of the decoding time that probes (k = 1 while k* = 0) may cost
 
 
 class DraftLength:
@@ -50,7 +56,8 @@ class DraftLength:
             self._rounds_at_zero, self._probe_gap = 0, self.probe_every
         else:
             self._rounds_at_zero += 1
-            if self._rounds_at_zero % self._probe_gap == 0:
+            probe_cost = float(seconds[1] - seconds[0]) / float(seconds[0])  # in plain rounds
+            if self._rounds_at_zero >= max(self._probe_gap, math.ceil(probe_cost / PROBE_BUDGET)):
                 best, self._rounds_at_zero, self._probing = 1, 0, True
         self.current = best
         return best

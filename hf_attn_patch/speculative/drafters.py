@@ -99,7 +99,8 @@ class ModelDrafter(Drafter):
         if self.target is not None:
             return
         mask = attention_mask.long()
-        self.state = RaggedModel(self.model, DynamicCache(config=self.model.config), mask[:, :0], torch.zeros_like(mask[:, 0]))
+        cache = DynamicCache(config=self.model.config)
+        self.state = RaggedModel(self.model, cache, mask[:, :0], torch.zeros_like(mask[:, 0]))
         width = sequences.tokens.shape[1]
         if width > 1:  # the prompt minus its last token, which is fed with the first draft step
             self.state.forward(sequences.tokens[:, : width - 1], mask[:, : width - 1].bool())

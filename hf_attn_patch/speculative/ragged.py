@@ -9,6 +9,9 @@ Invariants: `mask` [B, C] has one column per cache column (C == cache.get_seq_le
 `next_position[b]` = number of valid tokens of row b (the position its next token gets).
 Layers with a sliding window count cache columns, holes included, so batches > 1 refuse them (see
 `check_supported`); batch 1 never has holes.
+
+`early_exit_view(model, n)`: the model's first n layers, final norm and LM head as a module of its own, sharing
+every weight and leaving the user's model untouched (early-exit drafting).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ def early_exit_view(model: nn.Module, num_layers: int) -> nn.Module:
     """
     config = model.config.get_text_config(decoder=True)
     if not 1 <= num_layers < config.num_hidden_layers:
-        raise ValueError(f"assistant_early_exit={num_layers}: must be in [1, {config.num_hidden_layers - 1}] for this model")
+        top = config.num_hidden_layers - 1
+        raise ValueError(f"assistant_early_exit={num_layers}: must be in [1, {top}] for this model")
     layers = decoder_layers(model)
     path = _path_to(model, layers)  # [(module, child name)] from the root down to the owner of `layers`
     view_config = copy.copy(config)
