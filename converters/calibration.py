@@ -114,31 +114,54 @@ def calibration_windows(text: str, tokenizer, samples: int, length: int) -> torc
     return ids[: samples * length].view(samples, length)
 
 
+class StatsAccumulator:
+    """Running sums of LayerStats for one layer: add() attention inputs x [..., D] batch after batch."""
+
+    def __init__(self, w, config):
+        self.w, self.config = w, config
+        self.d_h = head_dim(config)
+        self.half = (rotary_dim(config) if architecture_of(config).rotary else 0) // 2
+        self.cov, self.q, self.k, self.n = 0.0, 0.0, 0.0, 0
+
+    @torch.no_grad()
+    def add(self, x: torch.Tensor) -> None:
+        x = x.reshape(-1, self.w.q_w.shape[1]).double()
+        x1 = torch.cat((x, x.new_ones(len(x), 1)), dim=1)
+        self.cov = self.cov + x1.t() @ x1
+        if self.half:
+            for key, weight, bias in (("q", self.w.q_w, self.w.q_b), ("k", self.w.k_w, self.w.k_b)):
+                out = (x @ weight.double().t() + (0 if bias is None else bias.double())).view(len(x), -1, self.d_h)
+                norms = (out[..., : self.half] ** 2 + out[..., self.half : 2 * self.half] ** 2).sqrt().sum(0)
+                setattr(self, key, getattr(self, key) + norms)
+        self.n += len(x)
+
+    def stats(self) -> LayerStats:
+        empty = torch.zeros(0, 0, dtype=torch.float64)
+        return LayerStats(input_cov=self.cov, q_pair_norm=self.q / self.n if self.half else empty,
+                          k_pair_norm=self.k / self.n if self.half else empty, tokens=self.n)  # fmt: skip
+
+
+def stats_of_inputs(x: torch.Tensor, w, config, batch: int = 8) -> LayerStats:
+    """LayerStats of one layer (weights w: AttentionWeights) from its attention inputs x [n, T, D]: the propagated
+    calibration of reconstruct.py feeds the inputs the converted prefix produces."""
+    acc = StatsAccumulator(w, config)
+    for start in range(0, len(x), batch):
+        acc.add(x[start : start + batch])
+    return acc.stats()
+
+
 @torch.no_grad()
 def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[str, LayerStats]:
     """Run the source model on the windows and gather LayerStats for every stock attention layer."""
     from .exact import stock_attention_layers
 
     arch = architecture_of(model.config)
-    d_h, half = head_dim(model.config), (rotary_dim(model.config) if arch.rotary else 0) // 2
     layers = stock_attention_layers(model)
-    stats: dict[str, dict] = {}
-    weights = {name: arch.split_heads(m) for name, m in layers.items()}
+    acc = {name: StatsAccumulator(arch.split_heads(m), model.config) for name, m in layers.items()}
 
     def make_hook(name):
         def hook(module, args, kwargs):
-            x = (args[0] if args else kwargs["hidden_states"]).reshape(-1, weights[name].q_w.shape[1]).double()
-            x1 = torch.cat((x, x.new_ones(len(x), 1)), dim=1)
-            s = stats.setdefault(name, {"cov": 0.0, "q": 0.0, "k": 0.0, "n": 0})
-            s["cov"] = s["cov"] + x1.t() @ x1
-            if half:
-                w = weights[name]
-                for key, weight, bias in (("q", w.q_w, w.q_b), ("k", w.k_w, w.k_b)):
-                    out = x @ weight.double().t() + (0 if bias is None else bias.double())
-                    out = out.view(len(x), -1, d_h)
-                    norms = (out[..., :half] ** 2 + out[..., half : 2 * half] ** 2).sqrt().sum(0)
-                    s[key] = s[key] + norms
-            s["n"] += len(x)
+            acc[name].add(args[0] if args else kwargs["hidden_states"])
 
         return hook
 
@@ -149,14 +172,4 @@ def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[s
     finally:
         for handle in handles:
             handle.remove()
-    out = {}
-    for name, s in stats.items():
-        n = s["n"]
-        empty = torch.zeros(0, 0, dtype=torch.float64)
-        out[name] = LayerStats(
-            input_cov=s["cov"],
-            q_pair_norm=s["q"] / n if half else empty,
-            k_pair_norm=s["k"] / n if half else empty,
-            tokens=n,
-        )
-    return out
+    return {name: a.stats() for name, a in acc.items() if a.n}

@@ -30,12 +30,17 @@ from .deepseek_export import check_source, stock_frequencies, to_deepseek_v3
 from .exact import rebuild, stock_attention_layers
 from .hub import check_repo_id, engines, model_card, push
 from .gqa_merge import GQA_METHODS, gqa_layer
+from .heal import plot_curve
+from .reconstruct import TARGETS as RECONSTRUCT_TARGETS
+from .reconstruct import sequential, summary
 from .methods import MLA_METHODS, allocate_ranks, lift_plan, plan_layer, ranked_components
 
 logger = logging.getLogger(__name__)
 
 TARGETS = ("gqa", "mqa", "mla")
 FORMATS = ("auto", "native", "stock", "deepseek_v3")
+HEAL_DATA = ("calib", "teacher", "mix")
+TEACHER_PROMPT = 16  # tokens of calibration text that start each teacher sample
 STOCK_GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # configs with a native num_key_value_heads
 
 
@@ -56,8 +61,14 @@ class ConvertOptions:
     calib_column: str = "text"  # datasets only
     calib_samples: int = 16
     calib_len: int = 256
+    propagate: bool = False  # each layer's closed form recomputed from the converted prefix's statistics (kept if better)
+    reconstruct_steps: int = 0  # Adam steps fitting each converted layer's output (the CLI's default: 200)
+    reconstruct_lr: float = 3e-2  # reconstruction step, as a fraction of each weight tensor's RMS
+    reconstruct_target: str = "source"  # source: the source layer on its own inputs; local: on the converted ones
     heal_steps: int = 0  # distillation steps from the source after conversion (0: zero-shot)
-    heal_lr: float | None = None  # default 1e-4
+    heal_lr: float | str | None = None  # a rate, or "auto" (default): a range test on held-in windows
+    heal_data: str | None = None  # calib: the calibration text (default); teacher: the source's own samples; mix: both
+    heal_held_in: int | None = None  # windows held out of healing to keep its best state (default 4)
     heal_batch_size: int | None = None  # windows of calib_len tokens per step, cut from the calibration text (default 4)
     heal_train: str | None = None  # attention (default): only the converted layers; all: every weight
     checkpoint_dir: str | None = None  # healing state saved here every checkpoint_every steps
@@ -108,8 +119,10 @@ class ConvertOptions:
             raise ValueError(f"heal_steps={self.heal_steps!r} must be a non-negative integer")
         if self.heal_train not in ("attention", "all"):
             raise ValueError(f"heal_train={self.heal_train!r} is not one of ('attention', 'all')")
-        if not self.heal_lr > 0:
-            raise ValueError(f"heal_lr={self.heal_lr!r} must be positive")
+        if self.heal_lr != "auto" and (isinstance(self.heal_lr, (str, bool)) or not self.heal_lr > 0):
+            raise ValueError(f"heal_lr={self.heal_lr!r} must be a positive number or 'auto'")
+        if self.heal_data not in HEAL_DATA:
+            raise ValueError(f"heal_data={self.heal_data!r} is not one of {HEAL_DATA}")
         if self.push_to_hub is not None:
             check_repo_id(self.push_to_hub)
         try:  # checked now: save_pretrained would only find out after converting and healing
@@ -122,7 +135,7 @@ class ConvertOptions:
             raise ValueError("resume / checkpoint_every need checkpoint_dir")
         if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
             raise ValueError(f"checkpoint_every={self.checkpoint_every!r} must be a non-negative integer")
-        for name in ("kv_heads", "kv_lora_rank", "calib_samples", "calib_len", "heal_batch_size"):
+        for name in ("kv_heads", "kv_lora_rank", "calib_samples", "calib_len", "heal_batch_size", "heal_held_in"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"{name}={value!r} must be a positive integer")
@@ -130,13 +143,23 @@ class ConvertOptions:
             raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")
         if self.dtype is not None:
             dtype_of(self.dtype)  # raises naming the value
+        if not isinstance(self.reconstruct_steps, int) or isinstance(self.reconstruct_steps, bool) or self.reconstruct_steps < 0:
+            raise ValueError(f"reconstruct_steps={self.reconstruct_steps!r} must be a non-negative integer")
+        if not isinstance(self.reconstruct_lr, (int, float)) or not self.reconstruct_lr > 0:
+            raise ValueError(f"reconstruct_lr={self.reconstruct_lr!r} must be a positive number")
+        if self.reconstruct_target not in RECONSTRUCT_TARGETS:
+            raise ValueError(f"reconstruct_target={self.reconstruct_target!r} is not one of {RECONSTRUCT_TARGETS}")
+        if (self.propagate or self.reconstruct_steps) and self.calib_samples < 2:
+            raise ValueError(f"calib_samples={self.calib_samples!r}: propagate / reconstruct_steps hold one window "
+                             "in, so they need at least 2")  # fmt: skip
 
     def _refuse_inapplicable(self) -> None:
         """An option the chosen target or method would ignore is an error (it was given for a reason), then the
         defaults of the options that apply are filled in."""
         inapplicable = {"mla": ("kv_lora_rank", "rope_dim", "kv_budget"), "gqa": ("kv_heads",),
                         "regroup": ("regroup",),
-                        "heal": ("heal_lr", "heal_batch_size", "heal_train", "checkpoint_dir", "resume")}  # fmt: skip
+                        "heal": ("heal_lr", "heal_batch_size", "heal_train", "checkpoint_dir", "resume", "heal_data",
+                                 "heal_held_in")}  # fmt: skip
         given = lambda group: [n for n in inapplicable[group] if getattr(self, n) not in (None, False)]  # noqa: E731
         if self.to != "mla" and given("mla"):
             raise ValueError(f"{given('mla')[0]}={getattr(self, given('mla')[0])!r} applies to to='mla' only, "
@@ -150,7 +173,8 @@ class ConvertOptions:
         if not self.heal_steps and given("heal"):
             raise ValueError(f"{given('heal')[0]}={getattr(self, given('heal')[0])!r} applies to healing only: "
                              f"set heal_steps (--heal-steps N)")  # fmt: skip
-        defaults = {"regroup": True, "heal_lr": 1e-4, "heal_batch_size": 4, "heal_train": "attention"}
+        defaults = {"regroup": True, "heal_lr": "auto", "heal_batch_size": 4, "heal_train": "attention",
+                    "heal_data": "calib", "heal_held_in": 4}
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -201,7 +225,9 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     if opts.to in ("gqa", "mqa"):
         if source_kv % opts.kv_heads:
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
-        stats = _calibrate(model, tokenizer, text(), opts, report)[1] if opts.method != "mean" else {}
+        layerwise = opts.reconstruct_steps or (opts.propagate and opts.method != "mean")
+        windows, stats = (_calibrate(model, tokenizer, text(), opts, report) if opts.method != "mean" or layerwise
+                          else (None, {}))  # fmt: skip
         lifted, groups = {}, []
         for name, m in layers.items():
             lifted[name], layer_groups = gqa_layer(opts.method, arch.split_heads(m), config, opts.kv_heads,
@@ -209,6 +235,15 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
             groups.append(layer_groups)
         new = rebuild(model, "gqa", {"num_key_value_heads": opts.kv_heads}, lifted)
         report["kv_heads"] = {"before": source_kv, "after": opts.kv_heads, "groups_per_layer": groups}
+        if layerwise:
+            index = {name: i for i, name in enumerate(layers)}
+
+            def relift(name, layer_stats):  # the same merge from the converted prefix's statistics
+                state, groups[index[name]] = gqa_layer(opts.method, arch.split_heads(layers[name]), config,
+                                                       opts.kv_heads, layer_stats, regroup=opts.regroup)  # fmt: skip
+                return state
+
+            _layerwise(model, new, windows, relift if opts.propagate and opts.method != "mean" else None, opts, report)
     else:
         rope_dim, kv_lora_rank = _mla_sizes(opts, config, source_kv, d_h)
         deepseek = opts.format == "deepseek_v3"
@@ -239,6 +274,16 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
                          "qk_nope_head_dim": fields["qk_nope_head_dim"], "rope_pairs_per_layer": per_layer_pairs,
                          "kv_lora_rank_per_layer": ranks,
                          "retained_energy_per_layer": [round(p.retained(r), 4) for p, r in zip(plans.values(), ranks)]}  # fmt: skip
+        if opts.propagate or opts.reconstruct_steps:
+            index = {name: i for i, name in enumerate(layers)}
+
+            def relift(name, layer_stats):  # same ranks and RoPE frequencies, from the converted prefix's statistics
+                freqs = per_layer_pairs[index[name]] or []
+                plan = plan_layer(opts.method, weights[name], config, layer_stats, rope_dim, opts.calib_len,
+                                  frequencies=freqs if rope_dim else None)  # fmt: skip
+                return lift_plan(plan, weights[name], config, ranks[index[name]])[0]
+
+            _layerwise(model, new, windows, relift if opts.propagate else None, opts, report)
         if deepseek:
             new, report["deepseek_v3"] = to_deepseek_v3(new, windows, stride)
 
@@ -281,18 +326,46 @@ def _calibrate(model, tokenizer, text: str, opts: ConvertOptions, report: dict) 
     return windows, collect_stats(model, windows)
 
 
+def _layerwise(model, new, windows: torch.Tensor, relift, opts: ConvertOptions, report: dict) -> None:
+    """Propagated calibration and / or reconstruction of every converted layer of `new`, in place (reconstruct.py)."""
+    fits = sequential(model, new, windows, relift=relift, steps=opts.reconstruct_steps, lr=opts.reconstruct_lr,
+                      target=opts.reconstruct_target)  # fmt: skip
+    report["layerwise"] = {"propagate": relift is not None, "reconstruct_steps": opts.reconstruct_steps,
+                           "target": opts.reconstruct_target, **summary(fits)}  # fmt: skip
+
+
 def _heal(student, teacher, tokenizer, text: str, opts: ConvertOptions) -> dict:
-    """Distill the source into the converted model on windows of the calibration text; a summary for the report."""
-    from .heal import heal
+    """Distill the source into the converted model (heal.py); a summary for the report.
+
+    Data (heal_data): calib: windows of the calibration text; teacher: the source's own continuations of
+    TEACHER_PROMPT-token prompts cut from it (one window per training step and batch row, at most 64, reused
+    cyclically); mix: the two alternating. The last heal_held_in windows (of the same kind) are never trained on:
+    they pick the learning rate (lr "auto") and the state returned."""
+    from .heal import heal, sample_from_teacher
 
     tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
-    windows = calibration_windows(text, tokenizer, tokens // opts.calib_len, opts.calib_len)
-    result = heal(student, teacher, windows, steps=opts.heal_steps, lr=opts.heal_lr,
+    calib = calibration_windows(text, tokenizer, tokens // opts.calib_len, opts.calib_len)
+    held = min(opts.heal_held_in, len(calib) // 2)
+    if opts.heal_data == "calib":
+        windows = calib
+    else:
+        count = min(64, opts.heal_steps * opts.heal_batch_size) + held
+        prompts = calib[torch.randperm(len(calib), generator=torch.Generator().manual_seed(opts.seed))[:count]]
+        sampled = sample_from_teacher(teacher, prompts[:, :TEACHER_PROMPT], opts.calib_len, seed=opts.seed)
+        if opts.heal_data == "teacher":
+            windows = sampled
+        else:  # alternate teacher and calibration windows; held in: the same mix
+            plain = calib[: len(sampled)]
+            windows = torch.stack((sampled, plain), dim=1).flatten(0, 1)
+    train, held_in = windows[:-held], windows[-held:]
+    result = heal(student, teacher, train, steps=opts.heal_steps, lr=opts.heal_lr, held_in=held_in,
                   batch_size=opts.heal_batch_size, train=opts.heal_train, checkpoint_dir=opts.checkpoint_dir,
                   checkpoint_every=opts.checkpoint_every, resume=opts.resume)  # fmt: skip
     return {"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 2),
             "first_loss": result.losses[0], "last_loss": result.losses[-1], "train": opts.heal_train,
-            "lr": opts.heal_lr, "windows": len(windows)}  # fmt: skip
+            "lr": result.lr, "lr_option": opts.heal_lr, "range_test": result.range_test, "data": opts.heal_data,
+            "windows": len(train), "held_in_windows": held, "held_in_kl": result.held_in,
+            "best_step": result.best_step, "losses": result.losses}  # fmt: skip
 
 
 def _mla_sizes(opts: ConvertOptions, config, source_kv: int, d_h: int) -> tuple[int, int]:
@@ -385,6 +458,9 @@ def _write_atomically(model, tokenizer, report: dict, out: Path, max_shard_size:
         model.save_pretrained(staging, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(staging)
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2, default=str))
+        if "heal" in report:  # the held-in curve of healing
+            h = report["heal"]
+            plot_curve(h["losses"], h["held_in_kl"], h["best_step"], h["lr"], staging / "heal_curve.png")
         (staging / "README.md").write_text(model_card(report))
         umask = os.umask(0)
         os.umask(umask)

@@ -7,10 +7,18 @@ places the models and handles mixed precision and data parallelism, so the same 
 `accelerate launch --multi_gpu` / `torchrun`, as data parallel (DDP) on many GPUs or CPU processes: each process
 takes its own windows of every step. Sharded training (FSDP, DeepSpeed ZeRO-3) is refused: the weights would have
 to be gathered before the converter writes them, and that path is not built.
+
+Never worse on held-in data: with `held_in` windows (never trained on), the mean KL there is measured before the
+first step and every `eval_every` steps, and the trainable weights of the best measurement are restored at the end
+(the start counts, so a diverging run returns its starting model). lr="auto": a range test from the start, each of
+AUTO_LRS for `probe` steps at a constant rate (optimizer state reset between them), the rate with the lowest held-in
+KL is used (the weights go back to the start first). `sample_from_teacher` makes distillation text from the source
+model's own distribution (prompts cut from the calibration text, continuations sampled at temperature 1).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -26,6 +34,8 @@ from ..models.architectures import architecture_of
 logger = logging.getLogger(__name__)
 
 TRAINABLE = ("attention", "all")
+BEST_FILE, BEST_META = "heal_best.safetensors", "heal_best.json"  # beside accelerate's checkpoint
+AUTO_LRS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3)  # the range test of lr="auto"
 
 
 @dataclass
@@ -34,17 +44,50 @@ class HealResult:
     tokens: int
     seconds: float
     losses: list[float] = field(default_factory=list)
+    lr: float = 0.0  # the rate used (lr="auto": the range test's pick)
+    held_in: list[tuple[int, float]] = field(default_factory=list)  # (step, mean held-in KL); step 0: the start
+    best_step: int = 0  # the step whose weights were returned (0: the start)
+    range_test: dict[float, float] = field(default_factory=dict)  # lr="auto": held-in KL after each probe
 
 
-def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-4, batch_size: int = 1,
+@torch.no_grad()
+def sample_from_teacher(teacher, prompts: torch.Tensor, length: int, seed: int = 0, batch_size: int = 8) -> torch.Tensor:
+    """[n, length] windows: each prompt [n, p] (p < length) continued by `teacher` sampling at temperature 1 (no
+    top-k / top-p, EOS suppressed so every window is full), reproducible from `seed`."""
+    if not 0 < prompts.shape[1] < length:
+        raise ValueError(f"prompt length {prompts.shape[1]} must be in 1..length-1 = {length - 1}")
+    device = next(teacher.parameters()).device
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    out = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="teacher samples"):
+        ids = prompts[start : start + batch_size].to(device)
+        past = None
+        step_input = ids
+        while ids.shape[1] < length:
+            result = teacher(step_input, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            probs = torch.softmax(result.logits[:, -1].float(), dim=-1).cpu()
+            eos = getattr(teacher.config, "eos_token_id", None)
+            for e in [eos] if isinstance(eos, int) else (eos or []):
+                probs[:, e] = 0
+            step_input = torch.multinomial(probs, 1, generator=generator).to(device)
+            ids = torch.cat((ids, step_input), dim=1)
+        out.append(ids.cpu())
+    return torch.cat(out)
+
+
+def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str = 1e-4, batch_size: int = 1,
          train: str = "attention", lm_weight: float = 0.0, gradient_checkpointing: bool = False,
          checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool = False,
+         held_in: torch.Tensor | None = None, eval_every: int | None = None, probe: int | None = None,
          progress: bool = True) -> HealResult:  # fmt: skip
     """Train `student` in place for `steps` optimizer steps on token windows [n, L]; `teacher` stays frozen.
 
     train="attention" updates only the converted attention layers; "all" updates every weight.
     With checkpoint_dir, the optimizer/model state is saved every `checkpoint_every` steps; resume=True continues
-    from the last one saved there.
+    from the last one saved there. held_in [m, L]: windows for keeping the best state (module docstring), checked
+    every eval_every steps (default steps // 10); lr="auto" (needs held_in): the range test, `probe` steps per rate
+    (default max(1, min(10, steps // 10))).
     """
     from accelerate import Accelerator
 
@@ -52,8 +95,13 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
         raise ValueError(f"steps={steps!r} must be a positive integer")
     if train not in TRAINABLE:
         raise ValueError(f"train={train!r} is not one of {TRAINABLE}")
-    if not lr > 0:
-        raise ValueError(f"lr={lr!r} must be positive")
+    if lr == "auto":
+        if held_in is None:
+            raise ValueError("lr='auto' needs held_in windows (the range test measures on them)")
+    elif isinstance(lr, str) or not lr > 0:
+        raise ValueError(f"lr={lr!r} must be positive or 'auto'")
+    if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
+        raise ValueError(f"eval_every={eval_every!r} must be a positive integer")
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir")
     use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
@@ -70,7 +118,7 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
         p.requires_grad_(True)
     if gradient_checkpointing:
         student.gradient_checkpointing_enable()
-    optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=1e-4 if lr == "auto" else lr, weight_decay=0.0)
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
@@ -84,35 +132,64 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
     if resume and (ckpt / "step.txt").exists():
         accelerator.load_state(str(ckpt))
         start_step = int((ckpt / "step.txt").read_text())
-    student.train()
     result = HealResult(steps=0, tokens=0, seconds=0.0)
     started = time.perf_counter()
+    held = None if held_in is None else held_in.to(accelerator.device)
+    measure = lambda: _held_in_kl(student, teacher, held)  # noqa: E731
+    best_state, best_kl = None, float("inf")
+    if held is not None and start_step == 0:
+        start_kl = measure()
+        result.held_in.append((0, start_kl))
+        best_kl, best_state = start_kl, _copy(params)
+    elif start_step and (ckpt / BEST_FILE).exists():  # resumed: the best state and the rate of the first run
+        from safetensors.torch import load_file
+
+        saved = json.loads((ckpt / BEST_META).read_text())
+        best_kl, result.best_step, result.held_in = saved["best_kl"], saved["best_step"], [tuple(x) for x in saved["held_in"]]
+        result.range_test = {float(k): v for k, v in saved["range_test"].items()}
+        tensors = load_file(str(ckpt / BEST_FILE))
+        best_state = [tensors[f"p{i}"] for i in range(len(params))]
+        lr = saved["lr"] if lr == "auto" else lr
+    if lr == "auto":
+        lr = _range_test(student, teacher, optimizer, params, windows, held, batch_size, lm_weight, accelerator,
+                         probe or max(1, min(10, steps // 10)), result, best_state)  # fmt: skip
+        schedule.base_lrs = [lr for _ in schedule.base_lrs]
+        for group in optimizer.param_groups:
+            group["initial_lr"], group["lr"] = lr, lr * schedule.lr_lambdas[0](schedule.last_epoch)
+    result.lr = lr
+    every = eval_every or max(1, steps // 10)
+    student.train()
     bar = tqdm(range(start_step, steps), desc="heal", disable=not progress or not accelerator.is_main_process)
     for step in bar:  # each process takes its own batch_size windows of every step: data parallel
         first = (step * accelerator.num_processes + accelerator.process_index) * batch_size
         rows = torch.arange(first, first + batch_size) % len(windows)
-        ids = windows[rows].to(accelerator.device)
-        with torch.no_grad():
-            target = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
-        with accelerator.autocast():
-            logits = student(ids).logits[:, :-1].float()
-        log_q = torch.log_softmax(logits, dim=-1)
-        loss = (target.exp() * (target - log_q)).sum(-1).mean()
-        if lm_weight:
-            loss = loss + lm_weight * torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
-        accelerator.backward(loss)
-        optimizer.step()
+        loss = _step(student, teacher, optimizer, windows[rows].to(accelerator.device), lm_weight, accelerator)
         schedule.step()
-        optimizer.zero_grad(set_to_none=True)
         result.losses.append(loss.item())
-        result.tokens += ids.numel() * accelerator.num_processes
+        result.tokens += len(rows) * windows.shape[1] * accelerator.num_processes
         result.steps = step + 1
         bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{result.tokens / (time.perf_counter() - started):.0f}")
+        if held is not None and (result.steps % every == 0 or result.steps == steps):
+            kl = measure()
+            result.held_in.append((result.steps, kl))
+            student.train()
+            if best_state is not None and kl < best_kl:
+                best_kl, best_state, result.best_step = kl, _copy(params), result.steps
         if ckpt is not None and checkpoint_every and result.steps % checkpoint_every == 0:
             accelerator.save_state(str(ckpt))
+            if best_state is not None and accelerator.is_main_process:
+                from safetensors.torch import save_file
+
+                save_file({f"p{i}": t.contiguous() for i, t in enumerate(best_state)}, str(ckpt / BEST_FILE))
+                (ckpt / BEST_META).write_text(json.dumps({"best_kl": best_kl, "best_step": result.best_step, "lr": lr,
+                                                          "held_in": result.held_in, "range_test": result.range_test}))
             (ckpt / "step.txt").write_text(str(result.steps))
     accelerator.wait_for_everyone()
     student.eval()
+    if best_state is not None and result.best_step != result.steps:
+        _restore(params, best_state)
+        logger.info("healing: restored step %d (held-in KL %.4f; last %.4f)", result.best_step, best_kl,
+                    result.held_in[-1][1])  # fmt: skip
     if gradient_checkpointing:
         student.gradient_checkpointing_disable()
     for p in student.parameters():
@@ -121,6 +198,90 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float = 1e-
     logger.info("healed %d steps, %d tokens, %.1f s, last loss %.4f", result.steps, result.tokens, result.seconds,
                 result.losses[-1] if result.losses else float("nan"))  # fmt: skip
     return result
+
+
+def _step(student, teacher, optimizer, ids, lm_weight, accelerator) -> torch.Tensor:
+    """One optimizer step of KL(teacher || student) (+ lm_weight x cross-entropy) on ids [b, L]; the loss."""
+    with torch.no_grad():
+        target = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
+    with accelerator.autocast():
+        logits = student(ids).logits[:, :-1].float()
+    log_q = torch.log_softmax(logits, dim=-1)
+    loss = (target.exp() * (target - log_q)).sum(-1).mean()
+    if lm_weight:
+        loss = loss + lm_weight * torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    accelerator.backward(loss)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+def _range_test(student, teacher, optimizer, params, windows, held, batch_size, lm_weight, accelerator, probe,
+                result: HealResult, start_state) -> float:  # fmt: skip
+    """The rate of AUTO_LRS whose `probe` constant-rate steps from the start reach the lowest held-in KL; the
+    weights and optimizer state go back to the start after every probe."""
+    state = _copy(params) if start_state is None else start_state
+    for rate in AUTO_LRS:
+        student.train()
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        for step in range(probe):
+            rows = torch.arange(step * batch_size, (step + 1) * batch_size) % len(windows)
+            _step(student, teacher, optimizer, windows[rows].to(accelerator.device), lm_weight, accelerator)
+        result.range_test[rate] = _held_in_kl(student, teacher, held)
+        _restore(params, state)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        inner.state.clear()
+    best = min(result.range_test, key=result.range_test.get)
+    logger.info("healing lr range test %s: lr %g", {k: round(v, 4) for k, v in result.range_test.items()}, best)
+    return best
+
+
+@torch.no_grad()
+def _held_in_kl(student, teacher, held: torch.Tensor) -> float:
+    """Mean KL(teacher || student) per predicted token over the held-in windows [m, L] (student in eval mode)."""
+    student.eval()
+    total, count = 0.0, 0
+    for ids in held.split(4):
+        log_p = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
+        log_q = torch.log_softmax(student(ids).logits[:, :-1].float(), dim=-1)
+        total += float((log_p.exp() * (log_p - log_q)).sum())
+        count += log_p.shape[0] * log_p.shape[1]
+    return total / count
+
+
+def _copy(params) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in params]
+
+
+@torch.no_grad()
+def _restore(params, state) -> None:
+    for p, saved in zip(params, state):
+        p.copy_(saved)
+
+
+def plot_curve(losses: list[float], held_in: list[tuple[int, float]], best_step: int, lr: float, path) -> None:
+    """PNG of the held-in KL against the step (the returned state marked), and the training loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(losses) + 1), losses, color="tab:gray", alpha=0.5, label="training KL")
+    if held_in:
+        ax.plot(*zip(*held_in), marker="o", color="tab:red", label="held-in KL")
+        best = dict(held_in).get(best_step)
+        if best is not None:
+            ax.plot([best_step], [best], marker="*", markersize=14, color="black", linestyle="",
+                    label=f"returned (step {best_step})")  # fmt: skip
+    ax.set(xlabel="step", ylabel="KL(source || converted) per token", title=f"healing, lr {lr:g}")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
 
 
 def _trainable(model, train: str) -> list[torch.nn.Parameter]:

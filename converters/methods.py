@@ -52,7 +52,9 @@ def rotated_components(w: AttentionWeights, config, stats: LayerStats, context: 
         energy, vectors = torch.linalg.eigh(weight[:, None] * c * weight[None, :])
         sensitivity = 2 * (1 - torch.sinc(torch.tensor(theta[i] * context / torch.pi, dtype=torch.float64)))
         for e, vec in zip(energy.tolist(), vectors.t()):  # k^ = vec^H W^1/2 k,  k = W^-1/2 vec k^
-            scored.append((e * float(sensitivity), RopeComponent(i, vec.conj() * weight, vec / weight)))
+            mix, back = vec.conj() * weight, vec / weight
+            size = mix.abs().norm()  # mix of unit norm: k^ at the scale of the source's keys (back x size: exact)
+            scored.append((e * float(sensitivity), RopeComponent(i, mix / size, back * size)))
     scored.sort(key=lambda item: -item[0])
     return scored
 
@@ -98,7 +100,7 @@ def plan_layer(method: str, w: AttentionWeights, config, stats: LayerStats, rope
     """The RoPE components and the full latent basis of one layer by `method`; context: L of the RoPE sensitivity.
 
     frequencies: keep the best component of each of these frequencies (a stock DeepSeek RoPE key has one per
-    frequency) instead of the best rope_dim/2 components overall. ranked: ranked_components(...) when the caller
+    frequency; a repeated frequency takes its next best) instead of the best rope_dim/2 components overall. ranked: ranked_components(...) when the caller
     already has it."""
     if method not in MLA_METHODS:
         raise ValueError(f"method={method!r} is not one of {MLA_METHODS}")
@@ -109,8 +111,10 @@ def plan_layer(method: str, w: AttentionWeights, config, stats: LayerStats, rope
         raise ValueError(f"rope_dim={rope_dim} exceeds the {2 * len(ranked)} RoPE dims of all KV heads")
     if frequencies is None:
         components = ranked[: rope_dim // 2]
-    else:
-        components = [next(c for c in ranked if c.freq == f) for f in frequencies]
+    else:  # a multiset: each entry takes the best component of its frequency not taken yet
+        components, free = [], list(ranked)
+        for f in frequencies:
+            components.append(free.pop(next(j for j, c in enumerate(free) if c.freq == f)))
     components.sort(key=lambda c: c.freq)
     stacked = stacked_kv(w, config, components)  # [W_K_nope; W_V] (d_nope = d_h): the map the latent factors
     if method == "mha2mla":
@@ -126,7 +130,17 @@ def lift_plan(plan: LatentPlan, w: AttentionWeights, config, kv_lora_rank: int):
     """(state dict, config fields) of one MLA layer keeping the plan's top `kv_lora_rank` latent directions."""
     if kv_lora_rank > len(plan.energy):
         raise ValueError(f"kv_lora_rank={kv_lora_rank} exceeds the rank of [W_K_nope; W_V] ({len(plan.energy)})")
-    return lift_mla(w, config, plan.components, plan.up[:, :kv_lora_rank], down=plan.down[:kv_lora_rank])
+    up, down = balanced(plan.up[:, :kv_lora_rank], plan.down[:kv_lora_rank])
+    return lift_mla(w, config, plan.components, up, down=down)
+
+
+def balanced(up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(up / s, s down) with s_j = sqrt(|up_:j| / |down_j:|): the same map up @ down, each latent direction's
+    down row and up column of equal norm. The whitened basis leaves latent rows far larger than the RoPE key rows
+    beside them in kv_a_proj (SmolLM2: RMS ~70 vs ~0.3), which gradient steps (reconstruction, healing) cannot
+    serve with one step size."""
+    s = (up.norm(dim=0) / down.norm(dim=1).clamp_min(1e-300)).sqrt()
+    return up / s, down * s[:, None]
 
 
 def mla_layer(method: str, w: AttentionWeights, config, stats: LayerStats, kv_lora_rank: int, rope_dim: int,

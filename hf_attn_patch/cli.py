@@ -320,7 +320,21 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--calib-samples", type=_positive_int)
     cv.add_argument("--calib-len", type=_positive_int)
     cv.add_argument("--heal-steps", type=int, help="distillation steps from the source after conversion (default 0)")
-    cv.add_argument("--heal-lr", type=float, help="healing learning rate (default 1e-4)")
+    cv.add_argument("--propagate", action="store_true", default=None,
+                    help="recompute each layer's closed form from the statistics of the converted layers before it "
+                    "(kept per layer where it lowers the held-in error; measured no better than plain: off by default)")
+    cv.add_argument("--reconstruct-steps", type=int, default=200,
+                    help="Adam steps fitting each converted attention layer's output to the source's, layer by layer "
+                    "(default 200; 0: closed form only). stories260k MLA 25%%: perplexity 33.5 -> 8.9 (BENCHMARKS.md)")
+    cv.add_argument("--reconstruct-lr", type=float, help="reconstruction step, a fraction of each weight's RMS (default 0.03)")
+    cv.add_argument("--reconstruct-target", choices=["source", "local"],
+                    help="fit to the source layer on the source's inputs (default) or on the converted prefix's")
+    cv.add_argument("--heal-lr", type=lambda v: v if v == "auto" else float(v),
+                    help="healing learning rate, or auto (default): a short range test on held-in windows")
+    cv.add_argument("--heal-data", choices=["calib", "teacher", "mix"],
+                    help="healing text: the calibration text (default), samples from the source model, or both")
+    cv.add_argument("--heal-held-in", type=_positive_int,
+                    help="windows held out of healing; the best state on them is returned (default 4)")
     cv.add_argument("--heal-batch-size", type=_positive_int, help="windows per healing step (default 4)")
     cv.add_argument("--heal-train", choices=["attention", "all"], help="what healing updates (default attention)")
     cv.add_argument("--checkpoint-dir", help="save the healing state here (with --checkpoint-every N)")

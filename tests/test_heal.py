@@ -12,7 +12,7 @@ from hf_attn_patch.attention import MultiHeadLatentAttention
 from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.evaluate import evaluate, windows_of
-from hf_attn_patch.converters.heal import heal
+from hf_attn_patch.converters.heal import AUTO_LRS, heal, sample_from_teacher
 from hf_attn_patch.models import load_default
 
 
@@ -159,3 +159,46 @@ def test_two_process_data_parallel_healing_equals_one_process_with_twice_the_bat
         # order differs, a relative eps 1.2e-7 per gradient; Adam normalizes updates to ~lr 1e-3, so 3 steps move
         # a weight by <= 3e-3 with a relative error well under 1e-3: <= 1e-5 (measured <= 2.5e-7)
         torch.testing.assert_close(x, y, atol=1e-5, rtol=0, msg=name)  # measured <= 2.5e-7 (reduction order)
+
+
+def test_a_diverging_run_returns_its_start(setup):
+    source, out, train, held_out = setup
+    student = AutoModelForCausalLM.from_pretrained(out).eval()
+    start = {n: p.detach().clone() for n, p in student.named_parameters()}
+    result = heal(student, source, train[:-2], steps=4, lr=10.0, held_in=train[-2:], eval_every=1, progress=False)
+    assert result.held_in[0][0] == 0 and all(kl > result.held_in[0][1] for _, kl in result.held_in[1:])
+    assert result.best_step == 0
+    for name, p in student.named_parameters():
+        assert torch.equal(p, start[name]), name
+
+
+def test_auto_lr_range_test_and_best_state(setup):
+    source, out, train, _ = setup
+    student = AutoModelForCausalLM.from_pretrained(out).eval()
+    result = heal(student, source, train[:-2], steps=4, lr="auto", held_in=train[-2:], probe=1, progress=False)
+    assert set(result.range_test) == set(AUTO_LRS) and result.lr == min(result.range_test, key=result.range_test.get)
+    kls = dict(result.held_in)
+    assert kls[result.best_step] == min(kls.values()) <= kls[0]
+    with pytest.raises(ValueError, match="lr='auto' needs held_in"):
+        heal(student, source, train, steps=1, lr="auto")
+
+
+def test_teacher_samples_are_reproducible(stories, one_torch_thread):
+    model, tokenizer = stories
+    prompts = calibration_windows(read_calibration_text(None), tokenizer, 3, 8)
+    a = sample_from_teacher(model, prompts, 24, seed=1)
+    b = sample_from_teacher(model, prompts, 24, seed=1)
+    c = sample_from_teacher(model, prompts, 24, seed=2)
+    assert a.shape == (3, 24) and torch.equal(a[:, :8], prompts)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert not (a[:, 8:] == model.config.eos_token_id).any()
+    with pytest.raises(ValueError, match="prompt length 8"):
+        sample_from_teacher(model, prompts, 8)
+
+
+def test_convert_heals_on_teacher_samples_and_writes_the_curve(tmp_path, one_torch_thread):
+    report = convert("default", tmp_path / "o", to="mqa", method="pca", heal_steps=3, heal_data="mix",
+                     heal_batch_size=2, heal_held_in=2, calib_samples=4, calib_len=64)  # fmt: skip
+    heal_report = report["heal"]
+    assert heal_report["data"] == "mix" and heal_report["windows"] == 3 * 2 * 2 and heal_report["held_in_windows"] == 2
+    assert heal_report["lr"] in AUTO_LRS and (tmp_path / "o" / "heal_curve.png").stat().st_size > 1000

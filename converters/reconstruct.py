@@ -1,0 +1,259 @@
+"""Layer by layer after the closed form: propagated calibration and one-shot reconstruction of each attention layer.
+
+The converted model is walked one decoder layer at a time on the calibration windows, its residual stream
+H'_l [n, T, D] carried from layer to layer (one full forward in all, never a backward through the model):
+    X'_l = the converted layer l's attention input (after its norm), computed from H'_l: the converted prefix < l;
+    propagated calibration: the closed form of layer l is recomputed from statistics of X'_l (GPTQ's sequential
+        mode), so the layer's fit sees the error of the layers before it; kept only if it lowers the held-in error;
+    reconstruction: every weight of the converted attention layer (MLA: q, the latent down/up projections and the
+        RoPE key, o; GQA: q, the merged k / v, o) is fitted by Adam to
+            min E ||A'_l(X'_l) - Y_l||^2 / E ||Y_l||^2,  Y_l = A_l(X_l) (target "source": the source layer on the
+            source's own inputs, so the fit absorbs the prefix's error) or A_l(X'_l) (target "local"),
+        A the true attention (softmax, RoPE, causal mask) of the module itself; the state with the lowest error on
+        the held-in windows (the last `held_in` share of the calibration windows, never trained on) is kept, the
+        closed form counting as step 0, so a layer never leaves worse on held-in data than it came.
+Only one layer's weights train at a time, in float32 (a bf16 model's layer is upcast for its fit, then cast back).
+Memory beyond the two models: H', X', Y (and H, X for target "source"): 5 x n x T x D floats.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..models.architectures import architecture_of
+from .calibration import LayerStats, stats_of_inputs
+from .exact import stock_attention_layers
+
+logger = logging.getLogger(__name__)
+
+TARGETS = ("source", "local")
+Relift = Callable[[str, LayerStats], dict]  # (layer name, propagated stats) -> the layer's new state dict
+
+
+@dataclass
+class LayerFit:
+    """What happened to one layer; errors are held-in relative output errors E||A'(X') - Y||^2 / E||Y||^2."""
+
+    layer: str
+    closed_form_error: float  # the closed form from the source's statistics
+    propagated_error: float | None  # the closed form from the converted prefix's statistics (None: not tried)
+    propagated_kept: bool
+    error: float  # what the layer leaves with
+    best_step: int  # 0: the closed form was kept
+    seconds: float
+    cpu_seconds: float
+
+
+class _Stop(Exception):
+    """Raised by a capture hook: the rest of the forward is not needed."""
+
+
+def sequential(source: nn.Module, new: nn.Module, windows: torch.Tensor, *, relift: Relift | None = None,
+               steps: int = 0, lr: float = 1e-2, batch_size: int = 4, held_in: float = 0.25, target: str = "source",
+               progress: bool = True) -> list[LayerFit]:  # fmt: skip
+    """Propagate (relift != None) and / or reconstruct (steps > 0) every converted attention layer of `new` in place.
+
+    windows: calibration tokens [n, T], n >= 2 (the last max(1, round(n * held_in)) are held in);
+    lr: Adam's step as a fraction of each weight tensor's RMS (scale-free, so one default serves any model).
+    """
+    if target not in TARGETS:
+        raise ValueError(f"target={target!r} is not one of {TARGETS}")
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise ValueError(f"steps={steps!r} must be a non-negative integer")
+    if not lr > 0:
+        raise ValueError(f"lr={lr!r} must be positive")
+    if not 0 < held_in < 1:
+        raise ValueError(f"held_in={held_in!r} must be a fraction in (0, 1)")
+    if len(windows) < 2:
+        raise ValueError(f"{len(windows)} calibration window(s): reconstruction needs at least 2 (one held in)")
+    names = list(stock_attention_layers(source))
+    arch = architecture_of(source.config)
+    held = max(1, round(len(windows) * held_in))
+    train_idx, held_idx = torch.arange(len(windows) - held), torch.arange(len(windows) - held, len(windows))
+    device = next(new.parameters()).device
+    windows = windows.to(device)
+    h_new, layer_kw = _first_layer_inputs(new, names[0], windows, batch_size)
+    h_src, src_layer_kw = _first_layer_inputs(source, names[0], windows, batch_size)  # the source's positions
+    fits = []
+    for name in tqdm(names, desc="reconstruct" if steps else "propagate", disable=not progress):
+        started, cpu_started = time.perf_counter(), time.process_time()
+        block_new, attn_new = new.get_submodule(_parent(name)), new.get_submodule(name)
+        block_src, attn_src = source.get_submodule(_parent(name)), source.get_submodule(name)
+        x_new, attn_kw = _attention_inputs(block_new, attn_new, h_new, layer_kw, batch_size)
+        if target == "source":
+            x_src, src_attn_kw = _attention_inputs(block_src, attn_src, h_src, src_layer_kw, batch_size)
+        else:
+            x_src, src_attn_kw = x_new, _attention_inputs(block_src, attn_src, h_src[:1], src_layer_kw, 1)[1]
+        y = _outputs(attn_src, x_src, src_attn_kw, batch_size)
+        closed = _error(attn_new, x_new[held_idx], y[held_idx], attn_kw, batch_size)
+        propagated, kept = None, False
+        if relift is not None:
+            saved = _clone_state(attn_new)
+            stats = stats_of_inputs(x_new[train_idx], arch.split_heads(attn_src), source.config)
+            attn_new.load_state_dict(relift(name, stats))
+            propagated = _error(attn_new, x_new[held_idx], y[held_idx], attn_kw, batch_size)
+            kept = propagated < closed
+            if not kept:
+                attn_new.load_state_dict(saved)
+        error, best_step = min(closed, propagated if kept else closed), 0
+        if steps:
+            error, best_step = _fit(attn_new, x_new, y, attn_kw, train_idx, held_idx, steps, lr, batch_size, error)
+        fits.append(LayerFit(name, closed, propagated, kept, error, best_step, time.perf_counter() - started,
+                             time.process_time() - cpu_started))  # fmt: skip
+        logger.info("%s: held-in error %.4g (closed form) -> %.4g%s", name, closed, error,
+                    f" (propagated {propagated:.4g}, {'kept' if kept else 'not kept'})" if propagated is not None else "")  # fmt: skip
+        h_new = _run_block(block_new, h_new, layer_kw, batch_size)
+        if target == "source":
+            h_src = _run_block(block_src, h_src, src_layer_kw, batch_size)
+    return fits
+
+
+def summary(fits: list[LayerFit]) -> dict:
+    """For the conversion report: per-layer errors, and the mean error before / after."""
+    mean = lambda xs: float(sum(xs) / len(xs))  # noqa: E731
+    return {"layers": [asdict(f) for f in fits],
+            "mean_closed_form_error": mean([f.closed_form_error for f in fits]),
+            "mean_error": mean([f.error for f in fits]),
+            "propagated_kept": sum(f.propagated_kept for f in fits),
+            "seconds": round(sum(f.seconds for f in fits), 2),
+            "cpu_seconds": round(sum(f.cpu_seconds for f in fits), 2)}  # fmt: skip
+
+
+def _fit(attn, x, y, kw, train_idx, held_idx, steps, lr, batch_size, start_error) -> tuple[float, int]:
+    """Adam on every weight of `attn` (float32), cosine-decayed; returns (best held-in error, its step)."""
+    dtype = next(attn.parameters()).dtype
+    attn.float()
+    params = [p for p in attn.parameters()]
+    flags = [p.requires_grad for p in params]
+    for p in params:
+        p.requires_grad_(True)
+    groups = [{"params": [p], "lr": lr * float(p.detach().pow(2).mean().sqrt().clamp_min(1e-8))} for p in params]
+    opt = torch.optim.Adam(groups)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    energy = float(y[train_idx].float().pow(2).mean())
+    best, best_step, best_state = start_error, 0, _clone_state(attn)
+    check_every = max(1, steps // 10)
+    generator = torch.Generator().manual_seed(0)
+    order = torch.empty(0, dtype=torch.long)
+    for step in range(1, steps + 1):
+        if len(order) < batch_size:
+            order = torch.cat((order, train_idx[torch.randperm(len(train_idx), generator=generator)]))
+        idx, order = order[:batch_size], order[batch_size:]
+        with torch.enable_grad():
+            out = attn(x[idx].float(), **kw)[0]
+            loss = (out - y[idx].float()).pow(2).mean() / energy
+            loss.backward()
+        opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+        if step % check_every == 0 or step == steps:
+            error = _error(attn, x[held_idx], y[held_idx], kw, batch_size)
+            if error < best:
+                best, best_step, best_state = error, step, _clone_state(attn)
+    attn.load_state_dict(best_state)
+    for p, flag in zip(params, flags):
+        p.requires_grad_(flag)
+    attn.to(dtype)
+    return best, best_step
+
+
+@torch.no_grad()
+def _error(attn, x, y, kw, batch_size) -> float:
+    """E||A'(x) - y||^2 / E||y||^2 over the windows of x [m, T, D] (in float32 when the layer is)."""
+    dtype = next(attn.parameters()).dtype
+    num = den = 0.0
+    for s in range(0, len(x), batch_size):
+        out = attn(x[s : s + batch_size].to(dtype), **kw)[0].float()
+        num += float((out - y[s : s + batch_size].float()).pow(2).sum())
+        den += float(y[s : s + batch_size].float().pow(2).sum())
+    return num / max(den, 1e-300)
+
+
+@torch.no_grad()
+def _outputs(attn, x, kw, batch_size) -> torch.Tensor:
+    return torch.cat([attn(x[s : s + batch_size], **kw)[0] for s in range(0, len(x), batch_size)])
+
+
+def _parent(name: str) -> str:
+    return name.rsplit(".", 1)[0]
+
+
+def _clone_state(module) -> dict:
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+@torch.no_grad()
+def _first_layer_inputs(model, attn_name: str, windows, batch_size) -> tuple[torch.Tensor, dict]:
+    """(residual stream entering the first decoder layer [n, T, D], that layer's other arguments, as given for a
+    batch of one and broadcast over any batch: masks, positions, rotary embeddings)."""
+    block = model.get_submodule(_parent(attn_name))
+    hidden, kwargs = [], {}
+
+    def hook(module, args, kw):
+        hidden.append(args[0] if args else kw["hidden_states"])
+        if not kwargs:
+            kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
+            if len(args) > 1:
+                raise ValueError(f"{type(module).__name__} takes positional arguments beside the hidden states")
+        raise _Stop
+
+    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for s in range(0, len(windows), batch_size):
+            try:
+                model(windows[s : s + batch_size], use_cache=False)
+            except _Stop:
+                pass
+        try:  # the arguments for a batch of one, so they broadcast over any batch size
+            kwargs.clear()
+            model(windows[:1], use_cache=False)
+        except _Stop:
+            pass
+    finally:
+        handle.remove()
+    return torch.cat(hidden[:-1]), kwargs
+
+
+@torch.no_grad()
+def _attention_inputs(block, attn, h, layer_kw, batch_size) -> tuple[torch.Tensor, dict]:
+    """(the attention module's inputs [n, T, D] when `block` runs on h, its other arguments for a batch of one)."""
+    xs, kwargs = [], {}
+
+    def hook(module, args, kw):
+        xs.append(args[0] if args else kw["hidden_states"])
+        if not kwargs:
+            kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
+        raise _Stop
+
+    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        for s in range(0, len(h), batch_size):
+            try:
+                block(h[s : s + batch_size], **layer_kw)
+            except _Stop:
+                pass
+        kwargs.clear()
+        try:
+            block(h[:1], **layer_kw)
+        except _Stop:
+            pass
+    finally:
+        handle.remove()
+    return torch.cat(xs[:-1]), kwargs
+
+
+@torch.no_grad()
+def _run_block(block, h, layer_kw, batch_size) -> torch.Tensor:
+    outs = []
+    for s in range(0, len(h), batch_size):
+        out = block(h[s : s + batch_size], **layer_kw)
+        outs.append(out[0] if isinstance(out, tuple) else out)
+    return torch.cat(outs)
