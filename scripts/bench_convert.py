@@ -1,17 +1,18 @@
-"""Zero-shot conversion quality: our methods vs the baselines, same run, same calibration, same evaluation.
+"""Conversion quality: every method, closed form and reconstructed, one-shot and healed, in one run.
 
-    .venv/bin/python scripts/bench_convert.py [--quick] [--out bench_convert.png]
+    .venv/bin/python scripts/bench_convert.py [--quick] [--reconstruct-steps 200] [--heal-steps N] [--out bench_convert.png]
 
-For each model and target: perplexity and mean KL(source || converted) per token on held-out text, KV bytes per
-token (fp16, all layers), conversion wall time and the process's peak RSS so far. Calibration: the package corpus
-(TinyStories sample, first 16 x 256 tokens) for both models. Evaluation: stories260k on the last 60,000 characters
-of the TinyStories sample (never calibrated on); SmolLM2-135M on the first 200,000 characters of WikiText-2 test,
-4 windows of 512 tokens. Then the same fixed healing budget for every target of a model (KL distillation from the
-source on the first 120,000 characters of the calibration text, attention weights only, AdamW with warmup and
-cosine decay): stories260k 100 steps of 4 x 256 tokens, the best of lr 1e-5 / 1e-4 / 1e-3 by held-out perplexity (a
-close start wants a small step, a far one a large); SmolLM2-135M 50 steps of 2 x 256 tokens at lr 1e-4.
-The "(deepseek_v3)" rows are the same calibrated conversion exported as a stock DeepSeek-V3 model (fitted latent
-norm, stride-matched RoPE frequencies). Writes a PNG of perplexity vs KV bytes. --quick: stories260k only.
+For each model and target: perplexity on two evaluation texts that are never calibrated or healed on, mean KL(source
+|| converted) per token on the first, KV bytes per token (fp16, all layers), conversion wall and CPU time
+(time.process_time of this process: on a shared machine the wall time is noise, the CPU time less so).
+Calibration (all methods, and the choice of every setting): the package corpus (TinyStories sample, first 16 x 256
+tokens). Evaluation: stories260k on the last 60,000 characters of the TinyStories sample (8 x 256 tokens) and on
+tinyshakespeare (first 100,000 characters, 8 x 256); SmolLM2-135M on WikiText-2 test (first 200,000 characters, 4 x
+512) and tinyshakespeare (4 x 512). Rows per target: each closed-form method, then the default method with
+layer-by-layer reconstruction (`reconstruct_steps`, the CLI default). Healing (--heal-steps, default 100 / 50):
+from the reconstructed start, KL distillation on a mix of the source's own samples and calibration text, lr "auto"
+(range test on held-in calibration windows), best held-in state kept: convert()'s own healing path.
+Writes a PNG of perplexity vs KV bytes and the rows as JSON beside it. --quick: stories260k only.
 """
 
 from __future__ import annotations
@@ -26,104 +27,104 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
-from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.converters.convert import convert, load_source
 from hf_attn_patch.converters.evaluate import evaluate, windows_of
-from hf_attn_patch.converters.heal import heal
 from hf_attn_patch.kv_memory import kv_cache_bytes
 
 CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"
-
-DEEPSEEK = dict(format="deepseek_v3")  # the stock DeepSeek-V3 export of the same conversion (latent norm fitted)
+METHODS = {"gqa": ("mean", "aligned", "pca"), "mla": ("mha2mla", "calibrated")}
+DEFAULT = {"gqa": "pca", "mla": "calibrated"}
 TARGETS = {
-    "default": [
-        *(("GQA 4->2", dict(to="gqa", kv_heads=2, method=m)) for m in ("mean", "aligned", "pca")),
-        *(("MQA 4->1", dict(to="mqa", method=m)) for m in ("mean", "aligned", "pca")),
-        ("MLA 50%", dict(to="mla", kv_budget=0.5, method="mha2mla")),
-        ("MLA 50%", dict(to="mla", kv_budget=0.5, method="calibrated")),
-        ("MLA 50%", dict(to="mla", kv_budget=0.5, method="calibrated", **DEEPSEEK)),
-        ("MLA 25%", dict(to="mla", kv_budget=0.25, method="mha2mla")),
-        ("MLA 25%", dict(to="mla", kv_budget=0.25, method="calibrated")),
-        ("MLA 25%", dict(to="mla", kv_budget=0.25, method="calibrated", **DEEPSEEK)),
-    ],
-    "smollm2": [
-        *(("MQA 3->1", dict(to="mqa", method=m)) for m in ("mean", "aligned", "pca")),
-        ("MLA 50%", dict(to="mla", kv_budget=0.5, method="mha2mla")),
-        ("MLA 50%", dict(to="mla", kv_budget=0.5, method="calibrated")),
-        ("MLA 50%", dict(to="mla", kv_budget=0.5, method="calibrated", **DEEPSEEK)),
-        ("MLA 25%", dict(to="mla", kv_budget=0.25, method="mha2mla")),
-        ("MLA 25%", dict(to="mla", kv_budget=0.25, method="calibrated")),
-        ("MLA 12.5%", dict(to="mla", kv_budget=0.125, method="mha2mla")),
-        ("MLA 12.5%", dict(to="mla", kv_budget=0.125, method="calibrated")),
-    ],
-}
+    "default": [("GQA 4->2", dict(to="gqa", kv_heads=2)), ("MQA 4->1", dict(to="mqa")),
+                ("MLA 50%", dict(to="mla", kv_budget=0.5)), ("MLA 25%", dict(to="mla", kv_budget=0.25))],
+    "smollm2": [("MQA 3->1", dict(to="mqa")), ("MLA 50%", dict(to="mla", kv_budget=0.5)),
+                ("MLA 25%", dict(to="mla", kv_budget=0.25)), ("MLA 12.5%", dict(to="mla", kv_budget=0.125))],
+}  # fmt: skip
+HEAL = {"default": (100, 4), "smollm2": (50, 2)}  # steps, windows per step
 
 
-HEALING = {  # model -> (steps, batch, learning rates tried): the same budget for every target of a model
-    "default": (100, 4, (1e-5, 1e-4, 1e-3)),  # a close start wants a small step, a far one a large: best of three
-    "smollm2": (50, 2, (1e-4,)),  # 2 cores: one rate
-}
-
-
-def eval_windows(name: str, tokenizer) -> torch.Tensor:
+def eval_sets(name: str, tokenizer) -> dict[str, torch.Tensor]:
+    shakespeare = (CORPORA / "tinyshakespeare.txt").read_text()[:100_000]
     if name == "default":
-        text = (CORPORA / "tinystories_sample.txt").read_text()[-60_000:]
-        return windows_of(text, tokenizer, ctx=256, max_tokens=2048)
-    text = (CORPORA / "wikitext2_test.txt").read_text()[:200_000]
-    return windows_of(text, tokenizer, ctx=512, max_tokens=4 * 512)
+        stories = (CORPORA / "tinystories_sample.txt").read_text()[-60_000:]
+        return {"stories": windows_of(stories, tokenizer, 256, 2048), "shakespeare": windows_of(shakespeare, tokenizer, 256, 2048)}
+    wiki = (CORPORA / "wikitext2_test.txt").read_text()[:200_000]
+    return {"wikitext2": windows_of(wiki, tokenizer, 512, 2048), "shakespeare": windows_of(shakespeare, tokenizer, 512, 2048)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--reconstruct-steps", type=int, default=200)
+    parser.add_argument("--heal-steps", type=int, help="default: 100 (stories260k) / 50 (SmolLM2); 0: no healing")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".png")), help="PNG of perplexity vs KV bytes")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the rows saved next to it")
     args = parser.parse_args()
     rows_file = Path(args.out).with_suffix(".json")
     if args.plot_only:
-        _plot([tuple(r) for r in json.loads(rows_file.read_text())], args.out)  # rows: ..., healed, lr
+        _plot(json.loads(rows_file.read_text()), args.out)
         return
     torch.set_num_threads(2)
     rows = []
     for name in ["default"] if args.quick else ["default", "smollm2"]:
         source, tokenizer = load_source(name)
-        windows = eval_windows(name, tokenizer)
-        heal_steps, heal_batch, heal_lrs = HEALING[name]
-        heal_windows = calibration_windows(read_calibration_text(None)[:120_000], tokenizer, 64, 256)
-        base = evaluate(source, windows, progress=False)
-        base_bytes = kv_cache_bytes(source.config, 1)
+        sets = eval_sets(name, tokenizer)
+        first = next(iter(sets))
         label = "stories260k" if name == "default" else "SmolLM2-135M"
-        rows.append((label, "source", "-", base_bytes, base.perplexity, 0.0, 0.0, None, None))
-        print(f"{label}: source perplexity {base.perplexity:.2f}, {base_bytes} KV bytes/token (fp16)", flush=True)
+        base = {k: evaluate(source, w, progress=False).perplexity for k, w in sets.items()}
+        rows.append(dict(model=label, target="source", method="-", kv=kv_cache_bytes(source.config, 1), ppl=base,
+                         kl=0.0, wall=0.0, cpu=0.0, healed=None))  # fmt: skip
+        print(f"{label}: source {base}", flush=True)
+        steps, batch = HEAL[name]
+        steps = steps if args.heal_steps is None else args.heal_steps
         for target, options in TARGETS[name]:
-            with tempfile.TemporaryDirectory() as tmp:
-                start = time.perf_counter()
-                report = convert(name, Path(tmp) / "out", **options)
-                seconds = time.perf_counter() - start
-                converted = AutoModelForCausalLM.from_pretrained(Path(tmp) / "out").eval()
-                result = evaluate(converted, windows, reference=source, progress=False)
-                healed = {}
-                for lr in heal_lrs:
-                    student = AutoModelForCausalLM.from_pretrained(Path(tmp) / "out").eval()
-                    heal(student, source, heal_windows, steps=heal_steps, lr=lr, batch_size=heal_batch, progress=False)
-                    healed[lr] = evaluate(student, windows, progress=False).perplexity
-            best_lr = min(healed, key=healed.get)
-            after = report["kv_bytes_per_token_fp16"]["after"]
-            method = options["method"] + (" (deepseek_v3)" if options.get("format") == "deepseek_v3" else "")
-            if "deepseek_v3" in report:
-                print(f"  deepseek_v3 export: KL to the native conversion {report['deepseek_v3']['kl_to_native_per_token']:.4f}")
-            rows.append((label, target, method, after, result.perplexity, result.kl_to_reference, seconds,
-                         healed[best_lr], best_lr))  # fmt: skip
-            print(f"  {target:<10} {method:<11} {after:>6} B  ppl {result.perplexity:>10.2f}  "
-                  f"KL {result.kl_to_reference:6.3f}  {seconds:5.1f} s  healed ppl {healed[best_lr]:>9.2f} "
-                  f"(lr {best_lr:g}; all: {healed})  peak RSS {report['peak_rss_mb']} MB", flush=True)  # fmt: skip
-    print("\n| model | target | method | KV B/token | perplexity | KL to source | convert s | healed perplexity (lr) |")
-    print("|---|---|---|---:|---:|---:|---:|---:|")
-    for label, target, method, kv, ppl, kl, seconds, healed, lr in rows:
-        healed_text = "-" if healed is None else f"{healed:.2f} ({lr:g})"
-        print(f"| {label} | {target} | {method} | {kv} | {ppl:.2f} | {kl:.3f} | {seconds:.1f} | {healed_text} |")
+            family = "mla" if options["to"] == "mla" else "gqa"
+            runs = [(m, dict(method=m)) for m in METHODS[family]]
+            runs.append((f"{DEFAULT[family]} + reconstruction", dict(method=DEFAULT[family],
+                                                                     reconstruct_steps=args.reconstruct_steps)))
+            for method, extra in runs:
+                healing = steps and "reconstruction" in method
+                row = _run(name, {**options, **extra}, sets, source, first, dict(heal_steps=steps, heal_batch_size=batch,
+                           heal_data="mix") if healing else None)  # fmt: skip
+                rows.append(dict(model=label, target=target, method=method, **row))
+                print(f"  {target:<9} {method:<26} {row['kv']:>6} B  ppl {_fmt(row['ppl'])}  KL {row['kl']:.3f}  "
+                      f"{row['wall']:.0f} s wall / {row['cpu']:.0f} s CPU" + (f"  healed {_fmt(row['healed'])} (lr "
+                      f"{row['heal_lr']:g}, {row['heal_cpu']:.0f} s CPU)" if row["healed"] else ""), flush=True)  # fmt: skip
+    names = sorted({k for r in rows for k in r["ppl"]}, key=lambda k: k != "stories" and k != "wikitext2")
+    print("\n| model | target | method | KV B/token | " + " | ".join(f"ppl {k}" for k in names)
+          + " | KL | convert wall / CPU s | healed ppl (lr, CPU s) |")
+    print("|---|---|---|---:|" + "---:|" * len(names) + "---:|---:|---:|")
+    for r in rows:
+        healed = "-" if not r["healed"] else f"{_fmt(r['healed'])} ({r['heal_lr']:g}, {r['heal_cpu']:.0f})"
+        print(f"| {r['model']} | {r['target']} | {r['method']} | {r['kv']} | "
+              + " | ".join(f"{r['ppl'].get(k, float('nan')):.2f}" for k in names)
+              + f" | {r['kl']:.3f} | {r['wall']:.0f} / {r['cpu']:.0f} | {healed} |")  # fmt: skip
     rows_file.write_text(json.dumps(rows, indent=1))
     _plot(rows, args.out)
+
+
+def _fmt(ppl: dict) -> str:
+    return " / ".join(f"{v:.2f}" for v in ppl.values())
+
+
+def _run(name, options, sets, source, first, heal) -> dict:
+    """Convert (one-shot), evaluate; with `heal`, convert again with healing from the same start and evaluate."""
+    with tempfile.TemporaryDirectory() as tmp:
+        wall, cpu = time.perf_counter(), time.process_time()
+        report = convert(name, Path(tmp) / "out", **options)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "out").eval()
+        ppl = {k: evaluate(model, w, progress=False).perplexity for k, w in sets.items()}
+        kl = evaluate(model, sets[first], reference=source, progress=False).kl_to_reference
+        row = dict(kv=report["kv_bytes_per_token_fp16"]["after"], ppl=ppl, kl=kl, wall=wall, cpu=cpu, healed=None)
+        if heal:
+            heal_cpu = time.process_time()
+            healed_report = convert(name, Path(tmp) / "healed", **options, **heal)
+            healed = AutoModelForCausalLM.from_pretrained(Path(tmp) / "healed").eval()
+            row.update(healed={k: evaluate(healed, w, progress=False).perplexity for k, w in sets.items()},
+                       heal_lr=healed_report["heal"]["lr"], heal_cpu=time.process_time() - heal_cpu - cpu,
+                       heal_best_step=healed_report["heal"]["best_step"])  # fmt: skip
+    return row
 
 
 def _plot(rows, path: str) -> None:
@@ -132,23 +133,23 @@ def _plot(rows, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({r[0] for r in rows})
+    models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
+    colors = dict(zip(["mean", "aligned", "pca", "mha2mla", "calibrated", "pca + reconstruction",
+                       "calibrated + reconstruction"], ["tab:orange", "tab:blue", "tab:purple", "tab:green", "tab:red",
+                                                         "tab:pink", "tab:brown"]))  # fmt: skip
     for ax, model in zip(axes[0], models):
-        styles = (("source", "*", "black"), ("mean", "s", "tab:orange"), ("aligned", "D", "tab:blue"),
-                  ("pca", "P", "tab:purple"), ("mha2mla", "o", "tab:green"), ("calibrated", "^", "tab:red"),
-                  ("calibrated (deepseek_v3)", "v", "tab:brown"))  # fmt: skip
-        for method, marker, color in styles:
-            mine = [r for r in rows if r[0] == model and (r[2] == method or r[1] == method)]
-            pts = [(r[3], r[4]) for r in mine]
+        mine = [r for r in rows if r["model"] == model]
+        first = next(iter(mine[0]["ppl"]))
+        ax.axhline(mine[0]["ppl"][first], color="black", linestyle="--", label="source")
+        for method, color in colors.items():
+            pts = sorted((r["kv"], r["ppl"][first]) for r in mine if r["method"] == method)
             if pts:
-                ax.plot(*zip(*sorted(pts)), marker=marker, color=color, linestyle="-" if len(pts) > 1 else "",
-                        label=method)  # fmt: skip
-            healed = [(r[3], r[7]) for r in mine if r[7] is not None]
+                ax.plot(*zip(*pts), marker="o", color=color, label=method)
+            healed = sorted((r["kv"], r["healed"][first]) for r in mine if r["method"] == method and r["healed"])
             if healed:
-                ax.plot(*zip(*sorted(healed)), marker=marker, color=color, linestyle=":", fillstyle="none",
-                        label=f"{method}, healed")  # fmt: skip
-        ax.set(xlabel="KV cache bytes per token (fp16, all layers)", ylabel="perplexity (zero-shot, and healed: dotted)", title=model)
+                ax.plot(*zip(*healed), marker="*", color=color, linestyle=":", label=f"{method}, healed")
+        ax.set(xlabel="KV cache bytes per token (fp16, all layers)", ylabel=f"perplexity ({first})", title=model)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
