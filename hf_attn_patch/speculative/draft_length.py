@@ -2,14 +2,14 @@
 
 Row b accepts each draft token with probability a_b (estimated online, recent rounds weigh more), so a round with
 draft length k emits E_b(k) = 1 + a_b + ... + a_b^k tokens for that row. A round costs
-t(k) = v0 + v1 * k + d * k: verifying k + 1 tokens (a line through the mean verification time of each k seen so
-far; until two k's are seen, each extra token is assumed to add 10% of a round) plus drafting, d seconds per draft
-token (measured on its own). Both are kept per k / per token, so rounds without drafts do not erase what drafting
-costs. We pick k* = argmax_k sum_b E_b(k) / t(k) over 0..max_length, where k = 0 is plain decoding, so a drafter
+t(k) = v(k) + d * k: verifying k + 1 tokens (the mean verification time of k where seen, else a line v0 + v1 k
+through those means, until two k's are seen assuming each extra token adds 10% of a round; made non-decreasing in
+k) plus drafting, d seconds per draft token (measured on its own). Both are kept per k / per token, so rounds
+without drafts do not erase what drafting costs. We pick k* = argmax_k sum_b E_b(k) / t(k) over 0..max_length, where k = 0 is plain decoding, so a drafter
 that is rarely right or too slow costs little. While k* = 0, a k = 1 probe keeps the estimates fresh;
 the gap between probes (16 rounds) doubles, up to 64, each time a probe accepts nothing, and is never shorter than
-what keeps probing within PROBE_BUDGET of the time: a probe costs (v1 + d) / v0 rounds more than a plain one
-(on a CPU, where verifying a second token per row can cost nearly a whole round, that is a gap of ~75 rounds).
+what keeps probing within PROBE_BUDGET of the time: a probe costs (v(1) + d - v(0)) / v(0) rounds more than a
+plain one (on a CPU, where verifying a second token per row can cost nearly a whole round, that is a gap of ~75 rounds).
 """
 
 from __future__ import annotations
@@ -46,11 +46,10 @@ class DraftLength:
             return self.max_length
         if not self._evidence:  # no draft verified yet: keep the starting length
             return self.current
-        v0, v1 = self._fit_verify()
         ks = torch.arange(self.max_length + 1, dtype=torch.float64)
         a = self.acceptance().clamp(max=0.999)[:, None]
         emitted = ((1 - a ** (ks + 1)) / (1 - a)).sum(0)  # [K]: expected tokens of the whole batch
-        seconds = (v0 + (v1 + (self._draft_per_token or 0.0)) * ks).clamp(min=1e-9)
+        seconds = (self._verify_seconds(ks) + (self._draft_per_token or 0.0) * ks).clamp(min=1e-9)
         best = int((emitted / seconds).argmax())
         if best > 0:
             self._rounds_at_zero, self._probe_gap = 0, self.probe_every
@@ -86,6 +85,15 @@ class DraftLength:
 
     def _mean(self, old: float | None, new: float) -> float:
         return new if old is None else self.forget * old + (1 - self.forget) * new
+
+    def _verify_seconds(self, ks: torch.Tensor) -> torch.Tensor:
+        """Predicted verification seconds for each k: the measured mean where k was seen, the line elsewhere, made
+        non-decreasing in k (on a CPU the cost jumps at the first extra token per row and then flattens, which a
+        line alone would get wrong for small k)."""
+        v0, v1 = self._fit_verify()
+        line = v0 + v1 * ks
+        measured = torch.tensor([float("nan") if t is None else t for t in self._verify], dtype=torch.float64)
+        return torch.where(measured.isnan(), line, measured).cummax(0).values
 
     def _fit_verify(self) -> tuple[float, float]:
         """(v0, v1) of verify(k) = v0 + v1 k: least squares through the per-k means seen so far."""
