@@ -128,7 +128,8 @@ def summary(fits: list[LayerFit]) -> dict:
 
 
 def _fit(attn, x, y, kw, train_idx, held_idx, steps, lr, batch_size, start_error) -> tuple[float, int]:
-    """Adam on every weight of `attn` (float32), cosine-decayed; returns (best held-in error, its step)."""
+    """Adam on every weight of `attn` (float32), linear warmup over a tenth of the steps, then cosine decay; returns
+    (best held-in error, its step)."""
     dtype = next(attn.parameters()).dtype
     attn.float()
     params = [p for p in attn.parameters()]
@@ -137,7 +138,9 @@ def _fit(attn, x, y, kw, train_idx, held_idx, steps, lr, batch_size, start_error
         p.requires_grad_(True)
     groups = [{"params": [p], "lr": lr * float(p.detach().pow(2).mean().sqrt().clamp_min(1e-8))} for p in params]
     opt = torch.optim.Adam(groups)
-    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 * (1 + math.cos(math.pi * s / steps)))
+    warmup = max(1, steps // 10)  # Adam's first steps at full size throw a close start away
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     energy = float(y[train_idx].float().pow(2).mean())
     best, best_step, best_state = start_error, 0, _clone_state(attn)
     check_every = max(1, steps // 10)

@@ -23,9 +23,9 @@ def test_reconstruction_lowers_every_layers_output_error(mla25, stories, one_tor
     out, windows = mla25
     source = stories[0]
     model = AutoModelForCausalLM.from_pretrained(out).eval()
-    fits = sequential(source, model, windows, steps=40, progress=False)
+    fits = sequential(source, model, windows, steps=80, progress=False)
     assert len(fits) == source.config.num_hidden_layers
-    for fit in fits:  # measured (40 steps): held-in error 0.31-0.76 -> 0.15-0.59
+    for fit in fits:  # 40 steps (with warmup) measured 0.63 -> 0.50 mean: 80 leave margin
         assert fit.error < 0.95 * fit.closed_form_error, fit
         assert fit.best_step > 0
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
