@@ -62,7 +62,7 @@ class ConvertOptions:
     calib_samples: int = 16
     calib_len: int = 256
     propagate: bool = False  # each layer's closed form recomputed from the converted prefix's statistics (kept if better)
-    reconstruct_steps: int = 0  # Adam steps fitting each converted layer's output (the CLI's default: 200)
+    reconstruct_steps: int = 0  # Adam steps fitting each converted layer's output (opt-in: see the CLI's help)
     reconstruct_lr: float = 3e-2  # reconstruction step, as a fraction of each weight tensor's RMS
     reconstruct_target: str = "source"  # source: the source layer on its own inputs; local: on the converted ones
     heal_steps: int = 0  # distillation steps from the source after conversion (0: zero-shot)

@@ -323,9 +323,11 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--propagate", action="store_true", default=None,
                     help="recompute each layer's closed form from the statistics of the converted layers before it "
                     "(kept per layer where it lowers the held-in error; measured no better than plain: off by default)")
-    cv.add_argument("--reconstruct-steps", type=int, default=200,
+    cv.add_argument("--reconstruct-steps", type=int,
                     help="Adam steps fitting each converted attention layer's output to the source's, layer by layer "
-                    "(default 200; 0: closed form only). stories260k MLA 25%%: perplexity 33.5 -> 8.9 (BENCHMARKS.md)")
+                    "(default 0: closed form only). stories260k MLA 25%%: perplexity 33.5 -> 8.9 at 200 steps "
+                    "(BENCHMARKS.md); opt-in because on SmolLM2-135M it is not yet shown to help and 200 steps cost "
+                    "far more than the 10 CPU-minute budget of a conversion")
     cv.add_argument("--reconstruct-lr", type=float, help="reconstruction step, a fraction of each weight's RMS (default 0.03)")
     cv.add_argument("--reconstruct-target", choices=["source", "local"],
                     help="fit to the source layer on the source's inputs (default) or on the converted prefix's")
