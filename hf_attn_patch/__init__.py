@@ -19,7 +19,7 @@ if Version(transformers.__version__).release[:2] != Version(SUPPORTED_TRANSFORME
         f'pip install "transformers>={SUPPORTED_TRANSFORMERS},<5.24"'
     )
 
-from .cache import CacheFullError, PagedKVCache  # noqa: E402  (first: attention -> cache -> kv_memory -> models -> attention loops when attention comes first)
+from .cache import CacheFullError, PagedKVCache  # noqa: E402
 from ._patching import is_patched, patch, unpatch, unpatched  # noqa: E402
 from .kv_memory import kv_cache_bytes  # noqa: E402
 from .speculative import SpeculativeStats  # noqa: E402

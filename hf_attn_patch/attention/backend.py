@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import AttentionInterface
 
 from ..cache import metadata
 from ..cache.metadata import (PAGED_ATTENTION, AttentionMetadata, ForwardContext, get_forward_context,
@@ -42,7 +43,13 @@ def interface_in_context(get_interface):
         return get_interface(self, attn_implementation, default)
 
     lookup.__wrapped__ = get_interface
+    lookup.routes_forward_context = True
     return lookup
+
+
+def lookups_routed() -> bool:
+    """Whether transformers' attention lookup is the wrapper above (installed by patch(), removed by unpatch())."""
+    return getattr(AttentionInterface.get_interface, "routes_forward_context", False)
 
 
 # -- storage ------------------------------------------------------------------------------------------------------

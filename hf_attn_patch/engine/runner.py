@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .._patching import is_patched
+from ..attention.backend import lookups_routed
 from ..cache.manager import STATE, KVManager, layer_groups
 from ..cache.metadata import ForwardContext, build_metadata, forward_context
 
@@ -37,7 +37,7 @@ class ModelRunner:
         """Packed forward of the scheduled tokens -> float32 logits on the CPU: by default, per request that reaches
         its end (request.remaining == n), its last token's and (speculation) every draft position's.
         keep: instead, the indices into the step's packed tokens (scheduled order) whose logits to return."""
-        if not is_patched():  # the forward context reaches attention only through the patched lookup
+        if not lookups_routed():  # the forward context reaches attention only through the patched lookup
             raise RuntimeError("Engine: hf_attn_patch is unpatched (unpatch() was called); call hf_attn_patch.patch()")
         tokens, positions, tables, starts, counts, last = [], [], [], [], [], []
         groups = self.kv.groups

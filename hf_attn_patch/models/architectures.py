@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from ..attention.spec import AttentionSpec
+from ..kv_memory import head_dim, layer_kv_lora_rank  # noqa: F401  (config sizes; re-exported here)
 
 
 @dataclass
@@ -108,22 +109,6 @@ def _layer_sliding_window(config, layer_idx: int) -> int | None:
     if window is None or (layer_types is not None and layer_types[layer_idx] != "sliding_attention"):
         return None
     return window
-
-
-def layer_kv_lora_rank(config, layer_idx: int) -> int | None:
-    """MLA latent size of one layer: `mla_kv_lora_ranks[layer_idx]` when a conversion chose ranks per layer, else the
-    config's `kv_lora_rank` (then the largest rank: what DeepSeek-style code sizes by)."""
-    ranks = getattr(config, "mla_kv_lora_ranks", None)
-    if ranks is None:
-        return getattr(config, "kv_lora_rank", None)
-    if len(ranks) != config.num_hidden_layers:
-        raise ValueError(f"mla_kv_lora_ranks has {len(ranks)} entries, num_hidden_layers={config.num_hidden_layers}")
-    return ranks[layer_idx]
-
-
-def head_dim(config) -> int:
-    """Per-head size: the config's head_dim where it has one, else hidden_size / num_attention_heads."""
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def rotary_dim(config) -> int:

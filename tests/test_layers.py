@@ -1,0 +1,71 @@
+"""The package's layers, top to bottom: cli / _patching -> engine, converters -> speculative, grammar -> attention,
+models -> cache, kv_memory -> kernels. No import, at module level or inside a function, runs up this list."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"hf_attn_patch": ROOT / "hf_attn_patch", "hf_attn_patch.converters": ROOT / "converters",
+            "hf_attn_patch.kernels": ROOT / "kernels"}  # fmt: skip
+LEVEL = {"kernels": 0, "kv_memory": 1, "cache": 1, "attention": 2, "models": 2, "grammar": 3, "speculative": 3,
+         "engine": 4, "converters": 5, "cli": 5, "_patching": 5, "assets": 0}  # fmt: skip
+ROOT_LEVEL = 5  # the package root loads every layer's public names (and patch()): importing it is importing the top
+
+
+def modules():
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            yield package.split(".") + [p for p in parts if p != "__init__"], path.name == "__init__.py", path
+
+
+def layer_of(name: list[str]) -> int | None:
+    """Layer of a module path ['hf_attn_patch', 'cache', 'manager']; None for the package root."""
+    if len(name) == 1 or name[1] not in LEVEL:  # the root package itself, or a name defined in it
+        return None if len(name) == 1 else ROOT_LEVEL
+    return LEVEL[name[1]]
+
+
+def imported(tree: ast.AST, name: list[str], is_package: bool):
+    """Absolute module paths this module imports, anywhere in its body."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = name[: len(name) - node.level + (1 if is_package else 0)]
+                target = base + (node.module.split(".") if node.module else [])
+            else:
+                target = (node.module or "").split(".")
+            if target[0] == "hf_attn_patch":
+                if node.module:
+                    yield target, node.lineno
+                else:  # from . import x: the module x, or a name x of the package
+                    for alias in node.names:
+                        yield target + [alias.name], node.lineno
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.startswith("hf_attn_patch."):
+                    yield alias.name.split("."), node.lineno
+
+
+@pytest.mark.parametrize("name, is_package, path", list(modules()), ids=lambda v: ".".join(v) if isinstance(v, list) else "")
+def test_no_import_runs_up_a_layer(name, is_package, path):
+    own = layer_of(name)
+    if own is None or own == ROOT_LEVEL:  # the root and the top layer may load anything
+        return
+    for target, line in imported(ast.parse(path.read_text()), name, is_package):
+        other = layer_of(target)
+        assert other is None or other <= own, f"{path.relative_to(ROOT)}:{line} imports {'.'.join(target)} (layer {other} > {own})"
+
+
+@pytest.mark.parametrize("package", ["cache", "attention", "kv_memory", "models", "grammar", "speculative"])
+def test_lower_layers_load_without_the_engine(package):
+    code = (f"import hf_attn_patch.{package}, sys; "
+            "assert not [m for m in sys.modules if m.startswith('hf_attn_patch.engine')]")  # fmt: skip
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
