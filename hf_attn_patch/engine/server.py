@@ -180,6 +180,11 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
     async def api_error(request, error: APIError):
         return JSONResponse(error.body(), status_code=error.status)
 
+    @app.exception_handler(ClientGone)
+    async def client_gone(request, error: ClientGone):  # its requests are aborted; nobody reads this answer
+        logger.info("client disconnected from %s: its requests were aborted", request.url.path)
+        return JSONResponse(APIError(499, "client closed the request", None, "client_closed").body(), status_code=499)
+
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, error: StarletteHTTPException):
         kind = "not_found_error" if error.status_code == 404 else "invalid_request_error"
@@ -287,6 +292,7 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
     async def wait_all(request: Request, ids: list[str], queue: asyncio.Queue) -> dict:
         """Final output of every request id; aborts them all if the client disconnects first."""
         finals, getter = {}, None
+        checked = time.monotonic()
         try:
             while len(finals) < len(ids):
                 getter = getter or asyncio.ensure_future(queue.get())
@@ -295,8 +301,11 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
                     out, getter = getter.result(), None
                     if out.finished:
                         finals[out.request_id] = out
-                elif await request.is_disconnected():
-                    raise ClientGone()
+                # checked by the clock, not only when idle: a busy request gets an output every step
+                if time.monotonic() - checked >= POLL_SECONDS:
+                    checked = time.monotonic()
+                    if await request.is_disconnected():
+                        raise ClientGone()
         except (ClientGone, asyncio.CancelledError):
             runner.abort(ids)
             raise
