@@ -225,6 +225,13 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     if opts.to in ("gqa", "mqa"):
         if source_kv % opts.kv_heads:
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
+        if opts.method != "mean" and arch.split_heads(next(iter(layers.values()))).q_norm is not None:
+            if options.get("method") is not None:  # asked for by name: refused before calibrating
+                raise ValueError(f"method={opts.method!r} with per-head q/k norms ({config.model_type}) is not "
+                                 f"supported: use method='mean'")  # fmt: skip
+            logger.warning("%s has per-head q/k norms: the default %r does not apply, using 'mean'",
+                           config.model_type, opts.method)  # fmt: skip
+            opts.method = report["options"]["method"] = "mean"
         layerwise = opts.reconstruct_steps or (opts.propagate and opts.method != "mean")
         windows, stats = (_calibrate(model, tokenizer, text(), opts, report) if opts.method != "mean" or layerwise
                           else (None, {}))  # fmt: skip

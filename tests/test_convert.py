@@ -272,3 +272,16 @@ def test_gqa_methods_through_convert_report_their_groups_and_per_layer_ranks_loa
     assert all(0 < e <= 1 for e in report["mla"]["retained_energy_per_layer"])
     with pytest.raises(ValueError, match="rank_allocation='energy' needs"):
         convert("default", tmp_path / "x", to="mla", kv_lora_rank=8, rank_allocation="energy")
+
+
+def test_default_method_falls_back_to_mean_for_per_head_qk_norms(tmp_path, stories):
+    """The pca default does not apply to Qwen3's per-head q/k norms: taken by default it falls back to mean (said in
+    the report); asked for by name it is refused before any calibration."""
+    source = tmp_path / "qwen3"
+    tiny_model("qwen3").save_pretrained(source)
+    stories[1].save_pretrained(source)  # any tokenizer: mean reads no calibration text
+    report = convert(str(source), tmp_path / "out", to="mqa")
+    assert report["options"]["method"] == "mean"
+    with pytest.raises(ValueError, match="method='pca' with per-head q/k norms"):
+        convert(str(source), tmp_path / "out2", to="mqa", method="pca")
+    assert not (tmp_path / "out2").exists()
