@@ -194,63 +194,46 @@ def _clone_state(module) -> dict:
 
 
 @torch.no_grad()
-def _first_layer_inputs(model, attn_name: str, windows, batch_size) -> tuple[torch.Tensor, dict]:
-    """(residual stream entering the first decoder layer [n, T, D], that layer's other arguments, as given for a
-    batch of one and broadcast over any batch: masks, positions, rotary embeddings)."""
-    block = model.get_submodule(_parent(attn_name))
-    hidden, kwargs = [], {}
+def _inputs_of(module, run, x, batch_size, positional_ok: bool = True) -> tuple[torch.Tensor, dict]:
+    """(the hidden states `module` receives while `run` processes x [n, ...] in batches, concatenated [n, T, D];
+    its other arguments as given for a batch of one, so they broadcast over any batch). `run` stops at `module`."""
+    seen, kwargs = [], {}
 
-    def hook(module, args, kw):
-        hidden.append(args[0] if args else kw["hidden_states"])
+    def hook(target, args, kw):
+        seen.append(args[0] if args else kw["hidden_states"])
         if not kwargs:
             kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
-            if len(args) > 1:
-                raise ValueError(f"{type(module).__name__} takes positional arguments beside the hidden states")
+            if len(args) > 1 and not positional_ok:
+                raise ValueError(f"{type(target).__name__} takes positional arguments beside the hidden states")
         raise _Stop
 
-    handle = block.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = module.register_forward_pre_hook(hook, with_kwargs=True)
     try:
-        for s in range(0, len(windows), batch_size):
+        for s in range(0, len(x), batch_size):
             try:
-                model(windows[s : s + batch_size], use_cache=False)
-            except _Stop:
-                pass
-        try:  # the arguments for a batch of one, so they broadcast over any batch size
-            kwargs.clear()
-            model(windows[:1], use_cache=False)
-        except _Stop:
-            pass
-    finally:
-        handle.remove()
-    return torch.cat(hidden[:-1]), kwargs
-
-
-@torch.no_grad()
-def _attention_inputs(block, attn, h, layer_kw, batch_size) -> tuple[torch.Tensor, dict]:
-    """(the attention module's inputs [n, T, D] when `block` runs on h, its other arguments for a batch of one)."""
-    xs, kwargs = [], {}
-
-    def hook(module, args, kw):
-        xs.append(args[0] if args else kw["hidden_states"])
-        if not kwargs:
-            kwargs.update({k: v for k, v in kw.items() if k != "hidden_states"})
-        raise _Stop
-
-    handle = attn.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        for s in range(0, len(h), batch_size):
-            try:
-                block(h[s : s + batch_size], **layer_kw)
+                run(x[s : s + batch_size])
             except _Stop:
                 pass
         kwargs.clear()
-        try:
-            block(h[:1], **layer_kw)
+        try:  # the arguments for a batch of one
+            run(x[:1])
         except _Stop:
             pass
     finally:
         handle.remove()
-    return torch.cat(xs[:-1]), kwargs
+    return torch.cat(seen[:-1]), kwargs
+
+
+def _first_layer_inputs(model, attn_name: str, windows, batch_size) -> tuple[torch.Tensor, dict]:
+    """(residual stream entering the first decoder layer [n, T, D], that layer's other arguments: masks, positions,
+    rotary embeddings)."""
+    block = model.get_submodule(_parent(attn_name))
+    return _inputs_of(block, lambda w: model(w, use_cache=False), windows, batch_size, positional_ok=False)
+
+
+def _attention_inputs(block, attn, h, layer_kw, batch_size) -> tuple[torch.Tensor, dict]:
+    """(the attention module's inputs [n, T, D] when `block` runs on h, its other arguments for a batch of one)."""
+    return _inputs_of(attn, lambda x: block(x, **layer_kw), h, batch_size)
 
 
 @torch.no_grad()
