@@ -203,8 +203,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     With push_to_hub="owner/name" the finished folder is uploaded (`hub_client`: a huggingface_hub.HfApi stand-in)."""
     opts = ConvertOptions(**options)
     out = Path(out)
-    check_source_folder(source)
-    check_output(source, out, opts.overwrite)
+    check_output(source, out, opts.overwrite)  # the source folder is checked by load_source, before any weight
     started = time.perf_counter()
     torch.manual_seed(opts.seed)
     model, tokenizer = load_source(source)
