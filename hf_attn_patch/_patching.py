@@ -24,6 +24,7 @@ from transformers.modeling_utils import AttentionInterface
 from .attention.backend import interface_in_context
 from .cache.generate_hook import prefill_with_paged, prepare_cache_with_paged, with_paged_cache_name
 from .attention.backend import PAGED_ATTENTION, paged_attention_forward
+from .attention.state_layers import mixer_classes, per_sequence_forward
 from .grammar.generate_hook import generate_with_grammar
 from .models import ARCHITECTURES
 from .models.construction_hooks import attention_dispatch, validating_post_init
@@ -54,6 +55,10 @@ def patch_table() -> list[Patch]:
               lambda original, arch=arch: attention_dispatch(original, arch),
               "decoder layers look the attention class up by name; no registry for attention modules")
         for arch in ARCHITECTURES.values()
+    ] + [
+        Patch(mixer, "forward", per_sequence_forward,
+              "constant-state layers run per sequence of the engine's packed row, each with its own state")
+        for mixer in mixer_classes()
     ]  # fmt: skip
     generation = GenerationMixin
     return rows + [

@@ -4,7 +4,9 @@ the manager where each token goes and applies the block copies it reports.
 
 Groups. Layers with the same attention span share one block table per sequence and one BlockPool: group `None` is
 full attention, group `w` (an int) the layers with sliding window w. Constant-state layers (SSM, linear attention)
-hold no blocks and are not a group: their state is the storage owner's.
+hold no blocks and are not a group: with `state_slots`, each sequence also holds a state slot from `add` to `free`
+(cache/state_pool.py); the state tensors are the storage owner's. Such a manager has no prefix caching, and
+refuses fork() and crop() (a recurrent state can be neither shared block-wise nor cut back).
 
 Positions. A sequence's stored position p (0-based, padding excluded) lives in block `table[p // block_size]` at
 offset `p % block_size`; slot = block * block_size + offset. Entries equal to NULL_BLOCK hold nothing (tokens slid
@@ -25,6 +27,7 @@ from transformers.cache_utils import get_layer_types_and_kwargs
 
 from .block_pool import NULL_BLOCK, BlockPool, CacheFullError
 from .prefix_cache import block_hashes
+from .state_pool import StateSlots
 
 __all__ = ["KVManager", "CacheFullError", "STATE", "layer_groups"]
 
@@ -63,17 +66,19 @@ class KVManager:
         prefix_caching: name full blocks by hash so later sequences with the same prefix reuse them (only when the
             only group is full attention: a windowed block is not reusable once its neighbours are freed).
         growable: a pool that runs out doubles instead of raising (PagedKVCache without a memory limit).
+        state_slots: the model has constant-state layers: one state slot per live sequence, this many at most.
     """
 
     def __init__(self, block_size: int, num_blocks, groups=(None,), prefix_caching: bool = True,
-                 growable: bool = False):  # fmt: skip
+                 growable: bool = False, state_slots: int = 0):  # fmt: skip
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} must be a positive integer")
         self.block_size = block_size
         self.groups = list(groups)
         sizes = num_blocks if isinstance(num_blocks, dict) else {g: num_blocks for g in self.groups}
         self.pools = {g: BlockPool(sizes[g]) for g in self.groups}
-        self.prefix_caching = prefix_caching and self.groups == [None]
+        self.states = StateSlots(state_slots) if state_slots else None
+        self.prefix_caching = prefix_caching and self.groups == [None] and self.states is None
         self.growable = growable
         self.sequences: dict = {}
         self._copies: list[tuple] = []  # (group, source block, destination block) not yet applied to the storage
@@ -83,6 +88,10 @@ class KVManager:
 
     def table(self, seq_id, group=None) -> list[int]:
         return self.sequences[seq_id].tables[group]
+
+    def state_slot(self, seq_id) -> int:
+        """The state slot of a live sequence (a manager made with state_slots)."""
+        return self.states.slot(seq_id)
 
     def num_free_blocks(self, group=None) -> int:
         return self.pools[group].num_available()
@@ -125,6 +134,8 @@ class KVManager:
     def add(self, seq_id) -> None:
         if seq_id in self.sequences:
             raise ValueError(f"sequence {seq_id!r} is already in the KV manager")
+        if self.states is not None:
+            self.states.allocate(seq_id)
         self.sequences[seq_id] = _Sequence({g: [] for g in self.groups})
 
     def attach_prefix(self, seq_id, hashes: list[bytes], num_tokens: int | None = None) -> int:
@@ -220,6 +231,9 @@ class KVManager:
 
     def fork(self, source, seq_id) -> None:
         """A new sequence sharing every block of `source` (beams, num_return_sequences); writes copy on write."""
+        if self.states is not None:
+            raise ValueError(f"fork({source!r}): constant-state layers (SSM / linear attention) cannot share a "
+                             "state copy-on-write; run each sequence from its own prompt")  # fmt: skip
         src = self.sequences[source]
         self.add(seq_id)
         seq = self.sequences[seq_id]
@@ -233,6 +247,9 @@ class KVManager:
     def crop(self, seq_id, num_tokens: int) -> None:
         """Keep positions [0, num_tokens) (speculative rollback): whole blocks past them are freed; a kept block
         that is hashed stays so, and the next write into it copies it."""
+        if self.states is not None:
+            raise ValueError(f"crop({seq_id!r}, {num_tokens}): constant-state layers (SSM / linear attention) "
+                             "cannot roll their state back")  # fmt: skip
         seq = self.sequences[seq_id]
         keep = -(-max(0, num_tokens) // self.block_size)
         for g, table in seq.tables.items():
@@ -246,6 +263,8 @@ class KVManager:
         seq = self.sequences.pop(seq_id, None)
         if seq is None:
             return
+        if self.states is not None:
+            self.states.free(seq_id)
         for g, table in seq.tables.items():
             for block in reversed(table):  # tail first: the prefix is evicted last (LRU order)
                 self.pools[g].free(block)

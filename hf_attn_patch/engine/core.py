@@ -72,7 +72,7 @@ class Engine:
         if num_blocks < 2:
             raise ValueError(f"Engine: max_memory={max_memory} holds {num_blocks} blocks; need at least 2")
         self.model, self.tokenizer = model, tokenizer
-        self.runner = ModelRunner(model, num_blocks, block_size, prefix_caching)
+        self.runner = ModelRunner(model, num_blocks, block_size, prefix_caching, max_num_seqs)
         self.kv = self.runner.kv  # the KV manager: block tables, prefix hits, preemption
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_num_seqs, chunked_prefill, prefill_chunk)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
@@ -115,6 +115,9 @@ class Engine:
         if blocks > usable:
             raise ValueError(f"prompt of {len(prompt_ids)} tokens + max_tokens={params.max_tokens} needs {blocks} "
                              f"blocks; the engine has {usable} (raise max_memory)")  # fmt: skip
+        if params.num_speculative_tokens and self.runner.states is not None:
+            raise ValueError(f"num_speculative_tokens={params.num_speculative_tokens}: speculative decoding rolls "
+                             "rejected drafts back, which this model's constant-state layers cannot; use 0")
         grammar = None
         if params.response_format is not None or params.grammar is not None:
             grammar = request_grammar(self.tokenizer, self.eos_ids, params.response_format, params.grammar)

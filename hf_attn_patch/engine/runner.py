@@ -8,6 +8,10 @@ metadata travels in a forward context (cache/metadata.py); while it is set, tran
 the paged backend (attention/backend.py), which writes each layer's new K/V at slot_mapping and attends over the
 block tables. The model is called without a cache and with a 4-D placeholder mask, which transformers passes
 through untouched (the metadata is the mask); nothing on the model or its config is changed.
+
+Hybrid models (constant-state layers: attention/state_layers.py lists the families): the KV manager gives each
+sequence a state slot, the runner keeps the slots' states (cache/state_pool.py) and hands the forward each
+sequence's Cache in a StateForwardContext; a sequence at position 0 starts from an empty state.
 """
 
 from __future__ import annotations
@@ -15,19 +19,24 @@ from __future__ import annotations
 import torch
 
 from ..attention.backend import lookups_routed
+from ..attention.state_layers import check_state_layers
 from ..cache.manager import STATE, KVManager, layer_groups
 from ..cache.metadata import ForwardContext, build_metadata, forward_context
+from ..cache.state_pool import StateForwardContext, StateStorage
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, prefix_caching: bool = True):
+    def __init__(self, model, num_blocks: int, block_size: int, prefix_caching: bool = True, max_num_seqs: int = 64):
         config = model.config.get_text_config(decoder=True)
         self.layer_groups = layer_groups(config)
-        if STATE in self.layer_groups:
-            raise ValueError("Engine: constant-state layers (linear attention / SSM / conv) are not served yet; "
-                             f"layer kinds {sorted(set(map(str, self.layer_groups)))}")  # fmt: skip
-        groups = sorted(set(self.layer_groups), key=lambda g: (g is not None, g or 0))
-        self.kv = KVManager(block_size, num_blocks, groups, prefix_caching)
+        hybrid = STATE in self.layer_groups
+        if hybrid:
+            check_state_layers(model, self.layer_groups)  # every state layer is one we can run per sequence
+        groups = sorted(set(self.layer_groups) - {STATE}, key=lambda g: (g is not None, g or 0))
+        if not groups:
+            raise ValueError("Engine: the model has no attention layer (constant-state layers only); not served")
+        self.kv = KVManager(block_size, num_blocks, groups, prefix_caching, state_slots=max_num_seqs if hybrid else 0)
+        self.states = StateStorage(config, max_num_seqs) if hybrid else None  # per slot: transformers Cache
         self.model = model
         self.device = next(model.parameters()).device
         self.storage: list = [None] * len(self.layer_groups)  # per layer [num_blocks, block_size, H_kv, d_k + d_v]
@@ -51,7 +60,12 @@ class ModelRunner:
                 last.extend(range(len(tokens) - 1 - len(request.draft), len(tokens)))
         self._apply_copies()
         metadata = build_metadata(tables, starts, counts, self.kv.block_size, self.layer_groups, self.device)
-        context = ForwardContext(metadata, self.storage, {g: self.kv.pools[g].num_blocks for g in groups})
+        num_blocks = {g: self.kv.pools[g].num_blocks for g in groups}
+        if self.states is None:
+            context = ForwardContext(metadata, self.storage, num_blocks)
+        else:  # each sequence's state; one at position 0 starts empty (new, or recomputed after preemption)
+            states = [self.states.cache(self.kv.state_slot(r.id), fresh=r.computed == 0) for r, _ in scheduled]
+            context = StateForwardContext(metadata, self.storage, num_blocks, states=states)
         device = self.device
         keep = torch.tensor(last if keep is None else keep, dtype=torch.long, device=device)
         with torch.no_grad(), forward_context(context):

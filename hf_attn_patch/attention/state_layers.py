@@ -1,0 +1,80 @@
+"""Constant-state layers (short conv, gated delta net, Mamba2) under the engine's packed forward.
+
+The engine runs many sequences' new tokens as one row [1, T, D]. A state layer's stock forward would run a conv
+and a recurrence across that row, mixing sequences, and it has no cache there (the engine calls the model without
+one). While a `StateForwardContext` (cache/state_pool.py) is set, the wrapper below runs the layer's own forward
+once per sequence on its slice query_start_loc[b]:query_start_loc[b+1] with that sequence's transformers Cache,
+and concatenates the outputs back into [1, T, D]. Outside it (generate(), a plain forward, another thread) the
+stock forward runs untouched. The wrapper is one row per class in _patching.py's table (unpatch() restores it).
+
+STATE_MIXERS lists the mixer classes the engine serves, each tested token-identical to generate() with chunked
+prefill (tests/test_engine_hybrid.py); `check_state_layers` refuses a model whose state layers are not among them.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import torch
+
+from ..cache.manager import STATE
+from ..cache.metadata import get_forward_context
+
+__all__ = ["STATE_MIXERS", "check_state_layers", "mixer_classes", "per_sequence_forward"]
+
+# model_type -> (transformers module, mixer class): forward(hidden_states [B, T, D], <cache>, attention_mask)
+STATE_MIXERS = {
+    "lfm2": ("transformers.models.lfm2.modeling_lfm2", "Lfm2ShortConv"),  # conv layers
+    "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),  # linear attn
+    "bamba": ("transformers.models.bamba.modeling_bamba", "BambaMixer"),  # Mamba2 layers
+}
+_CACHE_ARGUMENTS = ("past_key_values", "cache_params")
+
+
+def mixer_classes() -> list[type]:
+    """The classes of STATE_MIXERS (imports their modeling modules)."""
+    return [getattr(importlib.import_module(module), name) for module, name in STATE_MIXERS.values()]
+
+
+def per_sequence_forward(original):
+    """Wrap a mixer's forward: per sequence of a StateForwardContext, its slice with its own Cache."""
+    parameters = list(inspect.signature(original).parameters)
+    hidden_name = parameters[1]
+    (cache_name,) = [p for p in parameters if p in _CACHE_ARGUMENTS]
+
+    def forward(self, *args, **kwargs):
+        context = get_forward_context()
+        states = getattr(context, "states", None) if context is not None and context.route else None
+        if states is None:
+            return original(self, *args, **kwargs)
+        bound = dict(zip(parameters[1:], args), **kwargs)
+        hidden = bound.pop(hidden_name)
+        bound.pop(cache_name, None)  # the engine calls the model without a cache
+        bound["attention_mask"] = None  # no padding inside a sequence's slice
+        outputs, start = [], 0
+        for n, cache in zip(context.metadata.query_lens, states):
+            outputs.append(original(self, hidden[:, start : start + n], **{cache_name: cache}, **bound))
+            start += n
+        return torch.cat(outputs, dim=1)
+
+    forward.__wrapped__ = original
+    forward.runs_per_sequence = True
+    return forward
+
+
+def check_state_layers(model, layer_groups) -> dict[int, torch.nn.Module]:
+    """{layer index: mixer module} for every constant-state layer of `model`; ValueError naming the layer type
+    when one is not a mixer the engine serves, RuntimeError when the wrapper is not installed (unpatch())."""
+    config = model.config.get_text_config(decoder=True)
+    classes = tuple(mixer_classes())
+    mixers = {m.layer_idx: m for m in model.modules() if isinstance(m, classes) and hasattr(m, "layer_idx")}
+    kinds = getattr(config, "layer_types", None) or ["?"] * len(layer_groups)
+    for idx, group in enumerate(layer_groups):
+        if group == STATE and idx not in mixers:
+            raise ValueError(f"Engine: layer {idx} of {config.model_type!r} is a {kinds[idx]!r} layer, which the "
+                             f"engine does not serve (the state layers of {sorted(STATE_MIXERS)} only)")  # fmt: skip
+    for mixer in mixers.values():
+        if not getattr(type(mixer).forward, "runs_per_sequence", False):
+            raise RuntimeError("Engine: hf_attn_patch is unpatched (unpatch() was called); call hf_attn_patch.patch()")
+    return mixers

@@ -1,0 +1,93 @@
+"""Per-sequence state of constant-state layers (SSM, linear attention, short conv) in hybrid models.
+
+A constant-state layer keeps no K/V per token: it carries a conv state (the last kernel-1 inputs) and / or a
+recurrent state of fixed size per sequence. Ownership is split as for the paged KV:
+- `StateSlots` (held by the KV manager): which slot each live sequence holds. A slot is taken when the sequence
+  enters the manager (`KVManager.add`) and returned when it leaves (`free`: finish, abort, preemption); a
+  preempted sequence restarts from position 0 with an empty state (recompute, like its blocks).
+- `StateStorage` (held by the storage owner, the engine's runner): per slot one transformers `Cache` whose state
+  layers are transformers' own `LinearAttentionLayer`s (`DummyLayer` at attention layers, which never see it), so
+  each model's own mixer code reads and writes it as it does under generate(). The storage is reset whenever a
+  sequence starts at position 0 in a slot.
+- `StateForwardContext`: the forward context plus, per sequence of the forward (query_start_loc order), its Cache;
+  the state-layer wrapper (attention/state_layers.py) runs each sequence's slice of the packed row with it.
+
+Not supported: prefix hits (a state is not block-wise; the manager turns prefix caching off), forks (copy-on-write
+of a state: `KVManager.fork` refuses) and rollback (`crop`: a recurrent state cannot be cut back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer, LinearAttentionCacheLayerMixin,
+                                      get_layer_types_and_kwargs)  # fmt: skip
+
+from .metadata import ForwardContext
+
+__all__ = ["StateForwardContext", "StateSlots", "StateStorage"]
+
+
+class StateSlots:
+    """A fixed set of slots 0..num_slots-1, one per live sequence. Invariant: each slot is free or held by
+    exactly one sequence."""
+
+    def __init__(self, num_slots: int):
+        if not isinstance(num_slots, int) or isinstance(num_slots, bool) or num_slots < 1:
+            raise ValueError(f"state slots: num_slots={num_slots!r} must be a positive integer")
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))  # pop() hands out the lowest free slot
+        self.owner: dict = {}  # seq_id -> slot
+
+    def allocate(self, seq_id) -> int:
+        if seq_id in self.owner:
+            raise ValueError(f"state slots: sequence {seq_id!r} already holds slot {self.owner[seq_id]}")
+        if not self._free:
+            raise RuntimeError(f"state slots: all {self.num_slots} slots are held (more live sequences than "
+                               "max_num_seqs)")  # fmt: skip
+        slot = self.owner[seq_id] = self._free.pop()
+        return slot
+
+    def free(self, seq_id) -> None:
+        slot = self.owner.pop(seq_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def slot(self, seq_id) -> int:
+        return self.owner[seq_id]
+
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def num_live(self) -> int:
+        return len(self.owner)
+
+
+class StateStorage:
+    """Per slot a transformers Cache for one sequence (batch 1): `LinearAttentionLayer` at each state layer of
+    `config` (its states are allocated by the layer at first use, then reused by later sequences in the slot)."""
+
+    def __init__(self, config, num_slots: int):
+        self.layer_types, self.layer_kwargs = get_layer_types_and_kwargs(config)
+        self._caches: list[Cache | None] = [None] * num_slots
+
+    def cache(self, slot: int, fresh: bool) -> Cache:
+        """The slot's Cache; fresh=True (the sequence starts at position 0) empties it first."""
+        cache = self._caches[slot]
+        if cache is None:
+            layers = [DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs) if kind in ("conv", "linear_attention")
+                      else DummyLayer() for kind, kwargs in zip(self.layer_types, self.layer_kwargs)]  # fmt: skip
+            cache = self._caches[slot] = Cache(layers=layers)
+        elif fresh:
+            for layer in cache.layers:
+                if isinstance(layer, LinearAttentionCacheLayerMixin):
+                    layer.reset()  # zeros the states and clears has_previous_state
+        return cache
+
+
+@dataclass
+class StateForwardContext(ForwardContext):
+    """The engine's forward context of a hybrid model: `states[b]` is sequence b's Cache (b as in
+    metadata.query_start_loc)."""
+
+    states: list | None = None
