@@ -27,6 +27,7 @@ from ..models.architectures import architecture_of, head_dim, rotary_dim
 from ..models.pretrained import DEFAULT_MODEL_DIR
 from .calibration import calibration_windows, collect_stats, read_calibration_text
 from .deepseek_export import check_source, stock_frequencies, to_deepseek_v3
+from .budgets import allocate, candidate_grid
 from .exact import rebuild, stock_attention_layers
 from .hub import check_repo_id, engines, model_card, push
 from .gqa_merge import GQA_METHODS, gqa_layer
@@ -42,6 +43,7 @@ FORMATS = ("auto", "native", "stock", "deepseek_v3")
 HEAL_DATA = ("calib", "teacher", "mix")
 TEACHER_PROMPT = 16  # tokens of calibration text that start each teacher sample
 STOCK_GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # configs with a native num_key_value_heads
+RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity")
 
 
 @dataclass
@@ -55,7 +57,7 @@ class ConvertOptions:
     kv_budget: float | None = None  # mla: fraction of the source's KV values per token (instead of kv_lora_rank)
     method: str | None = None  # gqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla
     regroup: bool | None = None  # gqa aligned / pca: group KV heads by similarity, not by index (default True)
-    rank_allocation: str = "uniform"  # mla with kv_budget: uniform, or energy (per-layer ranks; measured worse)
+    rank_allocation: str = "uniform"  # mla with kv_budget: uniform, energy (measured worse) or sensitivity (budgets.py)
     calib_data: str | None = None  # text file, folder of .txt files or a datasets dataset; default: the package's corpus
     calib_split: str = "train"  # datasets only
     calib_column: str = "text"  # datasets only
@@ -98,8 +100,12 @@ class ConvertOptions:
             self.kv_heads = 1
         if self.to == "gqa" and self.kv_heads is None:
             raise ValueError("to='gqa' needs kv_heads")
-        if self.rank_allocation not in ("uniform", "energy"):
-            raise ValueError(f"rank_allocation={self.rank_allocation!r} is not one of ('uniform', 'energy')")
+        if self.rank_allocation not in RANK_ALLOCATIONS:
+            raise ValueError(f"rank_allocation={self.rank_allocation!r} is not one of {RANK_ALLOCATIONS}")
+        if self.rank_allocation == "sensitivity" and (self.to != "mla" or self.kv_budget is None
+                                                      or self.format == "deepseek_v3"):  # fmt: skip
+            raise ValueError("rank_allocation='sensitivity' needs to='mla', kv_budget and a native format (stock "
+                             "DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)")  # fmt: skip
         if self.rank_allocation == "energy" and (self.to != "mla" or self.kv_budget is None or self.method != "calibrated"
                                                  or self.format == "deepseek_v3"):
             raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
@@ -255,28 +261,42 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
         deepseek = opts.format == "deepseek_v3"
         if deepseek:
             check_source(config, rope_dim)
+        sensitivity = opts.rank_allocation == "sensitivity"
+        if sensitivity:  # the candidate grid is checked against the budget before calibrating
+            candidate_grid(config, opts.kv_budget, opts.rope_dim)
         windows, stats = _calibrate(model, tokenizer, text(), opts, report)
         weights = {name: arch.split_heads(module) for name, module in layers.items()}
-        ranked = {name: ranked_components(opts.method, w, config, stats[name], opts.calib_len) if rope_dim else None
-                  for name, w in weights.items()}  # fmt: skip
         frequencies = stride = None
-        if deepseek:  # one component per frequency 0, s, 2s, ...: the frequencies a stock RoPE key can turn at
-            frequencies, stride = stock_frequencies(list(ranked.values()), rotary_dim(config) // 2, rope_dim // 2)
-        plans = {name: plan_layer(opts.method, w, config, stats[name], rope_dim, frequencies=frequencies,
-                                  ranked=ranked[name]) for name, w in weights.items()}  # fmt: skip
-        per_layer = opts.rank_allocation == "energy"
-        ranks = (allocate_ranks(list(plans.values()), kv_lora_rank * len(plans)) if per_layer
-                 else [kv_lora_rank] * len(plans))  # fmt: skip
+        rope_dims = [rope_dim] * len(weights)
+        if sensitivity:  # per-layer RoPE dims and ranks (or the exact layer) by measured KL
+            plans, ranks, rope_dims, report["budgets"] = allocate(
+                model, layers, weights, stats, windows, config, opts.kv_budget, opts.method, opts.calib_len,
+                opts.rope_dim)  # fmt: skip
+        else:
+            ranked = {name: ranked_components(opts.method, w, config, stats[name], opts.calib_len) if rope_dim
+                      else None for name, w in weights.items()}  # fmt: skip
+            if deepseek:  # one component per frequency 0, s, 2s, ...: the frequencies a stock RoPE key can turn at
+                frequencies, stride = stock_frequencies(list(ranked.values()), rotary_dim(config) // 2, rope_dim // 2)
+            plans = {name: plan_layer(opts.method, w, config, stats[name], rope_dim, frequencies=frequencies,
+                                      ranked=ranked[name]) for name, w in weights.items()}  # fmt: skip
+        per_layer = opts.rank_allocation != "uniform"
+        if not sensitivity:
+            ranks = (allocate_ranks(list(plans.values()), kv_lora_rank * len(plans)) if per_layer
+                     else [kv_lora_rank] * len(plans))  # fmt: skip
         lifted, per_layer_pairs, fields = {}, [], {}
         for (name, plan), rank in zip(plans.items(), ranks):
             lifted[name], fields = lift_plan(plan, weights[name], config, rank)
             per_layer_pairs.append(fields["mla_rope_pairs"])
-        fields["mla_rope_pairs"] = per_layer_pairs if rope_dim else None
+        fields["mla_rope_pairs"] = per_layer_pairs if max(rope_dims) else None
         fields["kv_lora_rank"] = max(ranks)
+        fields["qk_rope_head_dim"] = max(rope_dims)
         if per_layer:
             fields["mla_kv_lora_ranks"] = ranks
+        if sensitivity:
+            fields["mla_qk_rope_head_dims"] = rope_dims
         new = rebuild(model, "mla", fields, lifted)
-        report["mla"] = {"kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": rope_dim,
+        report["mla"] = {"kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": max(rope_dims),
+                         "qk_rope_head_dim_per_layer": rope_dims,
                          "qk_nope_head_dim": fields["qk_nope_head_dim"], "rope_pairs_per_layer": per_layer_pairs,
                          "kv_lora_rank_per_layer": ranks,
                          "retained_energy_per_layer": [round(p.retained(r), 4) for p, r in zip(plans.values(), ranks)]}  # fmt: skip
@@ -284,9 +304,10 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
             index = {name: i for i, name in enumerate(layers)}
 
             def relift(name, layer_stats):  # same ranks and RoPE frequencies, from the converted prefix's statistics
-                freqs = per_layer_pairs[index[name]] or []
-                plan = plan_layer(opts.method, weights[name], config, layer_stats, rope_dim, opts.calib_len,
-                                  frequencies=freqs if rope_dim else None)  # fmt: skip
+                freqs, layer_rope = per_layer_pairs[index[name]] or [], rope_dims[index[name]]
+                exact = sensitivity and report["budgets"]["layers"][index[name]]["choice"] != "mla"
+                plan = plans[name] if exact else plan_layer(opts.method, weights[name], config, layer_stats, layer_rope,
+                                                            opts.calib_len, frequencies=freqs if layer_rope else None)  # fmt: skip
                 return lift_plan(plan, weights[name], config, ranks[index[name]])[0]
 
             _layerwise(model, new, windows, relift if opts.propagate else None, opts, report)

@@ -62,6 +62,13 @@ def model_card(report: dict) -> str:
         f"Healing: {heal['steps']} distillation steps ({heal['tokens']} tokens)." if heal else "Healing: none.",
         "",
     ]
+    if "budgets" in report:  # rank allocation by measured sensitivity (budgets.py): each layer's choice
+        b = report["budgets"]
+        lines += [f"KV budget by measured sensitivity: {b['values_per_token']} of {b['budget_values_per_token']} "
+                  f"values per token (KL of each layer's choice alone, on {b['windows']} calibration windows).", "",
+                  "| layer | choice | RoPE dims | latent rank | KL |", "|---:|---|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {c['layer']} | {c['choice']} | {c['rope_dim']} | {c['kv_lora_rank']} | {c['kl']:.2e} |"
+                  for c in b["layers"]] + [""]  # fmt: skip
     if fmt == "deepseek_v3":
         ds = report["deepseek_v3"]
         q = ds["q_lora"]

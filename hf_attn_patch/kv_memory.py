@@ -28,6 +28,17 @@ def layer_kv_lora_rank(config, layer_idx: int) -> int | None:
     return ranks[layer_idx]
 
 
+def layer_qk_rope_head_dim(config, layer_idx: int) -> int | None:
+    """MLA shared RoPE key size of one layer: `mla_qk_rope_head_dims[layer_idx]` when a conversion chose it per layer
+    (converters/budgets.py), else the config's `qk_rope_head_dim`."""
+    dims = getattr(config, "mla_qk_rope_head_dims", None)
+    if dims is None:
+        return getattr(config, "qk_rope_head_dim", None)
+    if len(dims) != config.num_hidden_layers:
+        raise ValueError(f"mla_qk_rope_head_dims has {len(dims)} entries, num_hidden_layers={config.num_hidden_layers}")
+    return dims[layer_idx]
+
+
 def head_dim(config) -> int:
     """Per-head size: the config's head_dim where it has one, else hidden_size / num_attention_heads."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -125,7 +136,7 @@ def _attention_values(config, layer_idx: int) -> tuple[str, int, int]:
         return "mla", config.kv_lora_rank + config.qk_rope_head_dim, mha
     d_h = head_dim(config)
     if getattr(config, "attention_variant", None) == "mla":  # converted: the source's heads are the baseline
-        return "mla", layer_kv_lora_rank(config, layer_idx) + config.qk_rope_head_dim, 2 * heads * d_h
+        return "mla", layer_kv_lora_rank(config, layer_idx) + layer_qk_rope_head_dim(config, layer_idx), 2 * heads * d_h
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
     return kind, 2 * kv_heads * d_h, 2 * heads * d_h

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..attention.spec import AttentionSpec
-from ..kv_memory import head_dim, layer_kv_lora_rank  # noqa: F401  (config sizes; re-exported here)
+from ..kv_memory import head_dim, layer_kv_lora_rank, layer_qk_rope_head_dim  # noqa: F401  (config sizes; re-exported here)
 
 
 @dataclass
@@ -233,6 +233,7 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
     if fields["qk_nope_head_dim"] is None or fields["qk_rope_head_dim"] is None:
         return AttentionSpec(**common, **fields)  # raises, naming the missing field
     fields["kv_lora_rank"] = layer_kv_lora_rank(config, layer_idx)
+    fields["qk_rope_head_dim"] = layer_qk_rope_head_dim(config, layer_idx)
     pairs = getattr(config, "mla_rope_pairs", None)
     if pairs and isinstance(pairs[0], (list, tuple)):  # one list per layer (converted models choose per layer)
         if len(pairs) != config.num_hidden_layers:
