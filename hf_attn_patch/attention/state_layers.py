@@ -4,7 +4,8 @@ The engine runs many sequences' new tokens as one row [1, T, D]. A state layer's
 and a recurrence across that row, mixing sequences, and it has no cache there (the engine calls the model without
 one). While a `StateForwardContext` (cache/state_pool.py) is set, the wrapper below runs the layer's own forward
 once per sequence on its slice query_start_loc[b]:query_start_loc[b+1] with that sequence's transformers Cache,
-and concatenates the outputs back into [1, T, D]. Outside it (generate(), a plain forward, another thread) the
+and puts the outputs back in place in [1, T, D]; the sequences that decode one token (with a state) run as one
+batch [B, 1, D] over their stacked states (copied back after), the layer's own batched one-token step. Outside it (generate(), a plain forward, another thread) the
 stock forward runs untouched. The wrapper is one row per class in _patching.py's table (unpatch() restores it).
 
 STATE_MIXERS lists the mixer classes the engine serves, each tested token-identical to generate() with chunked
@@ -15,11 +16,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 
 import torch
 
 from ..cache.manager import STATE
 from ..cache.metadata import get_forward_context
+from ..cache.state_pool import stack_layer_states, unstack_layer_states
 
 __all__ = ["STATE_MIXERS", "check_state_layers", "mixer_classes", "per_sequence_forward"]
 
@@ -52,11 +55,25 @@ def per_sequence_forward(original):
         hidden = bound.pop(hidden_name)
         bound.pop(cache_name, None)  # the engine calls the model without a cache
         bound["attention_mask"] = None  # no padding inside a sequence's slice
-        outputs, start = [], 0
-        for n, cache in zip(context.metadata.query_lens, states):
-            outputs.append(original(self, hidden[:, start : start + n], **{cache_name: cache}, **bound))
-            start += n
-        return torch.cat(outputs, dim=1)
+        layer, lens = self.layer_idx, context.metadata.query_lens
+        starts = list(itertools.accumulate(lens, initial=0))  # host copy of query_start_loc
+        decodes = [b for b, n in enumerate(lens) if n == 1 and states[b].has_previous_state(layer)]
+        decodes = decodes if len(decodes) > 1 else []
+        pieces = []  # (rows of the packed row, their outputs [rows, D])
+        if decodes:
+            caches = [states[b] for b in decodes]
+            joint = stack_layer_states(caches, layer)
+            rows = torch.tensor([starts[b] for b in decodes], device=hidden.device)
+            out = original(self, hidden[0, rows][:, None], **{cache_name: joint}, **bound)  # [B, 1, D]
+            unstack_layer_states(joint, caches, layer)
+            pieces.append((rows, out[:, 0]))
+        for b in sorted(set(range(len(lens))) - set(decodes)):
+            out = original(self, hidden[:, starts[b] : starts[b] + lens[b]], **{cache_name: states[b]}, **bound)
+            pieces.append((slice(starts[b], starts[b] + lens[b]), out[0]))
+        result = pieces[0][1].new_empty((1, hidden.shape[1], pieces[0][1].shape[-1]))
+        for rows, out in pieces:
+            result[0, rows] = out
+        return result
 
     forward.__wrapped__ = original
     forward.runs_per_sequence = True

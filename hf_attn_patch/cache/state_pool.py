@@ -11,6 +11,8 @@ recurrent state of fixed size per sequence. Ownership is split as for the paged 
   sequence starts at position 0 in a slot.
 - `StateForwardContext`: the forward context plus, per sequence of the forward (query_start_loc order), its Cache;
   the state-layer wrapper (attention/state_layers.py) runs each sequence's slice of the packed row with it.
+- `stack_layer_states` / `unstack_layer_states`: one layer's states of several decoding sequences stacked on the
+  batch dimension (one batched call of the layer's one-token step) and copied back.
 
 Not supported: prefix hits (a state is not block-wise; the manager turns prefix caching off), forks (copy-on-write
 of a state: `KVManager.fork` refuses) and rollback (`crop`: a recurrent state cannot be cut back).
@@ -20,12 +22,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer, LinearAttentionCacheLayerMixin,
                                       get_layer_types_and_kwargs)  # fmt: skip
 
 from .metadata import ForwardContext
 
-__all__ = ["StateForwardContext", "StateSlots", "StateStorage"]
+__all__ = ["StateForwardContext", "StateSlots", "StateStorage", "stack_layer_states", "unstack_layer_states"]
 
 
 class StateSlots:
@@ -83,6 +86,37 @@ class StateStorage:
                 if isinstance(layer, LinearAttentionCacheLayerMixin):
                     layer.reset()  # zeros the states and clears has_previous_state
         return cache
+
+
+def stack_layer_states(caches: list[Cache], layer: int) -> Cache:
+    """A Cache whose `layer` holds that layer's states of `caches` (each batch 1, each with a previous state)
+    concatenated on the batch dimension: conv [B, C, K], recurrent [B, ...]."""
+    parts = [cache.layers[layer] for cache in caches]
+    first = parts[0]
+    joint = type(first)(number_of_states=first.number_of_states)
+    joint.device, joint.dtype = first.device, first.dtype
+    for i in range(first.number_of_states):
+        joint.conv_kernel_size[i] = first.conv_kernel_size[i]
+        joint.has_previous_state[i] = True
+        if first.is_conv_states_initialized[i]:
+            joint.conv_states[i] = torch.cat([part.conv_states[i] for part in parts])
+            joint.is_conv_states_initialized[i] = True
+        if first.is_recurrent_states_initialized[i]:
+            joint.recurrent_states[i] = torch.cat([part.recurrent_states[i] for part in parts])
+            joint.is_recurrent_states_initialized[i] = True
+    return Cache(layers=[DummyLayer()] * layer + [joint])
+
+
+def unstack_layer_states(joint: Cache, caches: list[Cache], layer: int) -> None:
+    """Copy the stacked states of `layer` (after the batched step) back into each sequence's own Cache."""
+    stacked = joint.layers[layer]
+    for b, cache in enumerate(caches):
+        part = cache.layers[layer]
+        for i in range(part.number_of_states):
+            if part.is_conv_states_initialized[i]:
+                part.conv_states[i].copy_(stacked.conv_states[i][b : b + 1])
+            if part.is_recurrent_states_initialized[i]:
+                part.recurrent_states[i].copy_(stacked.recurrent_states[i][b : b + 1])
 
 
 @dataclass
