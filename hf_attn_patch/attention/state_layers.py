@@ -6,7 +6,8 @@ one). While a `StateForwardContext` (cache/state_pool.py) is set, the wrapper be
 once per sequence on its slice query_start_loc[b]:query_start_loc[b+1] with that sequence's transformers Cache,
 and puts the outputs back in place in [1, T, D]; the sequences that decode one token (with a state) run as one
 batch [B, 1, D] over their stacked states (copied back after), the layer's own batched one-token step. Outside
-the context (generate(), a plain forward, another thread) the stock forward runs untouched. The wrapper is one row per class in _patching.py's table (unpatch() restores it).
+the context (generate(), a plain forward, another thread) the stock forward runs untouched. The wrapper is one
+row per class in _patching.py's table (unpatch() restores it).
 
 STATE_MIXERS lists the mixer classes the engine serves, each tested token-identical to generate() with chunked
 prefill (tests/test_engine_hybrid.py); `check_state_layers` refuses a model whose state layers are not among them.
