@@ -211,3 +211,14 @@ def test_plain_forward_is_untouched_and_unpatch_restores_the_mixers(tokenizer):
         assert torch.equal(model.generate(prompt, max_new_tokens=8, do_sample=False), patched)
     rewrapped = {cls: vars(cls)["forward"] for cls in mixer_classes()}  # patch() again: a new wrapper each
     assert all(f.runs_per_sequence and f.__wrapped__ is wrapped[cls].__wrapped__ for cls, f in rewrapped.items())
+
+
+def test_max_memory_holds_the_states_and_the_blocks(tokenizer):
+    model = hybrid_model("qwen3_next")
+    state = hf_attn_patch.kv_cache_bytes(model.config, 0, dtype=torch.float32)  # conv + recurrent, per sequence
+    block = hf_attn_patch.kv_cache_bytes(model.config, 4, dtype=torch.float32) - state
+    assert state > 0 and block > 0
+    engine = Engine(model, tokenizer, block_size=4, max_num_seqs=3, max_memory=3 * state + 10 * block + block - 1)
+    assert engine.kv.num_blocks == 10 and engine.kv.states.num_slots == 3
+    with pytest.raises(ValueError, match="max_num_seqs=3"):
+        Engine(model, tokenizer, block_size=4, max_num_seqs=3, max_memory=3 * state + block)

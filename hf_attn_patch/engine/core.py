@@ -66,9 +66,15 @@ class Engine:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Engine: {name}={value!r} must be a positive integer")
         dtype = next(model.parameters()).dtype
-        if num_blocks is None:
+        if num_blocks is None:  # the memory holds the blocks and, for hybrid models, max_num_seqs constant states
             memory = max_memory if max_memory is not None else 512 * 1024 * 1024
-            num_blocks = memory // kv_cache_bytes(config, block_size, dtype=dtype)  # one block, all layers
+            state = kv_cache_bytes(config, 0, dtype=dtype)  # per sequence; 0 without constant-state layers
+            block = kv_cache_bytes(config, block_size, dtype=dtype) - state  # one block, all attention layers
+            num_blocks = max(0, memory - max_num_seqs * state) // block
+            if state and num_blocks < 2:
+                raise ValueError(f"Engine: max_memory={memory} cannot hold the constant states of max_num_seqs="
+                                 f"{max_num_seqs} sequences ({state} bytes each) and 2 blocks; raise max_memory or "
+                                 "lower max_num_seqs")  # fmt: skip
         if num_blocks < 2:
             raise ValueError(f"Engine: max_memory={max_memory} holds {num_blocks} blocks; need at least 2")
         self.model, self.tokenizer = model, tokenizer
