@@ -222,3 +222,31 @@ def test_max_memory_holds_the_states_and_the_blocks(tokenizer):
     assert engine.kv.num_blocks == 10 and engine.kv.states.num_slots == 3
     with pytest.raises(ValueError, match="max_num_seqs=3"):
         Engine(model, tokenizer, block_size=4, max_num_seqs=3, max_memory=3 * state + block)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_state_slots_follow_the_sequences_under_random_operations(seed):
+    """Random add / allocate / free / preempt-and-readd: every live sequence holds exactly one slot of its own,
+    nothing else holds one, and nothing is left when all are freed."""
+    rng = torch.Generator().manual_seed(seed)
+    kv, names = KVManager(4, 64, [None, 3], state_slots=4), iter(range(10**6))
+    for _ in range(300):
+        op = int(torch.randint(0, 3, (1,), generator=rng))
+        live = list(kv.sequences)
+        if op == 0 and kv.states.num_free():
+            seq = next(names)
+            kv.add(seq)
+            if kv.can_allocate(seq, 0, 5):
+                kv.allocate(seq, 0, 5)
+        elif op == 1 and live:
+            kv.free(live[int(torch.randint(0, len(live), (1,), generator=rng))])
+        elif op == 2 and live:  # preemption: freed, then the same id comes back with a fresh slot
+            seq = live[0]
+            kv.free(seq)
+            kv.add(seq)
+        slots = kv.states.owner
+        assert set(slots) == set(kv.sequences) and len(set(slots.values())) == len(slots)
+        assert kv.states.num_free() + kv.states.num_live() == 4 and all(0 <= s < 4 for s in slots.values())
+    for seq in list(kv.sequences):
+        kv.free(seq)
+    assert kv.states.num_live() == 0 and kv.num_live_blocks() == 0
