@@ -68,6 +68,8 @@ class PagedLayer(CacheLayerMixin):
         # [num_blocks, block_size, H, d_k + d_v]: keys and values side by side, so one copy writes and one gather
         # reads both (GQA: H = H_kv; MLA: H = 1, d_k = kv_lora_rank, d_v = qk_rope_head_dim)
         self.storage: torch.Tensor | None = None
+        self.pages: tuple | None = None  # the storage seen as keys [1, H, slots, d_k] and values [.., d_v] (views)
+        self.flat: torch.Tensor | None = None  # the storage seen as [slots, H, d_k + d_v] (a view)
         self.key_dim = 0
 
     def lazy_initialization(self, key_states, value_states) -> None:
@@ -147,8 +149,16 @@ class PagedKVCache(Cache):
         # group -> slot ids of the step in flight: write [B, T], read [B, L] (kept and extended between steps)
         self._write: dict = {}
         self._write_all_valid: dict = {}
+        self._write_flat: dict = {}  # group -> the write slots flattened [B * T]
         self._read: dict = {}
+        self._read_len: dict = {}  # group -> positions whose read slots are valid in self._read[group]
+        self._read_index: dict = {}  # group -> this step's read slots [B, L] flattened to [B * L]
         self._contiguous_from: dict = {}  # group -> first slot when the one row's slots are consecutive, else None
+        self._pool_blocks: dict = {}  # group -> blocks in its pool at this step (the storage's first dimension)
+        self._storage_blocks: dict = {}  # group -> blocks of its layers' storage (all grown together)
+        self._unregistered = True  # some row may not be in the manager yet
+        self._kernel_step = False  # this step's attention reads the pages by block table (paged_kv decode on CUDA)
+        self._step_start = 0  # first logical position written by the step in flight
 
     # -- requests --------------------------------------------------------------------------------------------
 
@@ -163,6 +173,7 @@ class PagedKVCache(Cache):
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         pads = (mask.cumsum(1) == 0).sum(1).tolist()  # leading zeros = left padding
         self.rows = [_Row(next(self._ids), pad, input_ids[r, pad:].tolist()) for r, pad in enumerate(pads)]
+        self._unregistered = True
         skip = self._attach_prefix() if self.prefix_caching and self.manager is not None else 0
         for row in self.rows:
             if self.manager is not None and row.id not in self.manager.sequences:
@@ -194,37 +205,46 @@ class PagedKVCache(Cache):
     # -- the step: allocation on the first paged layer, write + gather on every layer ------------------------
 
     def _layer_update(self, layer: PagedLayer, keys: torch.Tensor, values: torch.Tensor):
-        """keys [B, H_k, T, d_k], values [B, H_v, T, d_v] -> all of this layer's [B, H, L + T, d]."""
+        """keys [B, H_k, T, d_k], values [B, H_v, T, d_v] -> all of this layer's [B, H, L + T, d].
+
+        The step's bookkeeping (blocks, slots, whether kernels read the pages) is done once, at the first paged
+        layer; every layer then only writes its new K/V and reads its context (a decode step of a model with
+        a few small layers is a handful of tensor ops each, so the per-layer Python is kept to the minimum)."""
         if not layer.is_initialized:
             layer.lazy_initialization(keys, values)
         if layer is self.paged[0]:
-            self._begin_step(keys.shape[0], keys.shape[2], keys.element_size(), keys.device)
-        if layer.storage is None or layer.storage.shape[0] < self.manager.pools[layer.window].num_blocks:
+            self._begin_step(keys)
+        if layer.storage is None or layer.storage.shape[0] < self._pool_blocks[layer.window]:
             self._grow_storage(layer, keys, values)
         window, dk = layer.window, layer.key_dim
-        flat = layer.storage.view(-1, *layer.storage.shape[2:])  # [slots, H, d_k + d_v]
-        first, start, length = self._contiguous_from[window], layer.length, layer.length + keys.shape[2]
-        layer.length = length
-        read = self._read.get(window)  # None while one contiguous row is read as a view
-        if first is not None:  # one row in consecutive slots: write a slice
-            flat[first + start : first + length, :, :dk] = keys[0].transpose(0, 1)
-            flat[first + start : first + length, :, dk:] = values[0].transpose(0, 1)
+        start = layer.length
+        length = layer.length = start + keys.shape[2]
+        first = self._contiguous_from[window]
+        if first is not None:  # one row in consecutive slots: write a slice of the pages, read views of them
+            key_pages, value_pages = layer.pages  # [1, H, slots, d_k] / [1, H, slots, d_v], views of the storage
+            key_pages.narrow(2, first + start, length - start).copy_(keys)
+            value_pages.narrow(2, first + start, length - start).copy_(values)
+            read = key_pages.narrow(2, first, length), value_pages.narrow(2, first, length)
         else:
+            flat = layer.flat  # [slots, H, d_k + d_v]
             write = self._write[window]
-            new = torch.cat((keys, values), dim=-1).transpose(1, 2)  # [B, T, H, d_k + d_v]
+            new = torch.cat((keys, values), dim=-1)  # [B, H, T, d_k + d_v]
             if self._write_all_valid[window]:
-                flat.index_copy_(0, write.view(-1), new.reshape(-1, *new.shape[2:]))
+                new = new[:, :, 0] if new.shape[2] == 1 else new.transpose(1, 2).reshape(-1, *new.shape[1:2], new.shape[3])
+                flat.index_copy_(0, self._write_flat[window], new)
             else:  # prefill with left padding: padded positions are not stored
                 valid = write >= 0
-                flat[write[valid]] = new[valid]
+                flat[write[valid]] = new.transpose(1, 2)[valid]
+            read = None
         if layer is self.paged[-1]:
             self._end_step()
-        if self.config._attn_implementation == PAGED_ATTENTION and keys.shape[2] == 1 and metadata.use_kernels(keys):
+        if self._kernel_step:
             if layer is self.paged[0]:
                 set_forward_context(self._decode_context(keys.device))
             get_forward_context().storage[layer.layer_idx] = layer.storage
+            flat = layer.storage.view(-1, *layer.storage.shape[2:])
             return flat[..., :dk], flat[..., dk:]  # the pages themselves: the backend reads them by block table
-        return read_paged(flat, dk, read, first, length)
+        return read if read is not None else read_paged(flat, dk, self._read_index[window], None, length)
 
     def _decode_context(self, device) -> ForwardContext:
         """The decode step's metadata (one new token per row, stored coordinates) for the paged backend."""
@@ -239,27 +259,36 @@ class PagedKVCache(Cache):
         """K [B, H, L, d_k], V [B, H, L, d_v] of one paged layer (the reference path of a paged_kv decode)."""
         layer = self.layers[layer_idx]
         flat = layer.storage.view(-1, *layer.storage.shape[2:])
-        return read_paged(flat, layer.key_dim, self._read.get(layer.window), self._contiguous_from[layer.window],
-                          layer.length)  # fmt: skip
+        read = self._read.get(layer.window)
+        read = None if read is None else read[:, : layer.length]
+        return read_paged(flat, layer.key_dim, read, self._contiguous_from[layer.window], layer.length)
 
-    def _begin_step(self, batch: int, new: int, element_size: int, device) -> None:
-        """Give every row blocks for `new` more positions (copying shared partly filled ones) and build slots."""
+    def _begin_step(self, keys: torch.Tensor) -> None:
+        """Give every row blocks for the new positions of keys [B, H, T, d] (copying shared partly filled ones),
+        build the step's slots, and decide whether this step's attention reads the pages by block table."""
+        batch, new, device = keys.shape[0], keys.shape[2], keys.device
         if self.manager is None:
-            self._create_manager(element_size)
+            self._create_manager(keys.element_size())
         if len(self.rows) != batch:
             if self.rows:
                 raise ValueError(f"the cache holds {len(self.rows)} rows but the model was called with batch {batch}")
             self.rows = [_Row(next(self._ids)) for _ in range(batch)]
-        for row in self.rows:
-            if row.id not in self.manager.sequences:
-                self.manager.add(row.id)
+            self._unregistered = True
+        if self._unregistered:
+            for row in self.rows:
+                if row.id not in self.manager.sequences:
+                    self.manager.add(row.id)
+            self._unregistered = False
         start = self.paged[0].length
         # stored positions (left padding excluded) written this step; all rows or none (CacheFullError)
         self.manager.allocate_many([(row.id, max(0, start - row.pad), max(0, start + new - row.pad))
                                     for row in self.rows])  # fmt: skip
-        for layer in self.paged:  # the pools may have grown: storage first, so copies have their targets
-            if layer.storage is not None and layer.storage.shape[0] < self.manager.pools[layer.window].num_blocks:
-                self._grow_storage(layer, None, None)
+        self._pool_blocks = {g: pool.num_blocks for g, pool in self.manager.pools.items()}
+        if self._pool_blocks != self._storage_blocks:  # the pools grew: storage first, so copies have their targets
+            for layer in self.paged:
+                if layer.storage is not None and layer.storage.shape[0] < self._pool_blocks[layer.window]:
+                    self._grow_storage(layer, None, None)
+            self._storage_blocks = dict(self._pool_blocks)  # layers without storage yet make it at this size
         for group, source, target in self.manager.take_copies():
             for layer in self.paged:
                 if layer.window == group and layer.storage is not None:
@@ -274,6 +303,8 @@ class PagedKVCache(Cache):
             self._version = self.manager.version
         for group in self.groups:
             self._update_slots(group, start, new, device)
+        self._kernel_step = new == 1 and metadata.use_kernels(keys) and self.config._attn_implementation == PAGED_ATTENTION
+        self._step_start = start
 
     def _update_slots(self, group, start: int, new: int, device) -> None:
         """Slots of this step: write [B, new] (-1: padding, not stored) and read [B, start + new].
@@ -291,14 +322,24 @@ class PagedKVCache(Cache):
                 self._write_all_valid[group] = True
                 return
             self._contiguous_from[group] = None
-        old = self._read.get(group)
-        rebuilt = old is None or old.shape != (len(self.rows), start)
+        rows, end = self.rows, start + new
+        buffer = self._read.get(group)  # [B, capacity]: slots of positions [0, self._read_len[group]) are valid
+        rebuilt = buffer is None or buffer.shape[0] != len(rows) or self._read_len.get(group) != start
         if rebuilt:
-            old = self._slots(group, 0, start).clamp(min=0).to(device)
-        write = self._slots(group, start, start + new).to(device)
-        self._write[group] = write
-        self._write_all_valid[group] = bool((write >= 0).all())
-        read = self._read[group] = torch.cat((old, write.clamp(min=0)), dim=1)
+            buffer = torch.empty((len(rows), max(2 * end, 64)), dtype=torch.long, device=device)
+            buffer[:, :start] = self._slots(group, 0, start).clamp(min=0)
+        elif buffer.shape[1] < end:  # doubling: amortized O(1) per decoded position
+            buffer = torch.cat((buffer, torch.empty_like(buffer)), dim=1)
+        write = self._slots(group, start, end).to(device)
+        self._write[group], self._write_flat[group] = write, write.view(-1)
+        if new == 1:  # a decode step: a row writes a padding position only if it is all padding so far
+            self._write_all_valid[group] = all(start >= row.pad for row in rows)
+        else:
+            self._write_all_valid[group] = bool((write >= 0).all())
+        buffer[:, start:end] = write if self._write_all_valid[group] else write.clamp(min=0)
+        self._read[group], self._read_len[group] = buffer, end
+        read = buffer[:, :end]
+        self._read_index[group] = read.reshape(-1)  # one flat index for every layer of the group this step
         # A single row stored in consecutive slots (the usual case for one request) is read as a storage view:
         # _contiguous_from[group] = c means position p sits in slot c + p.
         first = None
@@ -313,6 +354,7 @@ class PagedKVCache(Cache):
         self._contiguous_from[group] = first
         if first is not None:
             del self._read[group]  # read as a storage view; rebuilt from the tables if that ever stops
+            del self._read_len[group]
 
     def _slots(self, group, start: int, end: int) -> torch.Tensor:
         """[B, end - start] slot ids of positions [start, end) of every row; -1 for left padding."""
@@ -334,10 +376,12 @@ class PagedKVCache(Cache):
         return torch.stack(out) if out else torch.empty(0, end - start, dtype=torch.long)
 
     def _end_step(self) -> None:
-        """Name the prompt blocks that just became full, so later requests can reuse them."""
+        """Name the prompt blocks that just became full, so later requests can reuse them (only a step that
+        wrote prompt positions can fill one: decoded tokens are not part of any prompt)."""
         length = self.paged[0].length
         for row in self.rows:
-            self.manager.commit(row.id, row.tokens[: max(0, length - row.pad)])
+            if self._step_start - row.pad < len(row.tokens):
+                self.manager.commit(row.id, row.tokens[: max(0, length - row.pad)])
 
     # -- pool and storage ------------------------------------------------------------------------------------
 
@@ -372,10 +416,13 @@ class PagedKVCache(Cache):
             layer.key_dim = keys.shape[-1]
             shape = (num_blocks, self.block_size, keys.shape[1], keys.shape[-1] + values.shape[-1])
             layer.storage = keys.new_zeros(shape)
-            return
-        extra = num_blocks - layer.storage.shape[0]
-        if extra > 0:
-            layer.storage = torch.cat((layer.storage, layer.storage.new_zeros(extra, *layer.storage.shape[1:])))
+        else:
+            extra = num_blocks - layer.storage.shape[0]
+            if extra > 0:
+                layer.storage = torch.cat((layer.storage, layer.storage.new_zeros(extra, *layer.storage.shape[1:])))
+        pages = layer.storage.view(1, -1, *layer.storage.shape[2:]).transpose(1, 2)  # [1, H, slots, d_k + d_v]
+        layer.pages = pages[..., : layer.key_dim], pages[..., layer.key_dim :]
+        layer.flat = layer.storage.view(-1, *layer.storage.shape[2:])
 
     # -- transformers' Cache API over rows -------------------------------------------------------------------
 
@@ -399,6 +446,7 @@ class PagedKVCache(Cache):
     def _remap_rows(self, sources: list[int]) -> None:
         """New row i continues old row sources[i], sharing its blocks by reference count (nothing is copied)."""
         self._read.clear()
+        self._unregistered = True
         old, self.rows = self.rows, []
         for i in sources:
             row = _Row(next(self._ids), old[i].pad, old[i].tokens)
@@ -468,11 +516,11 @@ class PagedKVCache(Cache):
 
 def read_paged(storage, key_dim: int, read_slots, contiguous_from: int | None, length: int):
     """K [B, H, L, d_k], V [B, H, L, d_v] from storage [slots, H, d_k + d_v]: a view for one contiguous row,
-    else one gather of keys and values together (they sit side by side)."""
+    else one gather of keys and values together (they sit side by side); read_slots [B, L] or flat [B * L]."""
     if contiguous_from is not None:
         both = storage[contiguous_from : contiguous_from + length].unsqueeze(0)
     else:
-        both = storage.index_select(0, read_slots.reshape(-1)).view(*read_slots.shape, *storage.shape[1:])
+        both = storage.index_select(0, read_slots.reshape(-1)).view(-1, length, *storage.shape[1:])
     both = both.transpose(1, 2)
     return both[..., :key_dim], both[..., key_dim:]
 
