@@ -249,3 +249,24 @@ def test_registered_paged_attention_reads_blocks_itself(model_type, variant, bat
     assert all(size == 4 for size, _ in calls)
     assert calls[0][1] == [n + 1 for n in batch_lengths]  # stored lengths: each row's own, padding excluded
     assert metadata.get_forward_context() is None
+
+
+def test_masked_hole_takes_the_reference_not_the_kernels(monkeypatch):
+    """A prompt mask with a hole after the first real token is not left padding: the block-table kernels (which see
+    every stored position as visible) must not run, and tokens still match sdpa with DynamicCache."""
+    import hf_attn_patch.kernels as kernels
+    from hf_attn_patch.cache import metadata
+
+    model = tiny_model("llama")
+    ids, mask = ragged(lengths=(9, 6))
+    mask[0, 3] = 0  # row 0: a hole inside its prompt
+    kw = dict(attention_mask=mask, pad_token_id=0, max_new_tokens=6, do_sample=False)
+    reference = model.generate(ids, **kw)
+    calls = []
+    monkeypatch.setattr(kernels, "paged_decode_attention", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(metadata, "use_kernels", lambda query: True)
+    model.set_attn_implementation("paged_kv")
+    out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
+    model.set_attn_implementation("sdpa")
+    assert torch.equal(out, reference)
+    assert calls == []

@@ -157,6 +157,7 @@ class PagedKVCache(Cache):
         self._pool_blocks: dict = {}  # group -> blocks in its pool at this step (the storage's first dimension)
         self._storage_blocks: dict = {}  # group -> blocks of its layers' storage (all grown together)
         self._unregistered = True  # some row may not be in the manager yet
+        self._left_padding_only = True  # the prompt mask is left padding then ones (see start_request)
         self._kernel_step = False  # this step's attention reads the pages by block table (paged_kv decode on CUDA)
         self._step_start = 0  # first logical position written by the step in flight
 
@@ -172,6 +173,9 @@ class PagedKVCache(Cache):
             self.layers[idx] = DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
         pads = (mask.cumsum(1) == 0).sum(1).tolist()  # leading zeros = left padding
+        # The block-table kernels see each row as its stored positions, all visible: a mask with a hole after the
+        # first real token (not plain left padding) must go through the masked reference instead.
+        self._left_padding_only = bool((mask.cumsum(1) > 0).le(mask.bool()).all())
         self.rows = [_Row(next(self._ids), pad, input_ids[r, pad:].tolist()) for r, pad in enumerate(pads)]
         self._unregistered = True
         skip = self._attach_prefix() if self.prefix_caching and self.manager is not None else 0
@@ -303,7 +307,8 @@ class PagedKVCache(Cache):
             self._version = self.manager.version
         for group in self.groups:
             self._update_slots(group, start, new, device)
-        self._kernel_step = new == 1 and metadata.use_kernels(keys) and self.config._attn_implementation == PAGED_ATTENTION
+        self._kernel_step = (new == 1 and self._left_padding_only and metadata.use_kernels(keys)
+                             and self.config._attn_implementation == PAGED_ATTENTION)  # fmt: skip
         self._step_start = start
 
     def _update_slots(self, group, start: int, new: int, device) -> None:
