@@ -4,6 +4,10 @@ Per stock attention layer, over all calibration tokens x (the attention input, a
     input covariance   S = sum_t x_t x_t^T  [D, D]          -> the covariance of any linear map's outputs: W S W^T
     pair energy        mean_t ||q_h,t[i, i + d_rot/2]||, mean_t ||k_g,t[i, i + d_rot/2]||  per head and RoPE pair
 Pair norms are rotation invariant, so they need no positions. Nothing per token is kept.
+
+Calibration windows are either consecutive windows of a text (`calibration_windows`) or samples of the source
+model itself (`sample_from_teacher`: prompts cut from the text, continued at temperature 1 with nucleus top-p), which
+follow the source's own distribution rather than the calibration text's domain.
 """
 
 from __future__ import annotations
@@ -112,6 +116,52 @@ def calibration_windows(text: str, tokenizer, samples: int, length: int) -> torc
             f"calibration text has {len(ids)} tokens, fewer than calib_samples x calib_len = {samples * length}"
         )
     return ids[: samples * length].view(samples, length)
+
+
+TEACHER_TOP_P = 0.95  # nucleus of the teacher samples: the 5% tail of a small model is mostly noise
+TEACHER_PROMPT = 4  # tokens of calibration text that start each teacher sample: a start, not a domain
+CALIB_SOURCES = ("text", "teacher")
+
+
+def teacher_windows(teacher, text_windows: torch.Tensor, seed: int = 0, progress: bool = True) -> torch.Tensor:
+    """[n, T] samples of `teacher`, one per calibration text window [n, T]: its first TEACHER_PROMPT tokens
+    continued by sample_from_teacher (temperature 1, top-p TEACHER_TOP_P)."""
+    return sample_from_teacher(teacher, text_windows[:, :TEACHER_PROMPT], text_windows.shape[1], seed=seed,
+                               progress=progress)  # fmt: skip
+
+
+@torch.no_grad()
+def sample_from_teacher(teacher, prompts: torch.Tensor, length: int, seed: int = 0, top_p: float = TEACHER_TOP_P,
+                        batch_size: int = 8, progress: bool = True) -> torch.Tensor:  # fmt: skip
+    """[n, length] windows: each prompt [n, p] (p < length) continued by `teacher` sampling at temperature 1 from the
+    smallest set of tokens holding `top_p` of the probability (EOS suppressed, so every window is full),
+    reproducible from `seed`."""
+    if not 0 < prompts.shape[1] < length:
+        raise ValueError(f"prompt length {prompts.shape[1]} must be in 1..length-1 = {length - 1}")
+    if not 0 < top_p <= 1:
+        raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
+    device = next(teacher.parameters()).device
+    generator = torch.Generator(device="cpu").manual_seed(seed)
+    eos = getattr(teacher.config, "eos_token_id", None)
+    eos = [eos] if isinstance(eos, int) else list(eos or [])
+    out = []
+    for start in tqdm(range(0, len(prompts), batch_size), desc="teacher samples", disable=not progress):
+        ids = prompts[start : start + batch_size].to(device)
+        past, step_input = None, ids
+        while ids.shape[1] < length:
+            result = teacher(step_input, past_key_values=past, use_cache=True)
+            past = result.past_key_values
+            probs = torch.softmax(result.logits[:, -1].float(), dim=-1).cpu()
+            probs[:, eos] = 0
+            if top_p < 1:  # keep the most probable tokens until their sum reaches top_p (the first always)
+                sorted_probs, order = probs.sort(dim=-1, descending=True)
+                cum = sorted_probs.cumsum(-1)
+                sorted_probs[(cum - sorted_probs) >= top_p * cum[:, -1:]] = 0
+                probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+            step_input = torch.multinomial(probs, 1, generator=generator).to(device)
+            ids = torch.cat((ids, step_input), dim=1)
+        out.append(ids.cpu())
+    return torch.cat(out)
 
 
 class StatsAccumulator:

@@ -25,7 +25,8 @@ from transformers.utils.hub import convert_file_size_to_int
 from ..kv_memory import dtype_of, kv_cache_bytes
 from ..models.architectures import architecture_of, head_dim, rotary_dim
 from ..models.pretrained import DEFAULT_MODEL_DIR
-from .calibration import calibration_windows, collect_stats, read_calibration_text
+from .calibration import (CALIB_SOURCES, TEACHER_PROMPT, calibration_windows, collect_stats, read_calibration_text,
+                          teacher_windows)
 from .deepseek_export import check_source, stock_frequencies, to_deepseek_v3
 from .budgets import allocate, candidate_grid
 from .exact import rebuild, stock_attention_layers
@@ -41,7 +42,6 @@ logger = logging.getLogger(__name__)
 TARGETS = ("gqa", "mqa", "mla")
 FORMATS = ("auto", "native", "stock", "deepseek_v3")
 HEAL_DATA = ("calib", "teacher", "mix")
-TEACHER_PROMPT = 16  # tokens of calibration text that start each teacher sample
 STOCK_GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # configs with a native num_key_value_heads
 RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity")
 
@@ -63,6 +63,7 @@ class ConvertOptions:
     calib_column: str = "text"  # datasets only
     calib_samples: int = 16
     calib_len: int = 256
+    calib_source: str = "text"  # text: windows of calib_data; teacher: the source's own samples, prompted from them
     propagate: bool = False  # each layer's closed form recomputed from the converted prefix's statistics (kept if better)
     reconstruct_steps: int = 0  # Adam steps fitting each converted layer's output (opt-in: see the CLI's help)
     reconstruct_lr: float = 3e-2  # reconstruction step, as a fraction of each weight tensor's RMS
@@ -127,6 +128,8 @@ class ConvertOptions:
             raise ValueError(f"heal_train={self.heal_train!r} is not one of ('attention', 'all')")
         if self.heal_lr != "auto" and (isinstance(self.heal_lr, (str, bool)) or not self.heal_lr > 0):
             raise ValueError(f"heal_lr={self.heal_lr!r} must be a positive number or 'auto'")
+        if self.calib_source not in CALIB_SOURCES:
+            raise ValueError(f"calib_source={self.calib_source!r} is not one of {CALIB_SOURCES}")
         if self.heal_data not in HEAL_DATA:
             raise ValueError(f"heal_data={self.heal_data!r} is not one of {HEAL_DATA}")
         if self.push_to_hub is not None:
@@ -315,7 +318,8 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
             new, report["deepseek_v3"] = to_deepseek_v3(new, windows, stride)
 
     if opts.heal_steps:
-        report["heal"] = _heal(new, model, tokenizer, text(), opts)
+        report["heal"] = _heal(new, model, tokenizer, text(), opts,
+                               windows if opts.calib_source == "teacher" else None)  # fmt: skip
 
     if stock_format:
         del new.config.attention_variant  # a plain config: our module's weight names are the stock ones
@@ -347,8 +351,10 @@ def _is_main_process() -> bool:
 def _calibrate(model, tokenizer, text: str, opts: ConvertOptions, report: dict) -> tuple[torch.Tensor, dict]:
     """(calibration windows, activation statistics of every attention layer) (recorded in the report)."""
     windows = calibration_windows(text, tokenizer, opts.calib_samples, opts.calib_len)
+    if opts.calib_source == "teacher":
+        windows = teacher_windows(model, windows, seed=opts.seed)
     report["calibration"] = {"data": opts.calib_data or "package corpus (TinyStories sample)",
-                             "split": opts.calib_split, "column": opts.calib_column,
+                             "source": opts.calib_source, "split": opts.calib_split, "column": opts.calib_column,
                              "samples": opts.calib_samples, "length": opts.calib_len}  # fmt: skip
     return windows, collect_stats(model, windows)
 
@@ -361,24 +367,29 @@ def _layerwise(model, new, windows: torch.Tensor, relift, opts: ConvertOptions, 
                            "target": opts.reconstruct_target, **summary(fits)}  # fmt: skip
 
 
-def _heal(student, teacher, tokenizer, text: str, opts: ConvertOptions) -> dict:
+def _heal(student, teacher, tokenizer, text: str, opts: ConvertOptions, samples: torch.Tensor | None = None) -> dict:
     """Distill the source into the converted model (heal.py); a summary for the report.
 
     Data (heal_data): calib: windows of the calibration text; teacher: the source's own continuations of
     TEACHER_PROMPT-token prompts cut from it (one window per training step and batch row, at most 64, reused
-    cyclically); mix: the two alternating. The last heal_held_in windows (of the same kind) are never trained on:
+    cyclically; `samples`, the teacher calibration windows when calib_source is "teacher", are used instead of
+    sampling again); mix: the two alternating. The last heal_held_in windows (of the same kind) are never trained on:
     they pick the learning rate (lr "auto") and the state returned."""
-    from .heal import heal, sample_from_teacher
+    from .heal import heal
 
     tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
     calib = calibration_windows(text, tokenizer, tokens // opts.calib_len, opts.calib_len)
     held = min(opts.heal_held_in, len(calib) // 2)
     if opts.heal_data == "calib":
         windows = calib
+    elif samples is not None:  # teacher calibration windows: no second sampling
+        plain = calib[: len(samples)]
+        windows = samples if opts.heal_data == "teacher" else torch.stack((samples, plain), dim=1).flatten(0, 1)
+        held = min(opts.heal_held_in, len(windows) // 2)
     else:
         count = min(64, opts.heal_steps * opts.heal_batch_size) + held
         prompts = calib[torch.randperm(len(calib), generator=torch.Generator().manual_seed(opts.seed))[:count]]
-        sampled = sample_from_teacher(teacher, prompts[:, :TEACHER_PROMPT], opts.calib_len, seed=opts.seed)
+        sampled = teacher_windows(teacher, prompts, seed=opts.seed)
         if opts.heal_data == "teacher":
             windows = sampled
         else:  # alternate teacher and calibration windows; held in: the same mix

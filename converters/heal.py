@@ -12,8 +12,8 @@ Never worse on held-in data: with `held_in` windows (never trained on), the mean
 first step and every `eval_every` steps, and the trainable weights of the best measurement are restored at the end
 (the start counts, so a diverging run returns its starting model). lr="auto": a range test from the start, each of
 AUTO_LRS for `probe` steps at a constant rate (optimizer state reset between them), the rate with the lowest held-in
-KL is used (the weights go back to the start first). `sample_from_teacher` makes distillation text from the source
-model's own distribution (prompts cut from the calibration text, continuations sampled at temperature 1).
+KL is used (the weights go back to the start first). Distillation text from the source model's own distribution:
+calibration.sample_from_teacher.
 """
 
 from __future__ import annotations
@@ -48,32 +48,6 @@ class HealResult:
     held_in: list[tuple[int, float]] = field(default_factory=list)  # (step, mean held-in KL); step 0: the start
     best_step: int = 0  # the step whose weights were returned (0: the start)
     range_test: dict[float, float] = field(default_factory=dict)  # lr="auto": held-in KL after each probe
-
-
-@torch.no_grad()
-def sample_from_teacher(teacher, prompts: torch.Tensor, length: int, seed: int = 0, batch_size: int = 8) -> torch.Tensor:
-    """[n, length] windows: each prompt [n, p] (p < length) continued by `teacher` sampling at temperature 1 (no
-    top-k / top-p, EOS suppressed so every window is full), reproducible from `seed`."""
-    if not 0 < prompts.shape[1] < length:
-        raise ValueError(f"prompt length {prompts.shape[1]} must be in 1..length-1 = {length - 1}")
-    device = next(teacher.parameters()).device
-    generator = torch.Generator(device="cpu").manual_seed(seed)
-    out = []
-    for start in tqdm(range(0, len(prompts), batch_size), desc="teacher samples"):
-        ids = prompts[start : start + batch_size].to(device)
-        past = None
-        step_input = ids
-        while ids.shape[1] < length:
-            result = teacher(step_input, past_key_values=past, use_cache=True)
-            past = result.past_key_values
-            probs = torch.softmax(result.logits[:, -1].float(), dim=-1).cpu()
-            eos = getattr(teacher.config, "eos_token_id", None)
-            for e in [eos] if isinstance(eos, int) else (eos or []):
-                probs[:, e] = 0
-            step_input = torch.multinomial(probs, 1, generator=generator).to(device)
-            ids = torch.cat((ids, step_input), dim=1)
-        out.append(ids.cpu())
-    return torch.cat(out)
 
 
 def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str = 1e-4, batch_size: int = 1,

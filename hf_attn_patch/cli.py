@@ -318,6 +318,9 @@ def main(argv: list[str] | None = None) -> None:
                     "folder, a .json/.jsonl/.parquet/.csv file or a dataset name[:config] (default: the package's corpus)")
     cv.add_argument("--calib-split", help="datasets: the split to read (default train)")
     cv.add_argument("--calib-column", help="datasets: the text column (default text)")
+    cv.add_argument("--calib-source", choices=["text", "teacher"],
+                    help="calibration windows: the calibration text (default), or samples of the source model itself "
+                    "(prompted by each text window's first 4 tokens; temperature 1, top-p 0.95, --seed)")
     cv.add_argument("--calib-samples", type=_positive_int)
     cv.add_argument("--calib-len", type=_positive_int)
     cv.add_argument("--heal-steps", type=int, help="distillation steps from the source after conversion (default 0)")

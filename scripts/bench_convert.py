@@ -1,18 +1,23 @@
-"""Conversion quality: every method, closed form and reconstructed, one-shot and healed, in one run.
+"""Conversion quality: closed form, + layer-by-layer reconstruction, + healing, per target, in one run.
 
-    .venv/bin/python scripts/bench_convert.py [--quick] [--reconstruct-steps 200] [--heal-steps N] [--out bench_convert.png]
+    .venv/bin/python scripts/bench_convert.py [--models stories260k,smollm2] [--targets "MLA 50%,MQA 3->1"]
+        [--all-methods] [--reconstruct-steps N] [--heal-steps N] [--quick] [--out scripts/bench_convert.png]
 
-For each model and target: perplexity on two evaluation texts that are never calibrated or healed on, mean KL(source
-|| converted) per token on the first, KV bytes per token (fp16, all layers), conversion wall and CPU time
-(time.process_time of this process: on a shared machine the wall time is noise, the CPU time less so).
-Calibration (all methods, and the choice of every setting): the package corpus (TinyStories sample, first 16 x 256
-tokens). Evaluation: stories260k on the last 60,000 characters of the TinyStories sample (8 x 256 tokens) and on
-tinyshakespeare (first 100,000 characters, 8 x 256); SmolLM2-135M on WikiText-2 test (first 200,000 characters, 4 x
-512) and tinyshakespeare (4 x 512). Rows per target: each closed-form method, then the default method with
-layer-by-layer reconstruction (`reconstruct_steps`, the CLI default). Healing (--heal-steps, default 100 / 50):
-from the reconstructed start, KL distillation on a mix of the source's own samples and calibration text, lr "auto"
-(range test on held-in calibration windows), best held-in state kept: convert()'s own healing path.
-Writes a PNG of perplexity vs KV bytes and the rows as JSON beside it. --quick: stories260k only.
+For each model and target: perplexity on two evaluation texts that are never calibrated or healed on (and its ratio
+to the source's), mean KL(source || converted) per token on the first, KV bytes per token (fp16, all layers), and
+the CPU seconds of the conversion (time.process_time of this process, one torch thread unless --threads: on a shared
+machine the wall time is noise, the CPU time less so). Rows per target:
+    closed form (text)     the default method calibrated on the package corpus (TinyStories sample, 16 x 256 tokens)
+    closed form (teacher)  the same calibrated on 16 x 256 samples of the source itself (calib_source="teacher")
+    + reconstruction       teacher calibration and `--reconstruct-steps` Adam steps per layer (convert()'s path)
+    + healing              convert()'s healing step (`--heal-steps`, heal data `--heal-data`, lr "auto", best
+                           held-in state) applied to the reconstructed output, on the same teacher windows
+    --all-methods adds every other closed-form method (text calibration), as the older tables had.
+Evaluation: stories260k on the last 60,000 characters of the TinyStories sample (8 x 256 tokens) and tinyshakespeare
+(first 100,000 characters, 8 x 256); SmolLM2-135M on WikiText-2 test (first 200,000 characters, 4 x 512) and
+tinyshakespeare (4 x 512). Every setting was chosen on held-in calibration / teacher windows, never on these texts.
+Rows are written to the JSON beside the PNG after each one (a partial run keeps what it measured); --plot-only
+redraws the PNG. --quick: stories260k only.
 """
 
 from __future__ import annotations
@@ -27,20 +32,23 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
-from hf_attn_patch.converters.convert import convert, load_source
+from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
+from hf_attn_patch.converters.convert import ConvertOptions, _heal, convert, load_source
 from hf_attn_patch.converters.evaluate import evaluate, windows_of
 from hf_attn_patch.kv_memory import kv_cache_bytes
 
 CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"
+MODELS = {"stories260k": "default", "smollm2": "smollm2"}
+LABELS = {"default": "stories260k", "smollm2": "SmolLM2-135M"}
 METHODS = {"gqa": ("mean", "aligned", "pca"), "mla": ("mha2mla", "calibrated")}
 DEFAULT = {"gqa": "pca", "mla": "calibrated"}
 TARGETS = {
     "default": [("GQA 4->2", dict(to="gqa", kv_heads=2)), ("MQA 4->1", dict(to="mqa")),
                 ("MLA 50%", dict(to="mla", kv_budget=0.5)), ("MLA 25%", dict(to="mla", kv_budget=0.25))],
-    "smollm2": [("MQA 3->1", dict(to="mqa")), ("MLA 50%", dict(to="mla", kv_budget=0.5)),
-                ("MLA 25%", dict(to="mla", kv_budget=0.25)), ("MLA 12.5%", dict(to="mla", kv_budget=0.125))],
+    "smollm2": [("MLA 50%", dict(to="mla", kv_budget=0.5)), ("MLA 25%", dict(to="mla", kv_budget=0.25)),
+                ("MQA 3->1", dict(to="mqa")), ("MLA 12.5%", dict(to="mla", kv_budget=0.125))],
 }  # fmt: skip
-HEAL = {"default": (100, 4), "smollm2": (50, 2)}  # steps, windows per step
+HEAL = {"default": (100, 4), "smollm2": (60, 2)}  # steps, windows per step
 
 
 def eval_sets(name: str, tokenizer) -> dict[str, torch.Tensor]:
@@ -54,9 +62,14 @@ def eval_sets(name: str, tokenizer) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--reconstruct-steps", type=int, default=200)
-    parser.add_argument("--heal-steps", type=int, help="default: 100 (stories260k) / 50 (SmolLM2); 0: no healing")
+    parser.add_argument("--models", default="stories260k,smollm2", help="comma-separated: stories260k, smollm2")
+    parser.add_argument("--targets", help="comma-separated target labels to run (default: all), e.g. 'MLA 50%%,MQA 3->1'")
+    parser.add_argument("--all-methods", action="store_true", help="also every other closed-form method")
+    parser.add_argument("--quick", action="store_true", help="stories260k only")
+    parser.add_argument("--reconstruct-steps", type=int, default=100)
+    parser.add_argument("--heal-steps", type=int, help="default: 100 (stories260k) / 60 (SmolLM2); 0: no healing")
+    parser.add_argument("--heal-data", default="teacher", choices=["calib", "teacher", "mix"])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU seconds sum over threads)")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".png")), help="PNG of perplexity vs KV bytes")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the rows saved next to it")
     args = parser.parse_args()
@@ -64,66 +77,92 @@ def main() -> None:
     if args.plot_only:
         _plot(json.loads(rows_file.read_text()), args.out)
         return
-    torch.set_num_threads(2)
+    models = ["stories260k"] if args.quick else [m.strip() for m in args.models.split(",")]
+    for m in models:
+        if m not in MODELS:
+            raise SystemExit(f"--models: {m!r} is not one of {sorted(MODELS)}")
+    wanted = None if args.targets is None else {t.strip() for t in args.targets.split(",")}
+    torch.set_num_threads(args.threads)
     rows = []
-    for name in ["default"] if args.quick else ["default", "smollm2"]:
+    for name in (MODELS[m] for m in models):
+        label = LABELS[name]
         source, tokenizer = load_source(name)
         sets = eval_sets(name, tokenizer)
         first = next(iter(sets))
-        label = "stories260k" if name == "default" else "SmolLM2-135M"
         base = {k: evaluate(source, w, progress=False).perplexity for k, w in sets.items()}
         rows.append(dict(model=label, target="source", method="-", kv=kv_cache_bytes(source.config, 1), ppl=base,
-                         kl=0.0, wall=0.0, cpu=0.0, healed=None))  # fmt: skip
-        print(f"{label}: source {base}", flush=True)
+                         ratio={k: 1.0 for k in base}, kl=0.0, cpu=0.0))  # fmt: skip
+        print(f"{label}: source {_fmt(base)}", flush=True)
         steps, batch = HEAL[name]
         steps = steps if args.heal_steps is None else args.heal_steps
+        samples = None
         for target, options in TARGETS[name]:
+            if wanted is not None and target not in wanted:
+                continue
             family = "mla" if options["to"] == "mla" else "gqa"
-            runs = [(m, dict(method=m)) for m in METHODS[family]]
-            runs.append((f"{DEFAULT[family]} + reconstruction", dict(method=DEFAULT[family],
-                                                                     reconstruct_steps=args.reconstruct_steps)))
-            for method, extra in runs:
-                healing = steps and "reconstruction" in method
-                row = _run(name, {**options, **extra}, sets, source, first, dict(heal_steps=steps, heal_batch_size=batch,
-                           heal_data="mix") if healing else None)  # fmt: skip
-                rows.append(dict(model=label, target=target, method=method, **row))
-                print(f"  {target:<9} {method:<26} {row['kv']:>6} B  ppl {_fmt(row['ppl'])}  KL {row['kl']:.3f}  "
-                      f"{row['wall']:.0f} s wall / {row['cpu']:.0f} s CPU" + (f"  healed {_fmt(row['healed'])} (lr "
-                      f"{row['heal_lr']:g}, {row['heal_cpu']:.0f} s CPU)" if row["healed"] else ""), flush=True)  # fmt: skip
+            method = DEFAULT[family]
+            runs = [(m, dict(method=m)) for m in METHODS[family] if args.all_methods and m != method]
+            runs += [(f"{method}, closed form (text)", dict(method=method)),
+                     (f"{method}, closed form (teacher)", dict(method=method, calib_source="teacher")),
+                     (f"{method} + reconstruction", dict(method=method, calib_source="teacher",
+                                                         reconstruct_steps=args.reconstruct_steps))]  # fmt: skip
+            for run_label, extra in runs:
+                healing = steps and "reconstruction" in run_label
+                opts = {**options, **extra}
+                if healing and samples is None:  # the teacher windows convert() calibrated on: same seed, same text
+                    text = calibration_windows(read_calibration_text(None), tokenizer, 16, 256)
+                    samples = teacher_windows(source, text, seed=0, progress=False)
+                row = _run(name, opts, sets, source, first, base,
+                           dict(heal_steps=steps, heal_batch_size=batch, heal_data=args.heal_data) if healing else None,
+                           samples, tokenizer)  # fmt: skip
+                for kind, r in (("one-shot", row), ("healed", row.pop("healed", None))):
+                    if r is None:
+                        continue
+                    rows.append(dict(model=label, target=target, method=run_label + (", healed" if kind == "healed" else ""), **r))
+                    print(f"  {target:<9} {rows[-1]['method']:<40} {r['kv']:>6} B  ppl {_fmt(r['ppl'])} "
+                          f"(x{_fmt(r['ratio'])})  KL {r['kl']:.3f}  {r['cpu']:.0f} CPU s", flush=True)  # fmt: skip
+                rows_file.write_text(json.dumps(rows, indent=1))
     names = sorted({k for r in rows for k in r["ppl"]}, key=lambda k: k != "stories" and k != "wikitext2")
-    print("\n| model | target | method | KV B/token | " + " | ".join(f"ppl {k}" for k in names)
-          + " | KL | convert wall / CPU s | healed ppl (lr, CPU s) |")
-    print("|---|---|---|---:|" + "---:|" * len(names) + "---:|---:|---:|")
+    print("\n| model | target | method | KV B/token | " + " | ".join(f"ppl {k} (ratio)" for k in names)
+          + " | KL | CPU s |")
+    print("|---|---|---|---:|" + "---:|" * len(names) + "---:|---:|")
     for r in rows:
-        healed = "-" if not r["healed"] else f"{_fmt(r['healed'])} ({r['heal_lr']:g}, {r['heal_cpu']:.0f})"
         print(f"| {r['model']} | {r['target']} | {r['method']} | {r['kv']} | "
-              + " | ".join(f"{r['ppl'].get(k, float('nan')):.2f}" for k in names)
-              + f" | {r['kl']:.3f} | {r['wall']:.0f} / {r['cpu']:.0f} | {healed} |")  # fmt: skip
+              + " | ".join(f"{r['ppl'][k]:.2f} ({r['ratio'][k]:.2f}x)" for k in names if k in r["ppl"])
+              + f" | {r['kl']:.3f} | {r['cpu']:.0f} |")  # fmt: skip
     rows_file.write_text(json.dumps(rows, indent=1))
     _plot(rows, args.out)
 
 
-def _fmt(ppl: dict) -> str:
-    return " / ".join(f"{v:.2f}" for v in ppl.values())
+def _fmt(values: dict) -> str:
+    return " / ".join(f"{v:.2f}" for v in values.values())
 
 
-def _run(name, options, sets, source, first, heal) -> dict:
-    """Convert (one-shot), evaluate; with `heal`, convert again with healing from the same start and evaluate."""
+def _measure(model, sets, source, first, base) -> dict:
+    ppl = {k: evaluate(model, w, progress=False).perplexity for k, w in sets.items()}
+    kl = evaluate(model, sets[first], reference=source, progress=False).kl_to_reference
+    return dict(ppl=ppl, ratio={k: ppl[k] / base[k] for k in ppl}, kl=kl)
+
+
+def _run(name, options, sets, source, first, base, heal, samples, tokenizer) -> dict:
+    """Convert (one-shot) and evaluate; with `heal`, heal that output (convert()'s healing step, the CPU seconds of
+    the healing alone) and evaluate it as row["healed"]."""
     with tempfile.TemporaryDirectory() as tmp:
-        wall, cpu = time.perf_counter(), time.process_time()
+        cpu = time.process_time()
         report = convert(name, Path(tmp) / "out", **options)
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        cpu = time.process_time() - cpu
         model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "out").eval()
-        ppl = {k: evaluate(model, w, progress=False).perplexity for k, w in sets.items()}
-        kl = evaluate(model, sets[first], reference=source, progress=False).kl_to_reference
-        row = dict(kv=report["kv_bytes_per_token_fp16"]["after"], ppl=ppl, kl=kl, wall=wall, cpu=cpu, healed=None)
+        kv = report["kv_bytes_per_token_fp16"]["after"]
+        row = dict(kv=kv, **_measure(model, sets, source, first, base), cpu=cpu,
+                   layer_error=report.get("layerwise", {}).get("mean_error"))  # fmt: skip
         if heal:
+            opts = ConvertOptions(**options, **heal)
             heal_cpu = time.process_time()
-            healed_report = convert(name, Path(tmp) / "healed", **options, **heal)
-            healed = AutoModelForCausalLM.from_pretrained(Path(tmp) / "healed").eval()
-            row.update(healed={k: evaluate(healed, w, progress=False).perplexity for k, w in sets.items()},
-                       heal_lr=healed_report["heal"]["lr"], heal_cpu=time.process_time() - heal_cpu - cpu,
-                       heal_best_step=healed_report["heal"]["best_step"])  # fmt: skip
+            healed = _heal(model, source, tokenizer, read_calibration_text(None), opts, samples)
+            heal_cpu = time.process_time() - heal_cpu
+            row["healed"] = dict(kv=kv, **_measure(model, sets, source, first, base), cpu=cpu + heal_cpu,
+                                 heal_cpu=heal_cpu, heal_lr=healed["lr"], heal_best_step=healed["best_step"],
+                                 heal_held_in_kl=healed["held_in_kl"])  # fmt: skip
     return row
 
 
@@ -135,20 +174,18 @@ def _plot(rows, path: str) -> None:
 
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
-    colors = dict(zip(["mean", "aligned", "pca", "mha2mla", "calibrated", "pca + reconstruction",
-                       "calibrated + reconstruction"], ["tab:orange", "tab:blue", "tab:purple", "tab:green", "tab:red",
-                                                         "tab:pink", "tab:brown"]))  # fmt: skip
+    kinds = [("closed form (text)", "tab:orange"), ("closed form (teacher)", "tab:blue"),
+             ("+ reconstruction", "tab:red"), ("healed", "tab:green")]  # fmt: skip
     for ax, model in zip(axes[0], models):
         mine = [r for r in rows if r["model"] == model]
         first = next(iter(mine[0]["ppl"]))
         ax.axhline(mine[0]["ppl"][first], color="black", linestyle="--", label="source")
-        for method, color in colors.items():
-            pts = sorted((r["kv"], r["ppl"][first]) for r in mine if r["method"] == method)
+        for kind, color in kinds:
+            match = [r for r in mine if r["method"] != "-" and (r["method"].endswith("healed") if kind == "healed"
+                     else kind in r["method"] and not r["method"].endswith("healed"))]  # fmt: skip
+            pts = sorted((r["kv"], r["ppl"][first]) for r in match)
             if pts:
-                ax.plot(*zip(*pts), marker="o", color=color, label=method)
-            healed = sorted((r["kv"], r["healed"][first]) for r in mine if r["method"] == method and r["healed"])
-            if healed:
-                ax.plot(*zip(*healed), marker="*", color=color, linestyle=":", label=f"{method}, healed")
+                ax.plot(*zip(*pts), marker="o", color=color, label=kind)
         ax.set(xlabel="KV cache bytes per token (fp16, all layers)", ylabel=f"perplexity ({first})", title=model)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)

@@ -1,0 +1,49 @@
+"""Calibration on samples of the source model itself (calib_source="teacher"), measured on stories260k."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_attn_patch.converters.calibration import (TEACHER_PROMPT, calibration_windows, read_calibration_text,
+                                                  sample_from_teacher, teacher_windows)
+from hf_attn_patch.converters.convert import ConvertOptions, convert
+
+
+@pytest.fixture(scope="module")
+def text_windows(stories):
+    return calibration_windows(read_calibration_text(None), stories[1], 4, 48)
+
+
+def test_teacher_windows_are_seeded_prompted_and_not_the_corpus(stories, text_windows, one_torch_thread):
+    model = stories[0]
+    a = teacher_windows(model, text_windows, seed=3, progress=False)
+    b = teacher_windows(model, text_windows, seed=3, progress=False)
+    c = teacher_windows(model, text_windows, seed=4, progress=False)
+    assert a.shape == text_windows.shape and torch.equal(a[:, :TEACHER_PROMPT], text_windows[:, :TEACHER_PROMPT])
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert (a[:, TEACHER_PROMPT:] != text_windows[:, TEACHER_PROMPT:]).float().mean() > 0.5  # its own text
+
+
+def test_a_tiny_nucleus_is_greedy(stories, text_windows, one_torch_thread):
+    model = stories[0]
+    prompts = text_windows[:, :TEACHER_PROMPT]
+    out = sample_from_teacher(model, prompts, 24, seed=0, top_p=1e-6, progress=False)
+    assert torch.equal(out, sample_from_teacher(model, prompts, 24, seed=9, top_p=1e-6, progress=False))
+    with torch.no_grad():
+        logits = model(out).logits[:, TEACHER_PROMPT - 1 : -1]
+    logits[..., model.config.eos_token_id] = -float("inf")  # EOS is never sampled
+    assert torch.equal(out[:, TEACHER_PROMPT:], logits.argmax(-1))
+    with pytest.raises(ValueError, match="top_p=0"):
+        sample_from_teacher(model, prompts, 24, top_p=0)
+
+
+def test_convert_calibrates_on_teacher_samples(tmp_path, one_torch_thread):
+    common = dict(to="mla", kv_budget=0.25, calib_samples=4, calib_len=64, reconstruct_steps=10)
+    text = convert("default", tmp_path / "text", **common)
+    teacher = convert("default", tmp_path / "teacher", calib_source="teacher", **common)
+    assert text["calibration"]["source"] == "text" and teacher["calibration"]["source"] == "teacher"
+    # other windows, so other statistics and other layer errors
+    assert teacher["layerwise"]["mean_closed_form_error"] != text["layerwise"]["mean_closed_form_error"]
+    with pytest.raises(ValueError, match="calib_source='model'"):
+        ConvertOptions(to="mqa", calib_source="model")
