@@ -25,15 +25,33 @@ COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_la
 CONFIGS = {
     # LFM2-1.2B: hidden 2048, 16 layers (10 short-conv, 6 attention), conv_L_cache 3
     "lfm2": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3),
+    # LFM2-8B-A1B: 24 layers (18 short-conv, 6 attention), 32 experts, top 4, 2 dense layers
+    "lfm2_moe": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3, num_experts=4,
+                     num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=1),
     # Qwen3-Next-80B-A3B: 48 layers, 3 gated-delta-net : 1 attention, 16 / 32 linear heads of 128, conv kernel 4
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention", "linear_attention"], head_dim=8,
                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
                        linear_value_head_dim=8, linear_conv_kernel_dim=3, num_experts=4, num_experts_per_tok=2,
                        moe_intermediate_size=16, shared_expert_intermediate_size=16),
+    # Qwen3.5 (text): the same 3 : 1 gated-delta-net / attention layout, dense MLP
+    "qwen3_5_text": dict(layer_types=["linear_attention", "full_attention", "linear_attention"], head_dim=8,
+                         linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                         linear_value_head_dim=8, linear_conv_kernel_dim=3),
+    # Olmo-Hybrid-7B: 32 layers, 3 gated-delta-net : 1 attention, conv kernel 4
+    "olmo_hybrid": dict(layer_types=["linear_attention", "full_attention", "linear_attention"],
+                        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
+                        linear_value_head_dim=8, linear_conv_kernel_dim=3),
     # Bamba-9B: 32 layers (Mamba2, attention at 9, 18, 27), 128 Mamba heads of 64, d_state 128, d_conv 4
     "bamba": dict(attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1, mamba_d_state=8,
                   mamba_d_conv=3, mamba_expand=1, mamba_chunk_size=8),
+    # Granite-4.0-H-Small: 40 layers (Mamba2, 4 attention), 72 experts, top 10, shared expert
+    "granitemoehybrid": dict(layer_types=["mamba", "attention", "mamba"], mamba_n_heads=4, mamba_d_head=8,
+                             mamba_n_groups=1, mamba_d_state=8, mamba_d_conv=3, mamba_expand=1, mamba_chunk_size=8,
+                             num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16),
 }  # fmt: skip
+# Jamba-v0.1: 32 layers (Mamba1, attention every 8th at offset 4), 16 experts every 2nd layer: whole prefills only
+JAMBA = dict(attn_layer_period=3, attn_layer_offset=1, expert_layer_period=3, expert_layer_offset=2, num_experts=2,
+             mamba_d_state=8, mamba_d_conv=3, mamba_expand=1, mamba_dt_rank=4, use_mamba_kernels=False)
 PROMPTS = [[5, 9, 13, 22, 40, 7, 8, 9, 10, 11, 3, 4, 5, 6, 7, 8, 9, 30, 31], [3, 4, 5], [50, 60, 70, 80, 90, 11, 12],
            [7], [12, 14, 16, 18, 20, 22, 24, 26, 28]]  # fmt: skip
 MAX_TOKENS = 14
@@ -41,7 +59,8 @@ MAX_TOKENS = 14
 
 def hybrid_model(model_type: str, **overrides):
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **CONFIGS[model_type], **overrides})
+    family = JAMBA if model_type == "jamba" else CONFIGS[model_type]
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **family, **overrides})
     model = transformers.AutoModelForCausalLM.from_config(config)
     _randomize_norms(model)
     return model.eval()
@@ -155,14 +174,24 @@ def test_speculative_decoding_is_refused_before_work(tokenizer):
     assert not engine.has_unfinished() and not engine.scheduler.waiting
 
 
-def test_unsupported_state_layers_are_refused_by_type(tokenizer):
-    torch.manual_seed(0)
-    moe = dict(layer_types=["conv", "full_attention", "conv"], num_experts=4, num_experts_per_tok=2,
-               moe_intermediate_size=16, num_dense_layers=1)
-    config = transformers.AutoConfig.for_model("lfm2_moe", **{**COMMON, **moe})
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with pytest.raises(ValueError, match="layer 0 of 'lfm2_moe' is a 'conv' layer"):
+def test_unsupported_state_layers_are_refused_by_type(tokenizer, monkeypatch):
+    model = hybrid_model("lfm2")
+    monkeypatch.delitem(STATE_MIXERS, "lfm2")  # as for a family not in the table
+    with pytest.raises(ValueError, match="layer 0 of 'lfm2' is a 'conv' layer, which the engine does not serve"):
         Engine(model, tokenizer, block_size=4)
+
+
+def test_jamba_is_served_with_whole_prefills_only(tokenizer):
+    """Mamba1's sequence scan ignores a previous state: chunked prefill is refused, whole prefills are exact."""
+    model = hybrid_model("jamba")
+    with pytest.raises(ValueError, match="chunked_prefill=True, but layer 0 \\(JambaMambaMixer\\)"):
+        Engine(model, tokenizer, block_size=4)
+    expected = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p) :].tolist()
+                for p in PROMPTS]  # fmt: skip
+    engine, outputs, steps, _ = _run(model, tokenizer, max_batch_tokens=8, num_blocks=12, chunked_prefill=False)
+    assert [o.token_ids for o in outputs] == expected
+    assert engine.scheduler.preemptions > 0 and any(n > 8 for step in steps for _, _, n, _ in step)  # whole prompts
+    assert engine.kv.states.num_live() == 0
 
 
 def test_manager_refuses_fork_and_crop_of_states():

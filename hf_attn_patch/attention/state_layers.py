@@ -1,4 +1,4 @@
-"""Constant-state layers (short conv, gated delta net, Mamba2) under the engine's packed forward.
+"""Constant-state layers (short conv, gated delta net, Mamba2, Mamba1) under the engine's packed forward.
 
 The engine runs many sequences' new tokens as one row [1, T, D]. A state layer's stock forward would run a conv
 and a recurrence across that row, mixing sequences, and it has no cache there (the engine calls the model without
@@ -10,7 +10,8 @@ the context (generate(), a plain forward, another thread) the stock forward runs
 row per class in _patching.py's table (unpatch() restores it).
 
 STATE_MIXERS lists the mixer classes the engine serves, each tested token-identical to generate() with chunked
-prefill (tests/test_engine_hybrid.py); `check_state_layers` refuses a model whose state layers are not among them.
+prefill (Jamba's Mamba1: whole prefills; tests/test_engine_hybrid.py); `check_state_layers` refuses a model whose
+state layers are not among them.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import itertools
+from typing import NamedTuple
 
 import torch
 
@@ -27,18 +29,33 @@ from ..cache.state_pool import stack_layer_states, unstack_layer_states
 
 __all__ = ["STATE_MIXERS", "check_state_layers", "mixer_classes", "per_sequence_forward"]
 
-# model_type -> (transformers module, mixer class): forward(hidden_states [B, T, D], <cache>, attention_mask)
-STATE_MIXERS = {
-    "lfm2": ("transformers.models.lfm2.modeling_lfm2", "Lfm2ShortConv"),  # conv layers
-    "qwen3_next": ("transformers.models.qwen3_next.modeling_qwen3_next", "Qwen3NextGatedDeltaNet"),  # linear attn
-    "bamba": ("transformers.models.bamba.modeling_bamba", "BambaMixer"),  # Mamba2 layers
+
+class Mixer(NamedTuple):
+    """A state-layer class: forward(hidden_states [B, T, D], <cache>, attention_mask) -> [B, T, D]."""
+
+    module: str  # transformers modeling module
+    name: str  # class name
+    continues_chunks: bool = True  # False: its multi-token path ignores a previous state (no chunked prefill)
+
+
+_MODELING = "transformers.models.{0}.modeling_{0}"
+STATE_MIXERS = {  # model_type -> mixer
+    "lfm2": Mixer(_MODELING.format("lfm2"), "Lfm2ShortConv"),  # short conv
+    "lfm2_moe": Mixer(_MODELING.format("lfm2_moe"), "Lfm2MoeShortConv"),
+    "qwen3_next": Mixer(_MODELING.format("qwen3_next"), "Qwen3NextGatedDeltaNet"),  # gated delta net
+    "qwen3_5_text": Mixer(_MODELING.format("qwen3_5"), "Qwen3_5GatedDeltaNet"),
+    "olmo_hybrid": Mixer(_MODELING.format("olmo_hybrid"), "OlmoHybridGatedDeltaNet"),
+    "bamba": Mixer(_MODELING.format("bamba"), "BambaMixer"),  # Mamba2
+    "granitemoehybrid": Mixer(_MODELING.format("granitemoehybrid"), "GraniteMoeHybridMambaLayer"),
+    # Mamba1: its sequence scan starts from a zero state ("initial state not supported"), so whole prefills only
+    "jamba": Mixer(_MODELING.format("jamba"), "JambaMambaMixer", continues_chunks=False),
 }
 _CACHE_ARGUMENTS = ("past_key_values", "cache_params")
 
 
 def mixer_classes() -> list[type]:
     """The classes of STATE_MIXERS (imports their modeling modules)."""
-    return [getattr(importlib.import_module(module), name) for module, name in STATE_MIXERS.values()]
+    return [getattr(importlib.import_module(m.module), m.name) for m in STATE_MIXERS.values()]
 
 
 def per_sequence_forward(original):
@@ -81,9 +98,10 @@ def per_sequence_forward(original):
     return forward
 
 
-def check_state_layers(model, layer_groups) -> dict[int, torch.nn.Module]:
+def check_state_layers(model, layer_groups, chunked_prefill: bool = True) -> dict[int, torch.nn.Module]:
     """{layer index: mixer module} for every constant-state layer of `model`; ValueError naming the layer type
-    when one is not a mixer the engine serves, RuntimeError when the wrapper is not installed (unpatch())."""
+    when one is not a mixer the engine serves (or chunked_prefill when it cannot continue a prompt chunk),
+    RuntimeError when the wrapper is not installed (unpatch())."""
     config = model.config.get_text_config(decoder=True)
     classes = tuple(mixer_classes())
     mixers = {m.layer_idx: m for m in model.modules() if isinstance(m, classes) and hasattr(m, "layer_idx")}
@@ -92,7 +110,12 @@ def check_state_layers(model, layer_groups) -> dict[int, torch.nn.Module]:
         if group == STATE and idx not in mixers:
             raise ValueError(f"Engine: layer {idx} of {config.model_type!r} is a {kinds[idx]!r} layer, which the "
                              f"engine does not serve (the state layers of {sorted(STATE_MIXERS)} only)")  # fmt: skip
-    for mixer in mixers.values():
+    whole = {m.name for m in STATE_MIXERS.values() if not m.continues_chunks}
+    for idx, mixer in mixers.items():
+        if chunked_prefill and type(mixer).__name__ in whole:
+            raise ValueError(f"Engine: chunked_prefill=True, but layer {idx} ({type(mixer).__name__}) cannot start a "
+                             "prompt chunk from a state (transformers' scan starts from zeros); use "
+                             "chunked_prefill=False")  # fmt: skip
         if not getattr(type(mixer).forward, "runs_per_sequence", False):
             raise RuntimeError("Engine: hf_attn_patch is unpatched (unpatch() was called); call hf_attn_patch.patch()")
     return mixers

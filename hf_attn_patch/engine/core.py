@@ -78,7 +78,7 @@ class Engine:
         if num_blocks < 2:
             raise ValueError(f"Engine: max_memory={max_memory} holds {num_blocks} blocks; need at least 2")
         self.model, self.tokenizer = model, tokenizer
-        self.runner = ModelRunner(model, num_blocks, block_size, prefix_caching, max_num_seqs)
+        self.runner = ModelRunner(model, num_blocks, block_size, prefix_caching, max_num_seqs, chunked_prefill)
         self.kv = self.runner.kv  # the KV manager: block tables, prefix hits, preemption
         self.scheduler = Scheduler(self.kv, max_batch_tokens, max_num_seqs, chunked_prefill, prefill_chunk)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None

@@ -26,12 +26,13 @@ from ..cache.state_pool import StateForwardContext, StateStorage
 
 
 class ModelRunner:
-    def __init__(self, model, num_blocks: int, block_size: int, prefix_caching: bool = True, max_num_seqs: int = 64):
+    def __init__(self, model, num_blocks: int, block_size: int, prefix_caching: bool = True, max_num_seqs: int = 64,
+                 chunked_prefill: bool = True):  # fmt: skip
         config = model.config.get_text_config(decoder=True)
         self.layer_groups = layer_groups(config)
         hybrid = STATE in self.layer_groups
         if hybrid:
-            check_state_layers(model, self.layer_groups)  # every state layer is one we can run per sequence
+            check_state_layers(model, self.layer_groups, chunked_prefill)  # each one we can run per sequence
         groups = sorted(set(self.layer_groups) - {STATE}, key=lambda g: (g is not None, g or 0))
         if not groups:
             raise ValueError("Engine: the model has no attention layer (constant-state layers only); not served")
