@@ -212,10 +212,18 @@ def _reference_attention(q, flat, dk, meta, group, scale, window, softcap):
             queries = q[selector][:, :, None]  # [g, H, 1, d_k]
         both = both.transpose(1, 2)  # [b, H_kv, L, d]
         k, v = both[..., :dk].to(q.dtype), both[..., dk:].to(q.dtype)
-        o = F.scaled_dot_product_attention(queries, k, v, attn_mask=visible, scale=scale,
-                                           enable_gqa=k.shape[1] != queries.shape[1])  # fmt: skip
-        o = o.transpose(1, 2)  # [b, q, H, d_v]
-        out[selector] = o[0] if isinstance(selector, slice) else o[:, 0]
+        if isinstance(selector, slice):
+            o = F.scaled_dot_product_attention(queries, k, v, attn_mask=visible, scale=scale,
+                                               enable_gqa=k.shape[1] != queries.shape[1])  # fmt: skip
+            out[selector] = o[0].transpose(0, 1)  # [n, H, d_v]
+        else:
+            # Decodes: the n_rep query heads of each KV head (heads j*n_rep .. (j+1)*n_rep - 1, repeat_kv's order)
+            # go in as n_rep queries of that head; the mask [g, 1, 1, L] is the same for all of them. On CPU this
+            # is about 2x faster than enable_gqa (which expands K/V), the same packing transformers' SDPA uses.
+            g, heads, kv_heads = queries.shape[0], queries.shape[1], k.shape[1]
+            packed = queries.reshape(g, kv_heads, heads // kv_heads, dk)
+            o = F.scaled_dot_product_attention(packed, k, v, attn_mask=visible, scale=scale)
+            out[selector] = o.reshape(g, heads, -1)
     return out
 
 
