@@ -82,7 +82,7 @@ def family(request):
     return model, reference
 
 
-def _run(model, tokenizer, params=None, **options):
+def _run(model, tokenizer, **options):
     """Engine outputs for PROMPTS, with a record of each step's schedule [(request id, start, n, prompt length)]
     and the number of state-layer forward calls (each supported mixer reads its conv state once per call)."""
     engine = Engine(model, tokenizer, block_size=4, **options)
@@ -102,7 +102,7 @@ def _run(model, tokenizer, params=None, **options):
     engine.runner.forward = recording
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(Cache, "get_conv_state", counting)
-        outputs = engine.generate(PROMPTS, params or SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
+        outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return engine, outputs, steps, calls[0]
 
 
