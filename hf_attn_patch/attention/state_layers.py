@@ -2,7 +2,7 @@
 
 The engine runs many sequences' new tokens as one row [1, T, D]. A state layer's stock forward would run a conv
 and a recurrence across that row, mixing sequences, and it has no cache there (the engine calls the model without
-one). While a `StateForwardContext` (cache/state_pool.py) is set, the wrapper below runs the layer's own forward
+one). While a forward context with `states` (cache/metadata.py) is set, the wrapper below runs the layer's own forward
 once per sequence on its slice query_start_loc[b]:query_start_loc[b+1] with that sequence's transformers Cache,
 and puts the outputs back in place in [1, T, D]; the sequences that decode one token (with a state) run as one
 batch [B, 1, D] over their stacked states (copied back after), the layer's own batched one-token step. Outside
@@ -59,14 +59,14 @@ def mixer_classes() -> list[type]:
 
 
 def per_sequence_forward(original):
-    """Wrap a mixer's forward: per sequence of a StateForwardContext, its slice with its own Cache."""
+    """Wrap a mixer's forward: per sequence of the forward context's `states`, its slice with its own Cache."""
     parameters = list(inspect.signature(original).parameters)
     hidden_name = parameters[1]
     (cache_name,) = [p for p in parameters if p in _CACHE_ARGUMENTS]
 
     def forward(self, *args, **kwargs):
         context = get_forward_context()
-        states = getattr(context, "states", None) if context is not None and context.route else None
+        states = context.states if context is not None and context.route else None
         if states is None:
             return original(self, *args, **kwargs)
         bound = dict(zip(parameters[1:], args), **kwargs)

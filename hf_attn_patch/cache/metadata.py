@@ -65,6 +65,7 @@ class ForwardContext:
     route: bool = True
     gather: object = None  # layer -> (K [B, H, L, d_k], V [B, H, L, d_v]); route=False only
     last_layer: int | None = None  # route=False: the context ends after this layer's attention
+    states: list | None = None  # hybrid models in the engine: per sequence (query_start_loc order) its state Cache
 
 
 def use_kernels(query: torch.Tensor) -> bool:

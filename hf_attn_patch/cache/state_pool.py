@@ -9,7 +9,7 @@ recurrent state of fixed size per sequence. Ownership is split as for the paged 
   layers are transformers' own `LinearAttentionLayer`s (`DummyLayer` at attention layers, which never see it), so
   each model's own mixer code reads and writes it as it does under generate(). The storage is reset whenever a
   sequence starts at position 0 in a slot.
-- `StateForwardContext`: the forward context plus, per sequence of the forward (query_start_loc order), its Cache;
+- `ForwardContext.states` (cache/metadata.py): per sequence of the forward (query_start_loc order), its Cache;
   the state-layer wrapper (attention/state_layers.py) runs each sequence's slice of the packed row with it.
 - `stack_layer_states` / `unstack_layer_states`: one layer's states of several decoding sequences stacked on the
   batch dimension (one batched call of the layer's one-token step) and copied back.
@@ -20,15 +20,12 @@ of a state: `KVManager.fork` refuses) and rollback (`crop`: a recurrent state ca
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer, LinearAttentionCacheLayerMixin,
                                       get_layer_types_and_kwargs)  # fmt: skip
 
-from .metadata import ForwardContext
 
-__all__ = ["StateForwardContext", "StateSlots", "StateStorage", "stack_layer_states", "unstack_layer_states"]
+__all__ = ["StateSlots", "StateStorage", "stack_layer_states", "unstack_layer_states"]
 
 
 class StateSlots:
@@ -117,11 +114,3 @@ def unstack_layer_states(joint: Cache, caches: list[Cache], layer: int) -> None:
                 part.conv_states[i].copy_(stacked.conv_states[i][b : b + 1])
             if part.is_recurrent_states_initialized[i]:
                 part.recurrent_states[i].copy_(stacked.recurrent_states[i][b : b + 1])
-
-
-@dataclass
-class StateForwardContext(ForwardContext):
-    """The engine's forward context of a hybrid model: `states[b]` is sequence b's Cache (b as in
-    metadata.query_start_loc)."""
-
-    states: list | None = None

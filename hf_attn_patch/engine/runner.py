@@ -11,7 +11,7 @@ through untouched (the metadata is the mask); nothing on the model or its config
 
 Hybrid models (constant-state layers: attention/state_layers.py lists the families): the KV manager gives each
 sequence a state slot, the runner keeps the slots' states (cache/state_pool.py) and hands the forward each
-sequence's Cache in a StateForwardContext; a sequence at position 0 starts from an empty state.
+sequence's Cache in the forward context (`states`); a sequence at position 0 starts from an empty state.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from ..attention.backend import lookups_routed
 from ..attention.state_layers import check_state_layers
 from ..cache.manager import STATE, KVManager, layer_groups
 from ..cache.metadata import ForwardContext, build_metadata, forward_context
-from ..cache.state_pool import StateForwardContext, StateStorage
+from ..cache.state_pool import StateStorage
 
 
 class ModelRunner:
@@ -62,11 +62,10 @@ class ModelRunner:
         self._apply_copies()
         metadata = build_metadata(tables, starts, counts, self.kv.block_size, self.layer_groups, self.device)
         num_blocks = {g: self.kv.pools[g].num_blocks for g in groups}
-        if self.states is None:
-            context = ForwardContext(metadata, self.storage, num_blocks)
-        else:  # each sequence's state; one at position 0 starts empty (new, or recomputed after preemption)
+        states = None
+        if self.states is not None:  # each sequence's state; one at position 0 starts empty (new, or recomputed)
             states = [self.states.cache(self.kv.state_slot(r.id), fresh=r.computed == 0) for r, _ in scheduled]
-            context = StateForwardContext(metadata, self.storage, num_blocks, states=states)
+        context = ForwardContext(metadata, self.storage, num_blocks, states=states)
         device = self.device
         keep = torch.tensor(last if keep is None else keep, dtype=torch.long, device=device)
         with torch.no_grad(), forward_context(context):
