@@ -6,7 +6,7 @@ model's output, the total KV values per token within the budget exactly.
    default split (one head's d_h, at most a third of s); and "unconverted": the layer's exact MLA form (every
    (KV head, frequency) pair rotated, the full-rank latent of [K_nope; V]: as many values as the source layer
    caches), so the model stays one architecture.
-2. Measurement (`measure`): on a few calibration windows, KL(source || source with only layer l replaced by a
+2. Measurement (`measure`): on the first MEASURE_TOKENS calibration tokens, KL(source || source with only layer l replaced by a
    candidate), per token. The source's residual stream entering layer l is cached once; layers < l are skipped.
 3. Choice (`choose`): minimize the summed KL (an additive model of the layers' effects) subject to
    sum_l s_l <= budget, by an exact dynamic program over integer sizes (a multiple-choice knapsack).
@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SIZE_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # candidate values per token, as multiples of the uniform share
 ROPE_FACTORS = (0.5, 1.0, 2.0)  # candidate RoPE dims, as multiples of the default split of that size
-WINDOWS = 4  # calibration windows the KL is measured on
+MEASURE_TOKENS = 512  # calibration tokens the KL is measured on (the first windows of the calibration set)
 
 
 @dataclass(frozen=True)
@@ -73,7 +73,8 @@ def candidate_grid(config, kv_budget: float, rope_dim: int | None = None) -> lis
         raise ValueError(f"rope_dim={rope_dim} exceeds the source's {max_rope} RoPE dims (KV heads x rotary dims)")
     if share < min_rope + 1:
         raise ValueError(f"kv_budget={kv_budget} gives {total} KV values per token over {config.num_hidden_layers} "
-                         f"layers: rank allocation by sensitivity needs at least {min_rope + 1} per layer")  # fmt: skip
+                         f"layers: rank allocation by sensitivity needs at least {min_rope + 1} per layer (or --rank-allocation "
+                         f"uniform)")  # fmt: skip
     out = set()
     for factor in SIZE_FACTORS:
         size = max(min_rope + 1, int(round(factor * share)))
@@ -169,9 +170,10 @@ def mla_module(state: dict, fields: dict, config, layer_idx: int, pairs) -> Mult
 def measure(model, layers: dict[str, nn.Module], lifts, windows: torch.Tensor) -> list[list[float]]:
     """kl[l][k]: KL(source || source with layer l's attention replaced by lifts(l, k)) per token, on `windows`.
 
-    lifts: (layer index, candidate index) -> an attention module, or None past a layer's last candidate
-    (counts: how many per layer). The residual stream entering each layer is cached from one source forward;
-    a measurement runs the model with the layers before l skipped and layer l's input replaced by the cache."""
+    lifts: (layer index, candidate index) -> an attention module (counts: candidates per layer; is_exact(l, k):
+    the layer's exact form, KL 0 by construction, not run). The residual stream entering each layer is cached from
+    one source forward; a measurement runs the model with the layers before l skipped and layer l's input replaced
+    by the cache."""
     names = list(layers)
     blocks = [model.get_submodule(_parent(n)) for n in names]
     container = model.get_submodule(_parent(_parent(names[0])))
@@ -188,6 +190,9 @@ def measure(model, layers: dict[str, nn.Module], lifts, windows: torch.Tensor) -
     kl = [[] for _ in names]
     todo = [(l, k) for l in range(len(names)) for k in range(lifts.counts[l])]
     for l, k in tqdm(todo, desc="sensitivity (layer, candidate)", leave=False):
+        if lifts.is_exact(l, k):
+            kl[l].append(0.0)
+            continue
         parent, attr = _parent(names[l]), names[l].rsplit(".", 1)[1]
         source_attn = layers[names[l]]
         setattr(model.get_submodule(parent), attr, lifts(l, k))
@@ -228,6 +233,7 @@ class _Lifts:
         self.grid = [[c for c in grid if c.values < len(e.energy) + len(e.components) * 2] +
                      [Candidate(2 * len(e.components), len(e.energy), exact=True)] for e in self.exact]  # fmt: skip
         self.counts = [len(g) for g in self.grid]
+        self.is_exact = lambda l, k: self.grid[l][k].exact
         self._plans, self._ranked = {}, {}
 
     def plan(self, l: int, cand: Candidate) -> LatentPlan:
@@ -259,7 +265,8 @@ def allocate(model, layers: dict[str, nn.Module], weights: dict[str, AttentionWe
     total = budget_values(config, kv_budget)
     grid = candidate_grid(config, kv_budget, rope_dim)
     lifts = _Lifts(weights, config, stats, method, context, grid)
-    kl = measure(model, layers, lifts, windows[:WINDOWS])
+    count = max(1, MEASURE_TOKENS // windows.shape[1])
+    kl = measure(model, layers, lifts, windows[:count])
     options = [[(c.values, kl[l][k]) for k, c in enumerate(lifts.grid[l])] for l in range(len(kl))]
     chosen = choose(options, total)
     picks = [lifts.grid[l][k] for l, k in enumerate(chosen)]
@@ -271,7 +278,7 @@ def allocate(model, layers: dict[str, nn.Module], weights: dict[str, AttentionWe
         "values_per_token": used,
         "budget_bytes_per_token_fp16": 2 * total,
         "bytes_per_token_fp16": 2 * used,
-        "windows": min(WINDOWS, len(windows)),
+        "windows": min(count, len(windows)),
         "summed_kl": sum(kl[l][k] for l, k in enumerate(chosen)),
         "cpu_seconds": round(time.process_time() - started, 2),
         "layers": [{"layer": l, "choice": "unconverted (exact MLA)" if c.exact else "mla", "rope_dim": c.rope_dim,

@@ -57,7 +57,8 @@ class ConvertOptions:
     kv_budget: float | None = None  # mla: fraction of the source's KV values per token (instead of kv_lora_rank)
     method: str | None = None  # gqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla
     regroup: bool | None = None  # gqa aligned / pca: group KV heads by similarity, not by index (default True)
-    rank_allocation: str = "uniform"  # mla with kv_budget: uniform, energy (measured worse) or sensitivity (budgets.py)
+    rank_allocation: str | None = None  # mla with kv_budget: sensitivity (budgets.py; default with a native format),
+    # uniform (the default otherwise) or energy (measured worse)
     calib_data: str | None = None  # text file, folder of .txt files or a datasets dataset; default: the package's corpus
     calib_split: str = "train"  # datasets only
     calib_column: str = "text"  # datasets only
@@ -101,6 +102,9 @@ class ConvertOptions:
             self.kv_heads = 1
         if self.to == "gqa" and self.kv_heads is None:
             raise ValueError("to='gqa' needs kv_heads")
+        if self.rank_allocation is None:  # measured best (BENCHMARKS.md); stock DeepSeek has one rank for all layers
+            sensitivity = self.to == "mla" and self.kv_budget is not None and self.format != "deepseek_v3"
+            self.rank_allocation = "sensitivity" if sensitivity else "uniform"
         if self.rank_allocation not in RANK_ALLOCATIONS:
             raise ValueError(f"rank_allocation={self.rank_allocation!r} is not one of {RANK_ALLOCATIONS}")
         if self.rank_allocation == "sensitivity" and (self.to != "mla" or self.kv_budget is None

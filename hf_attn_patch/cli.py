@@ -312,8 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--no-regroup", dest="regroup", action="store_false", default=None,
                     help="gqa aligned/pca: merge KV heads by index instead of grouping them by similarity")
     cv.add_argument("--rank-allocation", choices=["uniform", "energy", "sensitivity"],
-                    help="mla with --kv-budget: one rank for all layers (default), per layer by retained energy, or "
-                    "per layer RoPE dims + rank (or the layer left exact) by the measured KL of each layer's choice")
+                    help="mla with --kv-budget: per layer RoPE dims + rank (or the layer left exact) by the measured "
+                    "KL of each layer's choice (default; uniform with --format deepseek_v3), one rank for all layers, "
+                    "or per layer by retained energy")
     cv.add_argument("--calib-data", help="text file, folder of .txt files, or a datasets dataset: a save_to_disk "
                     "folder, a .json/.jsonl/.parquet/.csv file or a dataset name[:config] (default: the package's corpus)")
     cv.add_argument("--calib-split", help="datasets: the split to read (default train)")

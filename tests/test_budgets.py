@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
+from hf_attn_patch import PagedKVCache
 from hf_attn_patch.converters import budgets
 from hf_attn_patch.converters import convert as convert_module
 from hf_attn_patch.converters.budgets import Candidate, budget_values, choose, exact_plan, measure, mla_module
@@ -95,7 +96,8 @@ def test_measure_matches_a_full_forward_with_one_layer_replaced(source):
     lifts = budgets._Lifts(weights, model.config, stats, "calibrated", 64, [Candidate(4, 12), Candidate(8, 24)])
     kl = measure(model, layers, lifts, windows)
     assert [len(k) for k in kl] == lifts.counts == [3] * 5
-    assert all(k[-1] == pytest.approx(0.0, abs=1e-6) for k in kl)  # the exact candidate
+    assert all(k[-1] == 0.0 for k in kl)  # the exact candidate, not run (its exactness: the tests above and below)
+    assert all(lifts.is_exact(l, 2) and not lifts.is_exact(l, 1) for l in range(5))
     with torch.no_grad():
         ref = torch.log_softmax(model(windows).logits, -1)
         for l, k in [(0, 0), (2, 1), (4, 0)]:  # the first, a middle and the last layer
@@ -124,6 +126,12 @@ def test_sensitivity_conversion_within_budget_and_reported(tmp_path, source):
     # the chosen options minimize the summed measured KL within the budget
     options = [[(m["rope_dim"] + m["kv_lora_rank"], m["kl"]) for m in row] for row in b["measured"]]
     assert b["summed_kl"] == pytest.approx(brute_force(options, 160), rel=1e-9)
+    # the paged cache sizes each layer by its own RoPE dims + rank, and greedy decoding matches DynamicCache
+    cache = PagedKVCache(saved.config, block_size=4)
+    assert cache.values_per_token == [c["values_per_token"] for c in b["layers"]]
+    ids = torch.tensor([[1, 403, 261, 29, 375, 280]])
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(saved.generate(ids, **kw), saved.generate(ids, past_key_values=cache, **kw))
     card = (tmp_path / "out" / "README.md").read_text()
     assert "| layer | choice | RoPE dims | latent rank | KL |" in card and card.count("\n| ") >= 6
     assert json.loads((tmp_path / "out" / "conversion_report.json").read_text())["budgets"]["layers"] == b["layers"]

@@ -14,7 +14,8 @@ from hf_attn_patch.converters.reconstruct import sequential
 @pytest.fixture(scope="module")
 def mla25(tmp_path_factory, stories):
     out = tmp_path_factory.mktemp("rec") / "out"
-    convert("default", out, to="mla", kv_budget=0.25, calib_samples=8, calib_len=128)
+    convert("default", out, to="mla", kv_budget=0.25, calib_samples=8, calib_len=128,
+            rank_allocation="uniform")  # the closed form these margins were measured from
     windows = calibration_windows(read_calibration_text(None), stories[1], 8, 128)
     return out, windows
 
