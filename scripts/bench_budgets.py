@@ -1,7 +1,7 @@
 """KV budgets by measured sensitivity vs uniform and energy rank allocation, in one run.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_budgets.py [--models default,smollm2] [--budgets 0.5,0.25]
-        [--allocations uniform,energy,sensitivity] [--reconstruct-steps 0] [--json rows.json]
+        [--allocations uniform,energy,sensitivity] [--reconstruct-steps 0] [--calib-source text] [--json rows.json]
 
 Per model, budget and allocation: `convert(..., to="mla", kv_budget=F, rank_allocation=A)` (method calibrated,
 calibration on the package corpus, first 16 x 256 tokens; the sensitivity KL on its first 4 windows), then
@@ -40,6 +40,7 @@ def main() -> None:
     parser.add_argument("--budgets", default="0.5,0.25")
     parser.add_argument("--allocations", default="uniform,energy,sensitivity")
     parser.add_argument("--reconstruct-steps", type=int, default=0)
+    parser.add_argument("--calib-source", default="text", help="text (convert()'s default) or teacher (the CLI's)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     rows = []
@@ -53,13 +54,14 @@ def main() -> None:
             source.config, 1), cpu=0.0, layers=None))  # fmt: skip
         for budget in map(float, args.budgets.split(",")):
             for allocation in args.allocations.split(","):
-                row = _run(name, budget, allocation, args.reconstruct_steps, sets, source, first)
+                row = _run(name, budget, allocation, args.reconstruct_steps, args.calib_source, sets, source, first)
                 rows.append(dict(model=LABELS[name], budget=budget, allocation=allocation, **row))
                 print(f"  MLA {budget:.0%} {allocation:<12} steps {args.reconstruct_steps:<4} {row['kv']:>6} B  "
                       f"ppl {_fmt(row['ppl'])}  KL {row['kl']:.4f}  {row['cpu']:.0f} s CPU", flush=True)
                 if row["layers"]:
                     print(f"    layers (d_r+d_c): {row['layers']}", flush=True)
     names = sorted({k for r in rows for k in r["ppl"]}, key=lambda k: k not in ("stories", "wikitext2"))
+    print(f"\ncalibration: {args.calib_source}")
     print("\n| model | KV budget | allocation | reconstruct steps | KV B/token | "
           + " | ".join(f"ppl {k}" for k in names) + " | KL | convert CPU s |")
     print("|---|---:|---|---:|---:|" + "---:|" * len(names) + "---:|---:|")
@@ -71,11 +73,11 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(rows, indent=1))
 
 
-def _run(name, budget, allocation, steps, sets, source, first) -> dict:
+def _run(name, budget, allocation, steps, calib_source, sets, source, first) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         cpu = time.process_time()
         report = convert(name, Path(tmp) / "out", to="mla", kv_budget=budget, rank_allocation=allocation,
-                         reconstruct_steps=steps)  # fmt: skip
+                         reconstruct_steps=steps, calib_source=calib_source)  # fmt: skip
         cpu = time.process_time() - cpu
         model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "out").eval()
         kv = kv_cache_bytes(model.config, 1)
