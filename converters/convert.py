@@ -66,8 +66,8 @@ class ConvertOptions:
     calib_len: int = 256
     calib_source: str = "text"  # text: windows of calib_data; teacher: the source's own samples, prompted from them
     propagate: bool = False  # each layer's closed form recomputed from the converted prefix's statistics (kept if better)
-    reconstruct_steps: int = 0  # Adam steps fitting each converted layer's output (opt-in: see the CLI's help)
-    reconstruct_lr: float = 3e-2  # reconstruction step, as a fraction of each weight tensor's RMS
+    reconstruct_steps: int = 0  # Adam steps fitting each converted layer's output (the CLI defaults to 60: its help)
+    reconstruct_lr: float = 1e-2  # reconstruction step, as a fraction of each weight tensor's RMS (SmolLM2: best held-in)
     reconstruct_target: str = "source"  # source: the source layer on its own inputs; local: on the converted ones
     heal_steps: int = 0  # distillation steps from the source after conversion (0: zero-shot)
     heal_lr: float | str | None = None  # a rate, or "auto" (default): a range test on held-in windows

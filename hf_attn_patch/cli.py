@@ -319,21 +319,21 @@ def main(argv: list[str] | None = None) -> None:
                     "folder, a .json/.jsonl/.parquet/.csv file or a dataset name[:config] (default: the package's corpus)")
     cv.add_argument("--calib-split", help="datasets: the split to read (default train)")
     cv.add_argument("--calib-column", help="datasets: the text column (default text)")
-    cv.add_argument("--calib-source", choices=["text", "teacher"],
-                    help="calibration windows: the calibration text (default), or samples of the source model itself "
-                    "(prompted by each text window's first 4 tokens; temperature 1, top-p 0.95, --seed)")
+    cv.add_argument("--calib-source", choices=["text", "teacher"], default="teacher",
+                    help="calibration windows: samples of the source model itself (default; prompted by each "
+                    "calibration-text window's first 4 tokens, temperature 1, top-p 0.95, --seed), or the calibration "
+                    "text. SmolLM2-135M MLA 50%% closed form, WikiText-2: teacher 42.2 vs text 56.1 (BENCHMARKS.md)")
     cv.add_argument("--calib-samples", type=_positive_int)
     cv.add_argument("--calib-len", type=_positive_int)
     cv.add_argument("--heal-steps", type=int, help="distillation steps from the source after conversion (default 0)")
     cv.add_argument("--propagate", action="store_true", default=None,
                     help="recompute each layer's closed form from the statistics of the converted layers before it "
                     "(kept per layer where it lowers the held-in error; measured no better than plain: off by default)")
-    cv.add_argument("--reconstruct-steps", type=int,
+    cv.add_argument("--reconstruct-steps", type=int, default=60,
                     help="Adam steps fitting each converted attention layer's output to the source's, layer by layer "
-                    "(default 0: closed form only). stories260k MLA 25%%: perplexity 33.5 -> 8.9 at 200 steps "
-                    "(BENCHMARKS.md); opt-in because on SmolLM2-135M it is not yet shown to help and 200 steps cost "
-                    "far more than the 10 CPU-minute budget of a conversion")
-    cv.add_argument("--reconstruct-lr", type=float, help="reconstruction step, a fraction of each weight's RMS (default 0.03)")
+                    "(default 60; 0: closed form only; convert() in Python defaults to 0). SmolLM2-135M MLA 50%% "
+                    "with teacher calibration, WikiText-2: 42.2 -> 33.5, about 3 CPU-minutes (BENCHMARKS.md)")
+    cv.add_argument("--reconstruct-lr", type=float, help="reconstruction step, a fraction of each weight's RMS (default 0.01)")
     cv.add_argument("--reconstruct-target", choices=["source", "local"],
                     help="fit to the source layer on the source's inputs (default) or on the converted prefix's")
     cv.add_argument("--heal-lr", type=lambda v: v if v == "auto" else float(v),

@@ -12,7 +12,8 @@ machine the wall time is noise, the CPU time less so). Rows per target:
     + reconstruction       teacher calibration and `--reconstruct-steps` Adam steps per layer (convert()'s path)
     + healing              convert()'s healing step (`--heal-steps`, heal data `--heal-data`, lr "auto", best
                            held-in state) applied to the reconstructed output, on the same teacher windows
-    --all-methods adds every other closed-form method (text calibration), as the older tables had.
+    --all-methods adds every other closed-form method (text calibration), as the older tables had; MLA rows use
+    `--rank-allocation` (default uniform: one rank for every layer).
 Evaluation: stories260k on the last 60,000 characters of the TinyStories sample (8 x 256 tokens) and tinyshakespeare
 (first 100,000 characters, 8 x 256); SmolLM2-135M on WikiText-2 test (first 200,000 characters, 4 x 512) and
 tinyshakespeare (4 x 512). Every setting was chosen on held-in calibration / teacher windows, never on these texts.
@@ -66,9 +67,10 @@ def main() -> None:
     parser.add_argument("--targets", help="comma-separated target labels to run (default: all), e.g. 'MLA 50%%,MQA 3->1'")
     parser.add_argument("--all-methods", action="store_true", help="also every other closed-form method")
     parser.add_argument("--quick", action="store_true", help="stories260k only")
-    parser.add_argument("--reconstruct-steps", type=int, default=100)
+    parser.add_argument("--reconstruct-steps", type=int, default=60, help="the CLI default")
     parser.add_argument("--heal-steps", type=int, help="default: 100 (stories260k) / 60 (SmolLM2); 0: no healing")
     parser.add_argument("--heal-data", default="teacher", choices=["calib", "teacher", "mix"])
+    parser.add_argument("--rank-allocation", default="uniform", help="MLA targets: convert()'s rank_allocation")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU seconds sum over threads)")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".png")), help="PNG of perplexity vs KV bytes")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the rows saved next to it")
@@ -100,6 +102,8 @@ def main() -> None:
             if wanted is not None and target not in wanted:
                 continue
             family = "mla" if options["to"] == "mla" else "gqa"
+            if family == "mla":
+                options = {**options, "rank_allocation": args.rank_allocation}
             method = DEFAULT[family]
             runs = [(m, dict(method=m)) for m in METHODS[family] if args.all_methods and m != method]
             runs += [(f"{method}, closed form (text)", dict(method=method)),

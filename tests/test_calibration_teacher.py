@@ -47,3 +47,14 @@ def test_convert_calibrates_on_teacher_samples(tmp_path, one_torch_thread):
     assert teacher["layerwise"]["mean_closed_form_error"] != text["layerwise"]["mean_closed_form_error"]
     with pytest.raises(ValueError, match="calib_source='model'"):
         ConvertOptions(to="mqa", calib_source="model")
+
+
+def test_the_cli_calibrates_on_teacher_samples_and_reconstructs_by_default(tmp_path, one_torch_thread):
+    import json
+
+    from hf_attn_patch import cli
+
+    cli.main(["convert", "default", str(tmp_path / "o"), "--to", "mqa", "--calib-samples", "2", "--calib-len", "32"])
+    report = json.loads((tmp_path / "o" / "conversion_report.json").read_text())
+    assert report["calibration"]["source"] == "teacher"
+    assert report["layerwise"]["reconstruct_steps"] == 60 and len(report["layerwise"]["layers"]) == 5

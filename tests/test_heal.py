@@ -139,7 +139,7 @@ def test_two_process_data_parallel_healing_equals_one_process_with_twice_the_bat
     import sys
 
     options = ["--to", "mla", "--kv-budget", "0.5", "--method", "mha2mla", "--heal-steps", "3", "--heal-lr", "1e-3",
-               "--reconstruct-steps", "0"]  # the library call below does not reconstruct
+               "--reconstruct-steps", "0", "--calib-source", "text"]  # as the library call below: no reconstruction
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with socket.socket() as probe:  # a port free on this machine now, not a fixed one another program may hold
         probe.bind(("127.0.0.1", 0))
