@@ -187,9 +187,10 @@ def _plot(rows, path: str) -> None:
         for kind, color in kinds:
             match = [r for r in mine if r["method"] != "-" and (r["method"].endswith("healed") if kind == "healed"
                      else kind in r["method"] and not r["method"].endswith("healed"))]  # fmt: skip
-            pts = sorted((r["kv"], r["ppl"][first]) for r in match)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", color=color, label=kind)
+            for family, style in (("MLA", "-"), ("GQA/MQA", ":")):  # one line per family: they share KV sizes
+                pts = sorted((r["kv"], r["ppl"][first]) for r in match if r["target"].startswith("MLA") == (family == "MLA"))
+                if pts:
+                    ax.plot(*zip(*pts), marker="o", color=color, linestyle=style, label=f"{kind}, {family}")
         ax.set(xlabel="KV cache bytes per token (fp16, all layers)", ylabel=f"perplexity ({first})", title=model)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
