@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 SIZE_FACTORS = (0.5, 0.75, 1.0, 1.25, 1.5, 2.0)  # candidate values per token, as multiples of the uniform share
 ROPE_FACTORS = (0.5, 1.0, 2.0)  # candidate RoPE dims, as multiples of the default split of that size
-MEASURE_TOKENS = 512  # calibration tokens the KL is measured on (the first windows of the calibration set)
+MEASURE_TOKENS = 256  # calibration tokens the KL is measured on (the first windows of the calibration set)
 
 
 @dataclass(frozen=True)
