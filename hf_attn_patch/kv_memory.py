@@ -20,23 +20,23 @@ import torch
 def layer_kv_lora_rank(config, layer_idx: int) -> int | None:
     """MLA latent size of one layer: `mla_kv_lora_ranks[layer_idx]` when a conversion chose ranks per layer, else the
     config's `kv_lora_rank` (then the largest rank: what DeepSeek-style code sizes by)."""
-    ranks = getattr(config, "mla_kv_lora_ranks", None)
-    if ranks is None:
-        return getattr(config, "kv_lora_rank", None)
-    if len(ranks) != config.num_hidden_layers:
-        raise ValueError(f"mla_kv_lora_ranks has {len(ranks)} entries, num_hidden_layers={config.num_hidden_layers}")
-    return ranks[layer_idx]
+    return _per_layer(config, layer_idx, "mla_kv_lora_ranks", "kv_lora_rank")
 
 
 def layer_qk_rope_head_dim(config, layer_idx: int) -> int | None:
     """MLA shared RoPE key size of one layer: `mla_qk_rope_head_dims[layer_idx]` when a conversion chose it per layer
     (converters/budgets.py), else the config's `qk_rope_head_dim`."""
-    dims = getattr(config, "mla_qk_rope_head_dims", None)
-    if dims is None:
-        return getattr(config, "qk_rope_head_dim", None)
-    if len(dims) != config.num_hidden_layers:
-        raise ValueError(f"mla_qk_rope_head_dims has {len(dims)} entries, num_hidden_layers={config.num_hidden_layers}")
-    return dims[layer_idx]
+    return _per_layer(config, layer_idx, "mla_qk_rope_head_dims", "qk_rope_head_dim")
+
+
+def _per_layer(config, layer_idx: int, per_layer_field: str, field: str) -> int | None:
+    """config.<per_layer_field>[layer_idx] when the config has that list (one entry per layer), else config.<field>."""
+    values = getattr(config, per_layer_field, None)
+    if values is None:
+        return getattr(config, field, None)
+    if len(values) != config.num_hidden_layers:
+        raise ValueError(f"{per_layer_field} has {len(values)} entries, num_hidden_layers={config.num_hidden_layers}")
+    return values[layer_idx]
 
 
 def head_dim(config) -> int:
