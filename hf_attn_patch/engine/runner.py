@@ -51,14 +51,9 @@ class ModelRunner:
         One token goes through the model written into the null block, which is zeroed again after."""
         if not lookups_routed():
             return  # unpatched: forward() refuses later with the reason
-        groups = self.kv.groups
-        metadata = build_metadata([{g: [NULL_BLOCK] for g in groups}], [0], [1], self.kv.block_size, self.layer_groups,
-                                  self.device)  # fmt: skip
-        context = ForwardContext(metadata, self.storage, {g: self.kv.pools[g].num_blocks for g in groups})
-        token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-        with torch.no_grad(), forward_context(context):
-            self.model(input_ids=token, position_ids=token, attention_mask=self._mask, use_cache=False,
-                       logits_to_keep=1)  # fmt: skip
+        metadata = build_metadata([{g: [NULL_BLOCK] for g in self.kv.groups}], [0], [1], self.kv.block_size,
+                                  self.layer_groups, self.device)  # fmt: skip
+        self._run(metadata, None, [0], [0], [0])
         for storage in self.storage:
             if storage is not None:
                 storage[NULL_BLOCK].zero_()  # the null block reads as zeros (cache/manager.py)
@@ -81,13 +76,17 @@ class ModelRunner:
                 last.extend(range(len(tokens) - 1 - len(request.draft), len(tokens)))
         self._apply_copies()
         metadata = build_metadata(tables, starts, counts, self.kv.block_size, self.layer_groups, self.device)
-        num_blocks = {g: self.kv.pools[g].num_blocks for g in groups}
         states = None
         if self.states is not None:  # each sequence's state; one at position 0 starts empty (new, or recomputed)
             states = [self.states.cache(self.kv.state_slot(r.id), fresh=r.computed == 0) for r, _ in scheduled]
-        context = ForwardContext(metadata, self.storage, num_blocks, states=states)
+        return self._run(metadata, states, tokens, positions, last if keep is None else keep)
+
+    def _run(self, metadata, states, tokens: list[int], positions: list[int], keep: list[int]) -> torch.Tensor:
+        """One forward of the packed row under the metadata's forward context -> float32 logits [len(keep), V]."""
+        context = ForwardContext(metadata, self.storage, {g: self.kv.pools[g].num_blocks for g in self.kv.groups},
+                                 states=states)  # fmt: skip
         device = self.device
-        keep = torch.tensor(last if keep is None else keep, dtype=torch.long, device=device)
+        keep = torch.tensor(keep, dtype=torch.long, device=device)
         with torch.no_grad(), forward_context(context):
             out = self.model(input_ids=torch.tensor([tokens], device=device),
                              position_ids=torch.tensor([positions], device=device), attention_mask=self._mask,
