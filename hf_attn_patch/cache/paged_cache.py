@@ -172,10 +172,11 @@ class PagedKVCache(Cache):
         for idx, (kind, kwargs) in self._pass_through.items():  # constant-size states start over
             self.layers[idx] = DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
         mask = attention_mask if attention_mask is not None else torch.ones_like(input_ids)
-        pads = (mask.cumsum(1) == 0).sum(1).tolist()  # leading zeros = left padding
+        started = mask.cumsum(1) > 0  # from each row's first real token on
+        pads = (~started).sum(1).tolist()  # leading zeros = left padding
         # The block-table kernels see each row as its stored positions, all visible: a mask with a hole after the
         # first real token (not plain left padding) must go through the masked reference instead.
-        self._left_padding_only = bool((mask.cumsum(1) > 0).le(mask.bool()).all())
+        self._left_padding_only = bool(started.le(mask.bool()).all())
         self.rows = [_Row(next(self._ids), pad, input_ids[r, pad:].tolist()) for r, pad in enumerate(pads)]
         self._unregistered = True
         skip = self._attach_prefix() if self.prefix_caching and self.manager is not None else 0
@@ -263,9 +264,8 @@ class PagedKVCache(Cache):
         """K [B, H, L, d_k], V [B, H, L, d_v] of one paged layer (the reference path of a paged_kv decode)."""
         layer = self.layers[layer_idx]
         flat = layer.storage.view(-1, *layer.storage.shape[2:])
-        read = self._read.get(layer.window)
-        read = None if read is None else read[:, : layer.length]
-        return read_paged(flat, layer.key_dim, read, self._contiguous_from[layer.window], layer.length)
+        return read_paged(flat, layer.key_dim, self._read_index.get(layer.window), self._contiguous_from[layer.window],
+                          layer.length)  # fmt: skip
 
     def _begin_step(self, keys: torch.Tensor) -> None:
         """Give every row blocks for the new positions of keys [B, H, T, d] (copying shared partly filled ones),
