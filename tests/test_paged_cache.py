@@ -270,3 +270,22 @@ def test_masked_hole_takes_the_reference_not_the_kernels(monkeypatch):
     model.set_attn_implementation("sdpa")
     assert torch.equal(out, reference)
     assert calls == []
+
+
+@pytest.mark.parametrize("lengths", [(9, 4, 13), (7,)])  # gathered rows, and one row read as a storage view
+def test_steady_decode_steps_reuse_the_slots_and_match(lengths, monkeypatch):
+    """A decode step inside the rows' current blocks skips the allocation and slot rebuilding (each write slot is
+    the last one + 1); a step that starts a block plans again. Output stays token-identical to DynamicCache."""
+    model = tiny_model("llama")
+    ids, mask = ragged(lengths=lengths)
+    planned = []
+    original = PagedKVCache._plan_step
+    monkeypatch.setattr(PagedKVCache, "_plan_step", lambda self, start, new, device: (
+        planned.append(start), original(self, start, new, device))[1])  # fmt: skip
+    reference, paged, cache = generate_both(model, ids, mask, block_size=4, max_new_tokens=24, do_sample=False)
+    assert torch.equal(reference, paged)
+    width, pads = ids.shape[1], [ids.shape[1] - n for n in lengths]
+    decodes = range(width, width + 23)  # positions written by the 23 decode steps
+    # planned: the prefill (0), the first decode step, and every step where some row's stored position starts a block
+    expected = [0, width] + [p for p in decodes[1:] if any((p - pad) % 4 == 0 for pad in pads)]
+    assert planned == expected

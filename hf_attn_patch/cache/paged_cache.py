@@ -160,6 +160,7 @@ class PagedKVCache(Cache):
         self._left_padding_only = True  # the prompt mask is left padding then ones (see start_request)
         self._kernel_step = False  # this step's attention reads the pages by block table (paged_kv decode on CUDA)
         self._step_start = 0  # first logical position written by the step in flight
+        self._steady_from = -1  # the position the last decode step wrote, when the next may reuse its slots
 
     # -- requests --------------------------------------------------------------------------------------------
 
@@ -202,7 +203,12 @@ class PagedKVCache(Cache):
             if self.manager is not None:
                 self.manager.free(row.id)
         self.rows = []
+        self._forget_slots()
+
+    def _forget_slots(self) -> None:
+        """The rows or their tables changed: the kept read slots are rebuilt at the next step."""
         self._read.clear()
+        self._steady_from = -1
 
     def _table(self, row: _Row, group) -> list[int]:
         return self.manager.table(row.id, group)
@@ -284,6 +290,40 @@ class PagedKVCache(Cache):
                     self.manager.add(row.id)
             self._unregistered = False
         start = self.paged[0].length
+        if new == 1 and self._steady(start):
+            self._advance_slots(start)
+        else:
+            self._plan_step(start, new, device)
+        self._kernel_step = (new == 1 and self._left_padding_only and metadata.use_kernels(keys)
+                             and self.config._attn_implementation == PAGED_ATTENTION)  # fmt: skip
+        self._step_start = start
+
+    def _steady(self, start: int) -> bool:
+        """Whether this decode step changes nothing but one slot per row: the rows, tables and pools are those of the
+        last step, which wrote position start - 1 of every row in the same block that position `start` falls in
+        (so no block is allocated, copied or freed: the last write made that block the row's own)."""
+        bs = self.block_size
+        return (self._version == self.manager.version and self._steady_from == start - 1 and self.groups == [None]
+                and all((start - row.pad) % bs for row in self.rows))  # fmt: skip
+
+    def _advance_slots(self, start: int) -> None:
+        """The steady decode step's slots: each row's write slot is last step's + 1 (the same block)."""
+        self._steady_from = start
+        if self._contiguous_from[None] is not None:
+            return  # one contiguous row: read and written through views, no slot tables
+        write = self._write[None] + 1
+        buffer = self._read[None]
+        if buffer.shape[1] <= start:  # doubling: amortized O(1) per decoded position
+            buffer = self._read[None] = torch.cat((buffer, torch.empty_like(buffer)), dim=1)
+        buffer[:, start] = write[:, 0]
+        self._write[None], self._write_flat[None] = write, write.view(-1)
+        self._read_len[None] = start + 1
+        self._read_index[None] = buffer[:, : start + 1].reshape(-1)
+
+    def _plan_step(self, start: int, new: int, device) -> None:
+        """Blocks for the step's positions (copying shared partly filled ones, freeing out-of-window ones) and the
+        slots every layer writes and reads."""
+        self._steady_from = -1
         # stored positions (left padding excluded) written this step; all rows or none (CacheFullError)
         self.manager.allocate_many([(row.id, max(0, start - row.pad), max(0, start + new - row.pad))
                                     for row in self.rows])  # fmt: skip
@@ -303,13 +343,12 @@ class PagedKVCache(Cache):
                     self.manager.free_out_of_window(row.id, max(0, start - row.pad))
                 break  # free_out_of_window serves every window group at once
         if self._version != self.manager.version:  # tables changed under the kept read slots
-            self._read.clear()
+            self._forget_slots()
             self._version = self.manager.version
         for group in self.groups:
             self._update_slots(group, start, new, device)
-        self._kernel_step = (new == 1 and self._left_padding_only and metadata.use_kernels(keys)
-                             and self.config._attn_implementation == PAGED_ATTENTION)  # fmt: skip
-        self._step_start = start
+        if new == 1 and self._write_all_valid.get(None, False):
+            self._steady_from = start  # the next decode step may take the steady path
 
     def _update_slots(self, group, start: int, new: int, device) -> None:
         """Slots of this step: write [B, new] (-1: padding, not stored) and read [B, start + new].
@@ -450,7 +489,7 @@ class PagedKVCache(Cache):
 
     def _remap_rows(self, sources: list[int]) -> None:
         """New row i continues old row sources[i], sharing its blocks by reference count (nothing is copied)."""
-        self._read.clear()
+        self._forget_slots()
         self._unregistered = True
         old, self.rows = self.rows, []
         for i in sources:
@@ -471,7 +510,7 @@ class PagedKVCache(Cache):
         if tokens_to_remove > 0:
             raise ValueError(f"crop({tokens_to_remove}): pass a negative count of tokens to remove")
         keep = max(0, self.get_seq_length() + tokens_to_remove)
-        self._read.clear()
+        self._forget_slots()
         for row in self.rows:
             if self.manager is not None:
                 self.manager.crop(row.id, max(0, keep - row.pad))
