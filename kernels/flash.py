@@ -7,9 +7,9 @@ backend is picked.
 
 Constraints (checked by `unsupported_reason`, which makes "auto" fall back and an explicit request raise):
 fp16/bf16 only; d_k == d_v <= 256; K/V caches viewed as [num_blocks, block_size, H_kv, d] with block_size a multiple
-of 256 (flash-attn 2's paged-KV requirement) and unit stride on the last dim (views of our combined K|V storage
-qualify: only the last dim must be contiguous); no per-key mask (flash-attn has none: left-padded rows need the
-Triton or torch backend).
+of 256 (flash-attn 2's paged-KV requirement) and unit stride on the last dim (views of our head-major K/V
+storage qualify: flash-attn reads the block, row and head strides of the tensor; not yet run on a GPU with this
+layout); no per-key mask (flash-attn has none: left-padded rows need the Triton or torch backend).
 """
 
 from __future__ import annotations

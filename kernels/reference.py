@@ -1,17 +1,18 @@
 """Pure-torch versions of every kernel op: the CPU path and the oracle the Triton / flash-attn backends are tested
 against. Clarity over speed; math in fp32, results cast back to the query's (logits') dtype.
 
-Paged layout (what PagedKVCache stores). One layer's storage is `[num_blocks, block_size, H, d_k + d_v]`, keys and
-values side by side; flattened it is `[slots, H, d_k + d_v]` with `slot = block * block_size + offset`. The ops take
-K and V as views of it:
+Paged layout (what PagedKVCache and the engine store: hf_attn_patch/cache/kv_storage.py). One layer's keys are
+`[H, slots, d_k]` and values `[H, slots, d_v]`, head-major, with `slot = block * block_size + offset`. The ops take
+K and V as flat strided views `[slots, H, d]` (slot stride d, head stride slots * d; only the last dim must be
+contiguous):
 
-    key_cache   [slots, H_kv, d_k]  (= storage[..., :d_k])   or 4-D [num_blocks, block_size, H_kv, d_k]
-    value_cache [slots, H_kv, d_v]  (= storage[..., d_k:])   or 4-D [num_blocks, block_size, H_kv, d_v]
+    key_cache   [slots, H_kv, d_k]  (= keys.transpose(0, 1))     or 4-D [num_blocks, block_size, H_kv, d_k]
+    value_cache [slots, H_kv, d_v]  (= values.transpose(0, 1))   or 4-D [num_blocks, block_size, H_kv, d_v]
 
 Logical position p of row b lives in slot `block_tables[b, p // block_size] * block_size + p % block_size`.
 A per-token slot table is the special case block_size = 1 (block_tables = slots).
 
-MLA layers store `[slots, 1, d_c + d_r]` = [c_kv | k_rope] per token (d_c = kv_lora_rank, d_r = qk_rope_head_dim).
+MLA layers store `[1, slots, d_c + d_r]` = [c_kv | k_rope] per token, read as `[slots, 1, d_c + d_r]` (d_c = kv_lora_rank, d_r = qk_rope_head_dim).
 """
 
 from __future__ import annotations

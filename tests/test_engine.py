@@ -48,11 +48,11 @@ def test_kv_storage_is_made_at_construction_and_the_null_block_is_zero(stories):
     model, tok = stories
     engine = Engine(model, tok, block_size=4, num_blocks=64)
     storage = engine.runner.storage
-    assert len(storage) == model.config.num_hidden_layers and all(s is not None and s.shape[0] == 64 for s in storage)
+    assert len(storage) == model.config.num_hidden_layers and all(s is not None and s.num_blocks == 64 for s in storage)
     assert all(not s.any() for s in storage)  # every block, the null block included, holds zeros
     out = engine.generate(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0))[0]
     assert out.token_ids == _reference(model, out.prompt_token_ids, 8)
-    assert all(not s[0].any() for s in engine.runner.storage)  # nothing is ever written into the null block
+    assert all(s.block_is_zero(0) for s in engine.runner.storage)  # nothing is ever written into the null block
 
 def test_prefix_cache_reuses_a_shared_prompt(stories):
     model, tok = stories

@@ -23,6 +23,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
 from ..cache import metadata
+from ..cache.kv_storage import KVStorage
 from ..cache.metadata import (PAGED_ATTENTION, AttentionMetadata, ForwardContext, get_forward_context,
                               set_forward_context)  # fmt: skip
 
@@ -55,25 +56,22 @@ def lookups_routed() -> bool:
 # -- storage ------------------------------------------------------------------------------------------------------
 
 
-def layer_storage(context: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """The layer's storage [num_blocks, block_size, H_kv, d_k + d_v] (made, zeroed, at its first write)."""
+def layer_storage(context: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> KVStorage:
+    """The layer's KVStorage (made, zeroed, at its first write; H = 1, MLA's latent and RoPE key, fused)."""
     storage = context.storage[layer]
     if storage is None:
         group = context.metadata.layer_groups[layer]
-        shape = (context.num_blocks[group], context.metadata.block_size, key.shape[1], key.shape[-1] + value.shape[-1])
-        storage = context.storage[layer] = key.new_zeros(shape)
+        storage = context.storage[layer] = KVStorage(context.num_blocks[group], context.metadata.block_size,
+                                                     key.shape[1], key.shape[-1], value.shape[-1], key,
+                                                     fused=key.shape[1] == 1)  # fmt: skip
     return storage
 
 
-def write_new(context: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
-    """Write the new tokens' key [1, H_kv, T, d_k], value [1, H_kv, T, d_v] at the step's slots -> flat storage
-    [slots, H_kv, d_k + d_v]."""
+def write_new(context: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> KVStorage:
+    """Write the new tokens' key [1, H_kv, T, d_k], value [1, H_kv, T, d_v] at the step's slots -> the storage."""
     storage = layer_storage(context, layer, key, value)
-    flat = storage.view(-1, *storage.shape[2:])
-    slots = context.metadata.slot_mapping[context.metadata.layer_groups[layer]]
-    both = torch.cat((key[0], value[0]), dim=-1).transpose(0, 1)  # [T, H_kv, d_k + d_v]
-    flat.index_copy_(0, slots, both.to(flat.dtype))
-    return flat
+    storage.write(context.metadata.slot_mapping[context.metadata.layer_groups[layer]], key[0], value[0])
+    return storage
 
 
 # -- the registered function --------------------------------------------------------------------------------------
@@ -92,23 +90,22 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if dropout:
         raise ValueError(f"paged attention has no dropout (got dropout={dropout}); call model.eval()")
     layer, meta = module.layer_idx, context.metadata
-    flat = write_new(context, layer, key, value)
+    storage = write_new(context, layer, key, value)
     window = kwargs.get("sliding_window") or None
     softcap = kwargs.get("softcap") or None
-    dk = key.shape[-1]
     group = meta.layer_groups[layer]
     q = query[0].transpose(0, 1)  # [T, H, d_k]
     if metadata.use_kernels(query):
-        out = _kernel_attention(q, flat[..., :dk], flat[..., dk:], meta, group, scaling, window, softcap)
+        out = _kernel_attention(q, storage.key_cache, storage.value_cache, meta, group, scaling, window, softcap)
     else:
-        out = _reference_attention(q, flat, dk, meta, group, scaling, window, softcap)
+        out = _reference_attention(q, storage, meta, group, scaling, window, softcap)
     return out[None], None
 
 
 def reads_pages(context: ForwardContext | None, layer: int, key: torch.Tensor) -> bool:
     """Whether `key` is a view of the context's storage of `layer` (PagedKVCache handed attention its pages)."""
     storage = None if context is None or context.route else context.storage[layer]
-    return storage is not None and key.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
+    return storage is not None and key.untyped_storage().data_ptr() == storage.keys.untyped_storage().data_ptr()
 
 
 def finish_layer(context: ForwardContext, layer: int) -> None:
@@ -129,10 +126,9 @@ def _cache_decode(module, query, key, value, attention_mask, scaling, dropout, c
         group = meta.layer_groups[layer]
         kernel = not dropout and not any(kwargs.get(name) for name in _REFERENCE_ONLY_KWARGS)
         if kernel and query.dtype == storage.dtype:
-            flat, dk = storage.view(-1, *storage.shape[2:]), key.shape[-1]
             window = group if isinstance(group, int) else None
-            out = _kernel_attention(query[:, :, 0], flat[..., :dk], flat[..., dk:], meta, group, scaling, window,
-                                    None)  # fmt: skip
+            out = _kernel_attention(query[:, :, 0], storage.key_cache, storage.value_cache, meta, group, scaling,
+                                    window, None)  # fmt: skip
             return out.unsqueeze(1), None
         key, value = context.gather(layer)
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
@@ -155,9 +151,9 @@ def _kernel_attention(q, key_cache, value_cache, meta: AttentionMetadata, group,
 
 
 def segments(meta: AttentionMetadata, group, window):
-    """Per forward and group (built by the first layer, shared by the rest): [(queries, slots, visible)] where
+    """Per forward and group (built by the first layer, shared by the rest): [(queries, blocks, visible)] where
     queries selects rows of the packed [T] queries (a [g] index tensor of decodes, or a slice of one chunk),
-    slots [g, L] / [L] the context slots and visible [g, 1, q, L] bool."""
+    blocks [g, n] the context's pages (g = 1 for a chunk) and visible [g, 1, q, L] bool (L <= n * block_size)."""
 
     def build():
         tables, bs = meta.block_tables[group], meta.block_size
@@ -169,12 +165,11 @@ def segments(meta: AttentionMetadata, group, window):
                 decodes.append((start, b, length))
             elif n > 1:
                 positions = torch.arange(length, device=device)
-                slots = tables[b, positions // bs] * bs + positions % bs
                 query_pos = positions[length - n :, None]
                 visible = positions[None, :] <= query_pos
                 if window is not None:
                     visible = visible & (positions[None, :] > query_pos - window)
-                out.append((slice(start, start + n), slots, visible[None, None]))
+                out.append((slice(start, start + n), tables[b : b + 1, : -(-length // bs)], visible[None, None]))
         decodes.sort(key=lambda item: item[2])
         for i in range(0, len(decodes), DECODE_GROUP):
             chunk = decodes[i : i + DECODE_GROUP]
@@ -182,41 +177,39 @@ def segments(meta: AttentionMetadata, group, window):
             positions = torch.arange(longest, device=device)
             rows = torch.tensor([b for _, b, _ in chunk], device=device)
             lengths = torch.tensor([n for _, _, n in chunk], device=device)
-            slots = tables[rows][:, positions // bs] * bs + positions % bs
             visible = positions[None, :] < lengths[:, None]
             if window is not None:
                 visible = visible & (positions[None, :] > lengths[:, None] - 1 - window)
             index = torch.tensor([t for t, _, _ in chunk], dtype=torch.long, device=device)
-            out.append((index, slots, visible[:, None, None, :]))
+            out.append((index, tables[rows, : -(-longest // bs)], visible[:, None, None, :]))
         return out
 
     return meta.derived(("segments", group, window), build)
 
 
-def gather_slots(flat: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """flat [S, ...] rows at slots [g, L] or [L] -> [g, L, ...] / [L, ...]. One index_select over the flattened
-    slots: on CPU about 2.5x faster than advanced indexing with a 2-D index (the same copy)."""
-    return flat.index_select(0, slots.reshape(-1)).view(*slots.shape, *flat.shape[1:])
+def read_segment(storage: KVStorage, meta: AttentionMetadata, segment: tuple, blocks: torch.Tensor, length: int):
+    """A segment's K [g, H_kv, L, d_k], V [g, H_kv, L, d_v]: one gather of whole pages per head (the page index
+    is made once per forward for the segment, (group, window, i), and layers of this many heads and blocks)."""
+    index = meta.derived(("pages", *segment, storage.heads, storage.num_blocks), lambda: storage.page_index(blocks))
+    return storage.read_pages(index, blocks.shape[0], length)
 
 
-def _reference_attention(q, flat, dk, meta, group, scale, window, softcap):
-    """q [T, H, d_k], flat storage [slots, H_kv, d_k + d_v] -> [T, H, d_v]: gather + SDPA per segment."""
+def _reference_attention(q, storage: KVStorage, meta, group, scale, window, softcap):
+    """q [T, H, d_k] over the layer's storage -> [T, H, d_v]: gather + SDPA per segment."""
     if softcap is not None:
         raise ValueError(f"softcap={softcap}: the CPU paged reference does not implement it")
-    out = q.new_empty((q.shape[0], q.shape[1], flat.shape[-1] - dk))
-    for selector, slots, visible in segments(meta, group, window):
-        both = gather_slots(flat, slots)  # [g, L, H_kv, d] or [L, H_kv, d]
+    out = q.new_empty((q.shape[0], q.shape[1], storage.value_dim))
+    dk = storage.key_dim
+    for i, (selector, blocks, visible) in enumerate(segments(meta, group, window)):
+        k, v = read_segment(storage, meta, (group, window, i), blocks, visible.shape[-1])  # [b, H_kv, L, d]
+        k, v = k.to(q.dtype), v.to(q.dtype)
         if isinstance(selector, slice):
-            both, queries = both[None], q[selector].transpose(0, 1)[None]  # [1, H, n, d_k]
-        else:
-            queries = q[selector][:, :, None]  # [g, H, 1, d_k]
-        both = both.transpose(1, 2)  # [b, H_kv, L, d]
-        k, v = both[..., :dk].to(q.dtype), both[..., dk:].to(q.dtype)
-        if isinstance(selector, slice):
+            queries = q[selector].transpose(0, 1)[None]  # [1, H, n, d_k]
             o = F.scaled_dot_product_attention(queries, k, v, attn_mask=visible, scale=scale,
                                                enable_gqa=k.shape[1] != queries.shape[1])  # fmt: skip
             out[selector] = o[0].transpose(0, 1)  # [n, H, d_v]
         else:
+            queries = q[selector][:, :, None]  # [g, H, 1, d_k]
             # Decodes: the n_rep query heads of each KV head (heads j*n_rep .. (j+1)*n_rep - 1, repeat_kv's order)
             # go in as n_rep queries of that head; the mask [g, 1, 1, L] is the same for all of them. On CPU this
             # is about 2x faster than enable_gqa (which expands K/V), the same packing transformers' SDPA uses.
@@ -236,21 +229,20 @@ def mla_attention(module, q_nope, q_rope, latent, k_rope, context: ForwardContex
     The storage holds [c | k_rope] per token (H = 1). CUDA decode: kernels.mla_decode with block tables; otherwise
     the module's absorbed attention per segment (torch)."""
     meta, layer = context.metadata, module.layer_idx
-    flat = write_new(context, layer, latent, k_rope)
-    group, d_c = meta.layer_groups[layer], module.kv_lora_rank
+    storage = write_new(context, layer, latent, k_rope)
+    group = meta.layer_groups[layer]
     window = module.spec.sliding_window
     if metadata.use_kernels(q_nope) and meta.is_decode and window is None and module.qk_rope_head_dim:
-        return mla_kernel_decode(module, q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), flat, meta)[None]
+        return mla_kernel_decode(module, q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), storage.rows,
+                                 meta)[None]  # fmt: skip
     out = q_nope.new_empty((q_nope.shape[2], q_nope.shape[1], module.v_head_dim))
-    for selector, slots, visible in segments(meta, group, window):  # the torch reference
-        both = gather_slots(flat, slots)
+    for i, (selector, blocks, visible) in enumerate(segments(meta, group, window)):  # the torch reference
+        c, rope = read_segment(storage, meta, (group, window, i), blocks, visible.shape[-1])  # [b, 1, L, d_c / d_r]
         if isinstance(selector, slice):
-            both = both[None]
             qn, qr = q_nope[:, :, selector], q_rope[:, :, selector]
         else:
             qn, qr = (x[0][:, selector].transpose(0, 1)[:, :, None] for x in (q_nope, q_rope))
-        both = both.transpose(1, 2).to(q_nope.dtype)  # [b, 1, L, d_c + d_r]
-        o, _ = module._absorbed(qn, qr, both[..., :d_c], both[..., d_c:], visible)
+        o, _ = module._absorbed(qn, qr, c.to(q_nope.dtype), rope.to(q_nope.dtype), visible)
         out[selector] = o[0] if isinstance(selector, slice) else o[:, 0]
     return out[None]
 
@@ -276,8 +268,7 @@ def mla_cache_decode(module, q_nope, q_rope, latent, context: ForwardContext):
         storage = context.storage[layer]
         if module.spec.sliding_window is not None or not module.qk_rope_head_dim or latent.dtype != q_nope.dtype:
             return None
-        flat = storage.view(-1, *storage.shape[2:])
-        return mla_kernel_decode(module, q_nope[:, :, 0], q_rope[:, :, 0], flat, context.metadata)[:, None]
+        return mla_kernel_decode(module, q_nope[:, :, 0], q_rope[:, :, 0], storage.rows, context.metadata)[:, None]
     finally:
         finish_layer(context, layer)
 

@@ -60,7 +60,7 @@ class ForwardContext:
     where update() returned the storage itself, and `gather(layer)` gives K/V tensors for the reference path."""
 
     metadata: AttentionMetadata
-    storage: list  # per layer: [num_blocks, block_size, H, d_k + d_v] tensor (None until the layer first writes)
+    storage: list  # per layer: its KVStorage (kv_storage.py; None until the layer first writes)
     num_blocks: dict  # group -> blocks in its pool (the storage's first dimension)
     route: bool = True
     gather: object = None  # layer -> (K [B, H, L, d_k], V [B, H, L, d_v]); route=False only

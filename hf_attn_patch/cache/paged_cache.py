@@ -1,8 +1,7 @@
 """PagedKVCache: a transformers `Cache` whose KV lives in fixed-size blocks allocated as tokens arrive.
 
-Layout. Each attention layer owns one storage `[num_blocks, block_size, H, d_k + d_v]`, keys and values side by
-side (MLA layers: H = 1, d_k = kv_lora_rank, d_v = qk_rope_head_dim; the latent and the RoPE key only). All layers of
-a *group* (full attention, or one sliding window size) share one block table per row and one BlockPool: the k-th
+Layout. Each attention layer owns one KVStorage (kv_storage.py: head-major keys [H, slots, d_k] and values
+[H, slots, d_v]; MLA layers: H = 1, the latent and the RoPE key fused in one tensor). All layers of a *group* (full attention, or one sliding window size) share one block table per row and one BlockPool: the k-th
 block of a row's table holds its positions [k*bs, (k+1)*bs) in every layer of the group.
 
 Rows. Every row has the same logical length L (as generate() keeps it). A row's first `pad` positions are left
@@ -15,8 +14,9 @@ chain (prefix_cache.py); a later request whose prompt starts with them reuses th
 All of that bookkeeping is the KV manager's (manager.py): this class is the transformers `Cache` adapter over it,
 owning only the storage tensors and the slot tables built from the manager's block tables.
 
-Attention reads a row's blocks through a gather (the pure-torch path; one row in consecutive slots is read as a
-view); the returned K/V are [B, H, L, d] as DynamicCache returns them, so every attention implementation and both
+Attention reads the rows' blocks through one gather of whole pages per head (the pure-torch path; one row in
+consecutive slots is read as a view; a batch whose left padding is not a whole number of blocks is gathered slot
+by slot, since its rows' pages do not start at the same position); the returned K/V are [B, H, L, d] as DynamicCache returns them, so every attention implementation and both
 MLA paths work unchanged. Under the registered "paged_kv" attention, a decode step on CUDA instead returns the
 layer's storage itself and sets a forward context with the step's AttentionMetadata (block tables in stored
 positions, left padding excluded, built once at the first layer), so the decode kernels read the pages by block.
@@ -33,6 +33,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLay
 
 from ..kv_memory import layer_caches
 from .block_pool import NULL_BLOCK
+from .kv_storage import KVStorage
 from .manager import KVManager
 from . import metadata
 from .manager import STATE
@@ -65,12 +66,7 @@ class PagedLayer(CacheLayerMixin):
         self.cache, self.layer_idx, self.window = cache, layer_idx, window
         self.is_sliding = window is not None
         self.length = 0  # tokens this layer has seen (logical, padding included)
-        # [num_blocks, block_size, H, d_k + d_v]: keys and values side by side, so one copy writes and one gather
-        # reads both (GQA: H = H_kv; MLA: H = 1, d_k = kv_lora_rank, d_v = qk_rope_head_dim)
-        self.storage: torch.Tensor | None = None
-        self.pages: tuple | None = None  # the storage seen as keys [1, H, slots, d_k] and values [.., d_v] (views)
-        self.flat: torch.Tensor | None = None  # the storage seen as [slots, H, d_k + d_v] (a view)
-        self.key_dim = 0
+        self.storage: KVStorage | None = None  # made at the first write (GQA: H = H_kv; MLA: H = 1, fused)
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -153,6 +149,8 @@ class PagedKVCache(Cache):
         self._read: dict = {}
         self._read_len: dict = {}  # group -> positions whose read slots are valid in self._read[group]
         self._read_index: dict = {}  # group -> this step's read slots [B, L] flattened to [B * L]
+        self._pages: dict = {}  # group -> [B, n] blocks of each row's logical positions (rows aligned to blocks)
+        self._gather_index: dict = {}  # (group, heads, num_blocks, kind) -> the storage gather index of this step
         self._contiguous_from: dict = {}  # group -> first slot when the one row's slots are consecutive, else None
         self._pool_blocks: dict = {}  # group -> blocks in its pool at this step (the storage's first dimension)
         self._storage_blocks: dict = {}  # group -> blocks of its layers' storage (all grown together)
@@ -225,37 +223,48 @@ class PagedKVCache(Cache):
             layer.lazy_initialization(keys, values)
         if layer is self.paged[0]:
             self._begin_step(keys)
-        if layer.storage is None or layer.storage.shape[0] < self._pool_blocks[layer.window]:
-            self._grow_storage(layer, keys, values)
-        window, dk = layer.window, layer.key_dim
+        storage = layer.storage
+        if storage is None or storage.num_blocks < self._pool_blocks[layer.window]:
+            storage = self._grow_storage(layer, keys, values)
+        window = layer.window
         start = layer.length
         length = layer.length = start + keys.shape[2]
         first = self._contiguous_from[window]
         if first is not None:  # one row in consecutive slots: write a slice of the pages, read views of them
-            key_pages, value_pages = layer.pages  # [1, H, slots, d_k] / [1, H, slots, d_v], views of the storage
-            key_pages.narrow(2, first + start, length - start).copy_(keys)
-            value_pages.narrow(2, first + start, length - start).copy_(values)
-            read = key_pages.narrow(2, first, length), value_pages.narrow(2, first, length)
-        else:
-            flat = layer.flat  # [slots, H, d_k + d_v]
-            write = self._write[window]
-            new = torch.cat((keys, values), dim=-1)  # [B, H, T, d_k + d_v]
-            if self._write_all_valid[window]:
-                new = new[:, :, 0] if new.shape[2] == 1 else new.transpose(1, 2).reshape(-1, *new.shape[1:2], new.shape[3])
-                flat.index_copy_(0, self._write_flat[window], new)
-            else:  # prefill with left padding: padded positions are not stored
-                valid = write >= 0
-                flat[write[valid]] = new.transpose(1, 2)[valid]
-            read = None
+            key_run, value_run = storage.run(first + start, length - start)
+            key_run.copy_(keys)
+            value_run.copy_(values)
+        elif self._write_all_valid[window]:  # [B, H, T, d] -> [H, B * T, d] at the flat write slots
+            storage.write(self._write_flat[window], keys.transpose(0, 1).flatten(1, 2), values.transpose(0, 1).flatten(1, 2))
+        else:  # prefill with left padding: padded positions are not stored
+            valid = self._write[window].view(-1) >= 0
+            storage.write(self._write_flat[window][valid], keys.transpose(0, 1).flatten(1, 2)[:, valid],
+                          values.transpose(0, 1).flatten(1, 2)[:, valid])  # fmt: skip
         if layer is self.paged[-1]:
             self._end_step()
         if self._kernel_step:
             if layer is self.paged[0]:
                 set_forward_context(self._decode_context(keys.device))
-            get_forward_context().storage[layer.layer_idx] = layer.storage
-            flat = layer.storage.view(-1, *layer.storage.shape[2:])
-            return flat[..., :dk], flat[..., dk:]  # the pages themselves: the backend reads them by block table
-        return read if read is not None else read_paged(flat, dk, self._read_index[window], None, length)
+            get_forward_context().storage[layer.layer_idx] = storage
+            return storage.key_cache, storage.value_cache  # the pages themselves: the backend reads them by block table
+        return self._read_layer(layer, length)
+
+    def _read_layer(self, layer: PagedLayer, length: int):
+        """K [B, H, L, d_k], V [B, H, L, d_v] of a paged layer's first `length` positions."""
+        storage, window = layer.storage, layer.window
+        first = self._contiguous_from[window]
+        if first is not None:
+            return storage.run(first, length)
+        pages = self._pages.get(window)
+        key = (window, storage.heads, storage.num_blocks, pages is not None)
+        index = self._gather_index.get(key)
+        if pages is not None:  # rows aligned to blocks: whole pages
+            if index is None:
+                index = self._gather_index[key] = storage.page_index(pages)
+            return storage.read_pages(index, len(self.rows), length)
+        if index is None:
+            index = self._gather_index[key] = storage.slot_index(self._read_index[window])
+        return storage.read_slots(index, len(self.rows), length)
 
     def _decode_context(self, device) -> ForwardContext:
         """The decode step's metadata (one new token per row, stored coordinates) for the paged backend."""
@@ -269,9 +278,7 @@ class PagedKVCache(Cache):
     def _gather(self, layer_idx: int):
         """K [B, H, L, d_k], V [B, H, L, d_v] of one paged layer (the reference path of a paged_kv decode)."""
         layer = self.layers[layer_idx]
-        flat = layer.storage.view(-1, *layer.storage.shape[2:])
-        return read_paged(flat, layer.key_dim, self._read_index.get(layer.window), self._contiguous_from[layer.window],
-                          layer.length)  # fmt: skip
+        return self._read_layer(layer, layer.length)
 
     def _begin_step(self, keys: torch.Tensor) -> None:
         """Give every row blocks for the new positions of keys [B, H, T, d] (copying shared partly filled ones),
@@ -319,6 +326,8 @@ class PagedKVCache(Cache):
         self._write[None], self._write_flat[None] = write, write.view(-1)
         self._read_len[None] = start + 1
         self._read_index[None] = buffer[:, : start + 1].reshape(-1)
+        if self._pages.get(None) is None:  # slot by slot: the gather index grew by a position
+            self._gather_index.clear()
 
     def _plan_step(self, start: int, new: int, device) -> None:
         """Blocks for the step's positions (copying shared partly filled ones, freeing out-of-window ones) and the
@@ -330,13 +339,13 @@ class PagedKVCache(Cache):
         self._pool_blocks = {g: pool.num_blocks for g, pool in self.manager.pools.items()}
         if self._pool_blocks != self._storage_blocks:  # the pools grew: storage first, so copies have their targets
             for layer in self.paged:
-                if layer.storage is not None and layer.storage.shape[0] < self._pool_blocks[layer.window]:
+                if layer.storage is not None and layer.storage.num_blocks < self._pool_blocks[layer.window]:
                     self._grow_storage(layer, None, None)
             self._storage_blocks = dict(self._pool_blocks)  # layers without storage yet make it at this size
         for group, source, target in self.manager.take_copies():
             for layer in self.paged:
                 if layer.window == group and layer.storage is not None:
-                    layer.storage[target] = layer.storage[source]
+                    layer.storage.copy_block(source, target)
         for group in self.groups:
             if group is not None:
                 for row in self.rows:
@@ -396,9 +405,24 @@ class PagedKVCache(Cache):
                 if first is not None and not (int(write[0, 0]) == first + start and consecutive):
                     first = None
         self._contiguous_from[group] = first
+        self._gather_index = {key: index for key, index in self._gather_index.items() if key[0] != group}
+        self._pages[group] = None
         if first is not None:
             del self._read[group]  # read as a storage view; rebuilt from the tables if that ever stops
             del self._read_len[group]
+        elif all(row.pad % self.block_size == 0 for row in rows):  # every row's pages start at a logical block
+            self._pages[group] = self._page_table(group, end, device)
+
+    def _page_table(self, group, end: int, device) -> torch.Tensor:
+        """[B, n] blocks holding logical positions [k * bs, (k + 1) * bs) of each row (n * bs >= end; left padding
+        and positions past a row's table read the null block). Rows' padding must be whole blocks."""
+        bs = self.block_size
+        width = -(-end // bs)
+        pages = []
+        for row in self.rows:
+            table = [NULL_BLOCK] * (row.pad // bs) + self._table(row, group)
+            pages.append(table[:width] + [NULL_BLOCK] * (width - len(table)))
+        return torch.tensor(pages, dtype=torch.long, device=device)
 
     def _slots(self, group, start: int, end: int) -> torch.Tensor:
         """[B, end - start] slot ids of positions [start, end) of every row; -1 for left padding."""
@@ -451,22 +475,18 @@ class PagedKVCache(Cache):
             sizes[group] = blocks
         self.manager = KVManager(self.block_size, sizes, self.groups, self.prefix_caching, growable=self.growable)
 
-    def _grow_storage(self, layer: PagedLayer, keys, values) -> None:
+    def _grow_storage(self, layer: PagedLayer, keys, values) -> KVStorage:
         """Allocate (first call) or extend this layer's storage to pool.num_blocks blocks; new blocks are zero."""
         num_blocks = self.manager.pools[layer.window].num_blocks
         if layer.storage is None:
             if keys.shape[1] != values.shape[1]:
                 raise ValueError(f"keys have {keys.shape[1]} heads and values {values.shape[1]}: they must match")
-            layer.key_dim = keys.shape[-1]
-            shape = (num_blocks, self.block_size, keys.shape[1], keys.shape[-1] + values.shape[-1])
-            layer.storage = keys.new_zeros(shape)
+            layer.storage = KVStorage(num_blocks, self.block_size, keys.shape[1], keys.shape[-1], values.shape[-1],
+                                      keys, fused=keys.shape[1] == 1)  # fmt: skip
         else:
-            extra = num_blocks - layer.storage.shape[0]
-            if extra > 0:
-                layer.storage = torch.cat((layer.storage, layer.storage.new_zeros(extra, *layer.storage.shape[1:])))
-        pages = layer.storage.view(1, -1, *layer.storage.shape[2:]).transpose(1, 2)  # [1, H, slots, d_k + d_v]
-        layer.pages = pages[..., : layer.key_dim], pages[..., layer.key_dim :]
-        layer.flat = layer.storage.view(-1, *layer.storage.shape[2:])
+            layer.storage.grow(num_blocks)
+        self._gather_index.clear()  # the flat indices depend on the storage's size
+        return layer.storage
 
     # -- transformers' Cache API over rows -------------------------------------------------------------------
 
@@ -532,7 +552,7 @@ class PagedKVCache(Cache):
         tokens (a block shared by several rows counts once); utilization = used / allocated.
         """
         layer = self.paged[0] if self.paged else None
-        element_size = layer.storage.element_size() if layer is not None and layer.storage is not None else 0
+        element_size = layer.storage.element_size if layer is not None and layer.storage is not None else 0
         allocated = used = 0
         for group in self.groups:
             filled = {}  # block -> slots holding tokens
@@ -556,15 +576,4 @@ class PagedKVCache(Cache):
             "blocks_free": sum(p.num_available() - p.num_cached() for p in pools),
             "block_size": self.block_size,
         }
-
-
-def read_paged(storage, key_dim: int, read_slots, contiguous_from: int | None, length: int):
-    """K [B, H, L, d_k], V [B, H, L, d_v] from storage [slots, H, d_k + d_v]: a view for one contiguous row,
-    else one gather of keys and values together (they sit side by side); read_slots [B, L] or flat [B * L]."""
-    if contiguous_from is not None:
-        both = storage[contiguous_from : contiguous_from + length].unsqueeze(0)
-    else:
-        both = storage.index_select(0, read_slots.reshape(-1)).view(-1, length, *storage.shape[1:])
-    both = both.transpose(1, 2)
-    return both[..., :key_dim], both[..., key_dim:]
 

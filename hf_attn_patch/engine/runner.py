@@ -41,7 +41,7 @@ class ModelRunner:
         self.states = StateStorage(config, max_num_seqs) if hybrid else None  # per slot: transformers Cache
         self.model = model
         self.device = next(model.parameters()).device
-        self.storage: list = [None] * len(self.layer_groups)  # per layer [num_blocks, block_size, H_kv, d_k + d_v]
+        self.storage: list = [None] * len(self.layer_groups)  # per layer its KVStorage (made at its first write)
         self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self._allocate_storage()
 
@@ -56,7 +56,7 @@ class ModelRunner:
         self._run(metadata, None, [0], [0], [0])
         for storage in self.storage:
             if storage is not None:
-                storage[NULL_BLOCK].zero_()  # the null block reads as zeros (cache/manager.py)
+                storage.zero_block(NULL_BLOCK)  # the null block reads as zeros (cache/manager.py)
 
     def forward(self, scheduled, keep: list[int] | None = None) -> torch.Tensor:
         """Packed forward of the scheduled tokens -> float32 logits on the CPU: by default, per request that reaches
@@ -98,4 +98,4 @@ class ModelRunner:
         for group, source, target in self.kv.take_copies():
             for layer, storage in enumerate(self.storage):
                 if storage is not None and self.layer_groups[layer] == group:
-                    storage[target] = storage[source]
+                    storage.copy_block(source, target)

@@ -1,0 +1,152 @@
+"""KVStorage: one attention layer's paged K/V, head-major: keys [H, slots, d_k] and values [H, slots, d_v].
+
+With d_k == d_v (GQA) both live in one tensor [2H, slots, d] (keys rows 0..H-1, values H..2H-1), so one gather and
+one scatter serve both; otherwise two tensors.
+
+A slot is block * block_size + offset; block 0 is the null block (zeros, always masked). Head-major with keys and
+values apart, so that every read hands attention [B, H, L, d] whose per-(row, head) [L, d] matrices are contiguous,
+which CPU SDPA reads as fast as a dense cache (a token-major [slots, H, d_k + d_v] layout costs it ~10% on small
+heads, each head's row strided by H * (d_k + d_v)):
+- one row stored in consecutive slots reads as a view, `run(first, length)`, with no copy;
+- a batch reads with one gather of whole pages per head and tensor: row h * num_blocks + block of the
+  [H * num_blocks, block_size * d] view (`read_pages`, index from `page_index`);
+- the kernels get flat strided views [slots, H, d] (`key_cache`, `value_cache`): slot stride d, head stride
+  slots * d, each head's page contiguous.
+MLA layers (H = 1: the latent c and the RoPE key) keep [c | k_rope] fused in one tensor [1, slots, d_c + d_r]
+(`fused=True`), so the latent decode kernel reads a token's row at once (`rows`); `keys`/`values` are its slices.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVStorage:
+    def __init__(self, num_blocks: int, block_size: int, heads: int, key_dim: int, value_dim: int, like: torch.Tensor,
+                 fused: bool = False):  # fmt: skip
+        self.block_size, self.heads, self.key_dim, self.value_dim, self.fused = (block_size, heads, key_dim, value_dim,
+                                                                                  fused)  # fmt: skip
+        slots = num_blocks * block_size
+        self.paired = not fused and key_dim == value_dim
+        if fused:
+            self._tensors = (like.new_zeros((heads, slots, key_dim + value_dim)),)
+        elif self.paired:
+            self._tensors = (like.new_zeros((2 * heads, slots, key_dim)),)
+        else:
+            self._tensors = (like.new_zeros((heads, slots, key_dim)), like.new_zeros((heads, slots, value_dim)))
+        self._views()
+
+    def _views(self) -> None:
+        if self.fused:
+            (both,) = self._tensors
+            self.keys, self.values = both[..., : self.key_dim], both[..., self.key_dim :]
+        elif self.paired:
+            (both,) = self._tensors
+            self.keys, self.values = both[: self.heads], both[self.heads :]
+        else:
+            self.keys, self.values = self._tensors
+
+    @property
+    def num_blocks(self) -> int:
+        return self._tensors[0].shape[1] // self.block_size
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._tensors[0].dtype
+
+    @property
+    def element_size(self) -> int:
+        return self._tensors[0].element_size()
+
+    @property
+    def key_cache(self) -> torch.Tensor:
+        """[slots, H, d_k] (a view): the kernels' flat key pages."""
+        return self.keys.transpose(0, 1)
+
+    @property
+    def value_cache(self) -> torch.Tensor:
+        return self.values.transpose(0, 1)
+
+    @property
+    def rows(self) -> torch.Tensor:
+        """fused only: [slots, 1, d_k + d_v] (a view), one token's [c | k_rope] per row (the MLA decode kernel)."""
+        return self._tensors[0].transpose(0, 1)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The underlying tensors (tests, and whoever checks a tensor is a view of this storage)."""
+        return self._tensors
+
+    def grow(self, num_blocks: int) -> None:
+        """Extend to num_blocks blocks (new ones zero); existing slots keep their contents."""
+        extra = num_blocks * self.block_size - self._tensors[0].shape[1]
+        if extra > 0:
+            self._tensors = tuple(torch.cat((t, t.new_zeros((t.shape[0], extra, t.shape[2]))), 1) for t in self._tensors)
+            self._views()
+
+    def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys [H, N, d_k], values [H, N, d_v] into slots [N] (distinct)."""
+        if self.fused:
+            self._tensors[0].index_copy_(1, slots, torch.cat((keys, values), -1).to(self.dtype))
+        elif self.paired:
+            self._tensors[0].index_copy_(1, slots, torch.cat((keys, values), 0).to(self.dtype))
+        else:
+            self.keys.index_copy_(1, slots, keys.to(self.dtype))
+            self.values.index_copy_(1, slots, values.to(self.dtype))
+
+    def run(self, first: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Slots [first, first + length) of one row -> K [1, H, length, d_k], V [1, H, length, d_v] (views)."""
+        return self.keys[None, :, first : first + length], self.values[None, :, first : first + length]
+
+    def page_index(self, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks [B, n] -> the flat page index [H * B * n] of `read_pages` (one per step, shared by the layers of
+        a group with this many heads and blocks)."""
+        heads = torch.arange(self._tensors[0].shape[0], device=blocks.device).view(-1, 1)
+        return (heads * self.num_blocks + blocks.reshape(1, -1)).reshape(-1)
+
+    def read_pages(self, index: torch.Tensor, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `length` positions of B rows' pages (index from page_index over [B, n] blocks, n * block_size
+        >= length) -> K [B, H, length, d_k], V [B, H, length, d_v] (per row and head contiguous)."""
+        out = []
+        for t in self._tensors:
+            pages = t.view(t.shape[0] * self.num_blocks, -1).index_select(0, index)
+            out.append(pages.view(t.shape[0], batch, -1, t.shape[2])[:, :, :length].transpose(0, 1))
+        return self._split(out)
+
+    def _split(self, out: list) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gathered [B, rows, L, d] of each tensor -> K [B, H, L, d_k], V [B, H, L, d_v]."""
+        if self.fused:
+            return out[0][..., : self.key_dim], out[0][..., self.key_dim :]
+        if self.paired:
+            return out[0][:, : self.heads], out[0][:, self.heads :]
+        return out[0], out[1]
+
+    def slot_index(self, slots: torch.Tensor) -> torch.Tensor:
+        """slots [B * L] (row-major) -> the flat index [H * B * L] of `read_slots`."""
+        heads = torch.arange(self._tensors[0].shape[0], device=slots.device).view(-1, 1)
+        return (heads * self._tensors[0].shape[1] + slots.reshape(1, -1)).reshape(-1)
+
+    def read_slots(self, index: torch.Tensor, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """B rows of `length` slots each (index from slot_index) -> K [B, H, length, d_k], V [B, H, length, d_v]:
+        one token's row per index (slower than whole pages on small heads; for rows not aligned to blocks)."""
+        out = []
+        for t in self._tensors:
+            rows = t.reshape(-1, t.shape[2]).index_select(0, index)
+            out.append(rows.view(t.shape[0], batch, length, t.shape[2]).transpose(0, 1))
+        return self._split(out)
+
+    def copy_block(self, source: int, target: int) -> None:
+        bs = self.block_size
+        for t in self._tensors:
+            t[:, target * bs : (target + 1) * bs] = t[:, source * bs : (source + 1) * bs]
+
+    def zero_block(self, block: int) -> None:
+        bs = self.block_size
+        for t in self._tensors:
+            t[:, block * bs : (block + 1) * bs] = 0
+
+    def any(self) -> bool:
+        return any(bool(t.any()) for t in self._tensors)
+
+    def block_is_zero(self, block: int) -> bool:
+        bs = self.block_size
+        return not any(bool(t[:, block * bs : (block + 1) * bs].any()) for t in self._tensors)
