@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_attn_patch import kernels
+from hf_attn_patch.cache.kv_storage import KVStorage
 from hf_attn_patch.kernels import reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,26 +28,32 @@ GQA = [(4, 4), (8, 2), (8, 1), (16, 2)]  # (H_q, H_kv): ratios 1, 4, 8 (MQA), 8
 
 def make_paged(context_lens, heads_kv, d_k, d_v, block_size, dtype=torch.float32, seed=0, device="cpu",
                table_pad=-1):  # fmt: skip
-    """Random combined storage [slots, H_kv, d_k + d_v] as PagedKVCache keeps it, rows scattered over shuffled
-    blocks (block 0 unused, like the null block), table entries past a row's end = table_pad, and each row's
-    dense K [L, H_kv, d_k], V [L, H_kv, d_v]."""
+    """Random K/V in a KVStorage laid out as PagedKVCache and the engine keep it (head-major; one KV head: keys and
+    values fused, as for MLA's [c | k_rope] with d_v = 0), rows scattered over shuffled blocks (block 0 unused, like
+    the null block), table entries past a row's end = table_pad, and each row's dense K [L, H_kv, d_k],
+    V [L, H_kv, d_v]. key / value: the kernels' flat strided views [slots, H_kv, d]; storage: the fused rows
+    [slots, 1, d_k + d_v] (one KV head only)."""
     gen = torch.Generator().manual_seed(seed)
     need = [-(-n // block_size) for n in context_lens]
     max_blocks = max(need) + 1  # one spare column: entries past the end must never be read
     num_blocks = sum(need) + 3
-    storage = torch.randn(num_blocks * block_size, heads_kv, d_k + d_v, generator=gen).to(dtype)
+    slots = num_blocks * block_size
+    like = torch.empty(0, dtype=dtype, device=device)
+    kv = KVStorage(num_blocks, block_size, heads_kv, d_k, d_v, like, fused=heads_kv == 1)
+    keys = torch.randn(heads_kv, slots, d_k, generator=gen).to(dtype)
+    values = torch.randn(heads_kv, slots, d_v, generator=gen).to(dtype)
+    kv.write(torch.arange(slots, device=device), keys.to(device), values.to(device))
     order = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
     tables = torch.full((len(context_lens), max_blocks), table_pad, dtype=torch.int32)
     dense_k, dense_v = [], []
     for b, (n, k) in enumerate(zip(context_lens, need)):
         tables[b, :k] = torch.tensor(order[:k], dtype=torch.int32)
         order = order[k:]
-        slots = reference.token_slots(tables[b : b + 1].clamp(min=0), block_size, n)[0]
-        dense_k.append(storage[slots, :, :d_k])  # on CPU
-        dense_v.append(storage[slots, :, d_k:])
-    storage = storage.to(device)
+        row_slots = reference.token_slots(tables[b : b + 1].clamp(min=0), block_size, n)[0]
+        dense_k.append(keys.transpose(0, 1)[row_slots])  # on CPU
+        dense_v.append(values.transpose(0, 1)[row_slots])
     return SimpleNamespace(
-        storage=storage, key=storage[..., :d_k], value=storage[..., d_k:],  # views of one combined storage
+        storage=kv.rows if kv.fused else None, key=kv.key_cache, value=kv.value_cache,  # views of the storage
         tables=tables.to(device), context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
         dense_k=dense_k, dense_v=dense_v, block_size=block_size,
     )  # fmt: skip
