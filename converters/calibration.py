@@ -132,10 +132,13 @@ def teacher_windows(teacher, text_windows: torch.Tensor, seed: int = 0, progress
 
 @torch.no_grad()
 def sample_from_teacher(teacher, prompts: torch.Tensor, length: int, seed: int = 0, top_p: float = TEACHER_TOP_P,
-                        batch_size: int = 8, progress: bool = True) -> torch.Tensor:  # fmt: skip
+                        batch_size: int = 32, progress: bool = True) -> torch.Tensor:  # fmt: skip
     """[n, length] windows: each prompt [n, p] (p < length) continued by `teacher` sampling at temperature 1 from the
     smallest set of tokens holding `top_p` of the probability (EOS suppressed, so every window is full),
-    reproducible from `seed`."""
+    reproducible from `seed` (and batch_size: the rows of a batch draw from one generator in turn).
+
+    batch_size 32: a decode step's cost is mostly fixed (SmolLM2-135M, one CPU thread: 0.15 / 0.19 / 0.29 s per step
+    at batch 8 / 16 / 32), so 32 windows sample in about the time 16 took at batch 8."""
     if not 0 < prompts.shape[1] < length:
         raise ValueError(f"prompt length {prompts.shape[1]} must be in 1..length-1 = {length - 1}")
     if not 0 < top_p <= 1:

@@ -9,11 +9,15 @@ H'_l [n, T, D] carried from layer to layer (one full forward in all, never a bac
         RoPE key, o; GQA: q, the merged k / v, o) is fitted by Adam to
             min E ||A'_l(X'_l) - Y_l||^2 / E ||Y_l||^2,  Y_l = A_l(X_l) (target "source": the source layer on the
             source's own inputs, so the fit absorbs the prefix's error) or A_l(X'_l) (target "local"),
-        A the true attention (softmax, RoPE, causal mask) of the module itself; the state with the lowest error on
+        A the true attention (softmax, RoPE, causal mask) of the module itself; target "block" (layer-wise
+        distillation, healing's first stage): the decoder layer's output B'_l(H'_l) matches the source's H_{l+1}
+        (the same attention weights train, through the MLP and the residual, so the layer also cancels the residual
+        stream's error so far); the state with the lowest error on
         the held-in windows (the last `held_in` share of the calibration windows, never trained on) is kept, the
         closed form counting as step 0, so a layer never leaves worse on held-in data than it came.
 Only one layer's weights train at a time, in float32 (a bf16 model's layer is upcast for its fit, then cast back).
-Memory beyond the two models: H', X', Y (and H, X for target "source"): 5 x n x T x D floats.
+Memory beyond the two models: H', X', Y (and H, X for target "source"): 5 x n x T x D floats. Target "block"
+costs ~2.5x per step: the MLP's forward and backward join the attention's.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from .exact import stock_attention_layers
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("source", "local")
+TARGETS = ("source", "local", "block")
 Relift = Callable[[str, LayerStats], dict]  # (layer name, propagated stats) -> the layer's new state dict
 
 
@@ -88,31 +92,35 @@ def sequential(source: nn.Module, new: nn.Module, windows: torch.Tensor, *, reli
         block_new, attn_new = new.get_submodule(_parent(name)), new.get_submodule(name)
         block_src, attn_src = source.get_submodule(_parent(name)), source.get_submodule(name)
         x_new, attn_kw = _attention_inputs(block_new, attn_new, h_new, layer_kw, batch_size)
-        if target == "source":
-            x_src, src_attn_kw = _attention_inputs(block_src, attn_src, h_src, src_layer_kw, batch_size)
+        if target == "block":  # the decoder layer's output (through its MLP) matches the source layer's
+            y, fit_module, fit_x, fit_kw = _run_block(block_src, h_src, src_layer_kw, batch_size), block_new, h_new, layer_kw
         else:
-            x_src, src_attn_kw = x_new, _attention_inputs(block_src, attn_src, h_src[:1], src_layer_kw, 1)[1]
-        y = _outputs(attn_src, x_src, src_attn_kw, batch_size)
-        closed = _error(attn_new, x_new[held_idx], y[held_idx], attn_kw, batch_size)
+            if target == "source":
+                x_src, src_attn_kw = _attention_inputs(block_src, attn_src, h_src, src_layer_kw, batch_size)
+            else:
+                x_src, src_attn_kw = x_new, _attention_inputs(block_src, attn_src, h_src[:1], src_layer_kw, 1)[1]
+            y, fit_module, fit_x, fit_kw = _outputs(attn_src, x_src, src_attn_kw, batch_size), attn_new, x_new, attn_kw
+        closed = _error(fit_module, fit_x[held_idx], y[held_idx], fit_kw, batch_size)
         propagated, kept = None, False
         if relift is not None:
             saved = _clone_state(attn_new)
             stats = stats_of_inputs(x_new[train_idx], arch.split_heads(attn_src), source.config)
             attn_new.load_state_dict(relift(name, stats))
-            propagated = _error(attn_new, x_new[held_idx], y[held_idx], attn_kw, batch_size)
+            propagated = _error(fit_module, fit_x[held_idx], y[held_idx], fit_kw, batch_size)
             kept = propagated < closed
             if not kept:
                 attn_new.load_state_dict(saved)
         error, best_step = min(closed, propagated if kept else closed), 0
         if steps:
-            error, best_step = _fit(attn_new, x_new, y, attn_kw, train_idx, held_idx, steps, lr, batch_size, error)
+            error, best_step = _fit(fit_module, attn_new, fit_x, y, fit_kw, train_idx, held_idx, steps, lr, batch_size,
+                                    error)  # fmt: skip
         fits.append(LayerFit(name, closed, propagated, kept, error, best_step, time.perf_counter() - started,
                              time.process_time() - cpu_started))  # fmt: skip
         logger.info("%s: held-in error %.4g (closed form) -> %.4g%s", name, closed, error,
                     f" (propagated {propagated:.4g}, {'kept' if kept else 'not kept'})" if propagated is not None else "")  # fmt: skip
         h_new = _run_block(block_new, h_new, layer_kw, batch_size)
-        if target == "source":
-            h_src = _run_block(block_src, h_src, src_layer_kw, batch_size)
+        if target != "local":
+            h_src = y if target == "block" else _run_block(block_src, h_src, src_layer_kw, batch_size)
     return fits
 
 
@@ -127,13 +135,17 @@ def summary(fits: list[LayerFit]) -> dict:
             "cpu_seconds": round(sum(f.cpu_seconds for f in fits), 2)}  # fmt: skip
 
 
-def _fit(attn, x, y, kw, train_idx, held_idx, steps, lr, batch_size, start_error) -> tuple[float, int]:
-    """Adam on every weight of `attn` (float32), linear warmup over a tenth of the steps, then cosine decay; returns
-    (best held-in error, its step)."""
+def _fit(module, attn, x, y, kw, train_idx, held_idx, steps, lr, batch_size, start_error) -> tuple[float, int]:
+    """Adam on every weight of `attn` (float32) so that module(x) matches y (module: attn itself, or the decoder
+    layer holding it), linear warmup over a tenth of the steps, then cosine decay; returns (best held-in error, its
+    step)."""
     dtype = next(attn.parameters()).dtype
-    attn.float()
+    module.float()
     params = [p for p in attn.parameters()]
-    flags = [p.requires_grad for p in params]
+    every = list(module.parameters())  # attn's and, for a decoder layer, the frozen rest (no gradient computed)
+    flags = [p.requires_grad for p in every]
+    for p in every:
+        p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
     groups = [{"params": [p], "lr": lr * float(p.detach().pow(2).mean().sqrt().clamp_min(1e-8))} for p in params]
@@ -151,21 +163,26 @@ def _fit(attn, x, y, kw, train_idx, held_idx, steps, lr, batch_size, start_error
             order = torch.cat((order, train_idx[torch.randperm(len(train_idx), generator=generator)]))
         idx, order = order[:batch_size], order[batch_size:]
         with torch.enable_grad():
-            out = attn(x[idx].float(), **kw)[0]
+            out = _call(module, x[idx].float(), kw)
             loss = (out - y[idx].float()).pow(2).mean() / energy
             loss.backward()
         opt.step()
         schedule.step()
         opt.zero_grad(set_to_none=True)
         if step % check_every == 0 or step == steps:
-            error = _error(attn, x[held_idx], y[held_idx], kw, batch_size)
+            error = _error(module, x[held_idx], y[held_idx], kw, batch_size)
             if error < best:
                 best, best_step, best_state = error, step, _clone_state(attn)
     attn.load_state_dict(best_state)
-    for p, flag in zip(params, flags):
+    for p, flag in zip(every, flags):
         p.requires_grad_(flag)
-    attn.to(dtype)
+    module.to(dtype)
     return best, best_step
+
+
+def _call(module, x, kw) -> torch.Tensor:
+    out = module(x, **kw)
+    return out[0] if isinstance(out, tuple) else out
 
 
 @torch.no_grad()
@@ -174,7 +191,7 @@ def _error(attn, x, y, kw, batch_size) -> float:
     dtype = next(attn.parameters()).dtype
     num = den = 0.0
     for s in range(0, len(x), batch_size):
-        out = attn(x[s : s + batch_size].to(dtype), **kw)[0].float()
+        out = _call(attn, x[s : s + batch_size].to(dtype), kw).float()
         num += float((out - y[s : s + batch_size].float()).pow(2).sum())
         den += float(y[s : s + batch_size].float().pow(2).sum())
     return num / max(den, 1e-300)

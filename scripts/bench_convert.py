@@ -7,13 +7,13 @@ For each model and target: perplexity on two evaluation texts that are never cal
 to the source's), mean KL(source || converted) per token on the first, KV bytes per token (fp16, all layers), and
 the CPU seconds of the conversion (time.process_time of this process, one torch thread unless --threads: on a shared
 machine the wall time is noise, the CPU time less so). Rows per target:
-    closed form (text)     the default method calibrated on the package corpus (TinyStories sample, 16 x 256 tokens)
-    closed form (teacher)  the same calibrated on 16 x 256 samples of the source itself (calib_source="teacher")
+    closed form (text)     the default method calibrated on the package corpus (TinyStories sample, 32 x 256 tokens)
+    closed form (teacher)  the same calibrated on 32 x 256 samples of the source itself (calib_source="teacher")
     + reconstruction       teacher calibration and `--reconstruct-steps` Adam steps per layer (convert()'s path)
     + healing              convert()'s healing step (`--heal-steps`, heal data `--heal-data`, lr "auto", best
                            held-in state) applied to the reconstructed output, on the same teacher windows
     --all-methods adds every other closed-form method (text calibration), as the older tables had; MLA rows use
-    `--rank-allocation` (default uniform: one rank for every layer).
+    `--rank-allocation` (default: convert()'s, measured sensitivity with a KV budget).
 Evaluation: stories260k on the last 60,000 characters of the TinyStories sample (8 x 256 tokens) and tinyshakespeare
 (first 100,000 characters, 8 x 256); SmolLM2-135M on WikiText-2 test (first 200,000 characters, 4 x 512) and
 tinyshakespeare (4 x 512). Every setting was chosen on held-in calibration / teacher windows, never on these texts.
@@ -70,7 +70,8 @@ def main() -> None:
     parser.add_argument("--reconstruct-steps", type=int, default=60, help="the CLI default")
     parser.add_argument("--heal-steps", type=int, help="default: 100 (stories260k) / 60 (SmolLM2); 0: no healing")
     parser.add_argument("--heal-data", default="teacher", choices=["calib", "teacher", "mix"])
-    parser.add_argument("--rank-allocation", default="uniform", help="MLA targets: convert()'s rank_allocation")
+    parser.add_argument("--rank-allocation", help="MLA targets: convert()'s rank_allocation (default: convert()'s, "
+                        "sensitivity with a KV budget)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU seconds sum over threads)")
     parser.add_argument("--out", default=str(Path(__file__).with_suffix(".png")), help="PNG of perplexity vs KV bytes")
     parser.add_argument("--plot-only", action="store_true", help="redraw the PNG from the rows saved next to it")
@@ -102,7 +103,7 @@ def main() -> None:
             if wanted is not None and target not in wanted:
                 continue
             family = "mla" if options["to"] == "mla" else "gqa"
-            if family == "mla":
+            if family == "mla" and args.rank_allocation:
                 options = {**options, "rank_allocation": args.rank_allocation}
             method = DEFAULT[family]
             runs = [(m, dict(method=m)) for m in METHODS[family] if args.all_methods and m != method]
@@ -114,7 +115,9 @@ def main() -> None:
                 healing = steps and "reconstruction" in run_label
                 opts = {**options, **extra}
                 if healing and samples is None:  # the teacher windows convert() calibrated on: same seed, same text
-                    text = calibration_windows(read_calibration_text(None), tokenizer, 16, 256)
+                    defaults = ConvertOptions(**opts)
+                    text = calibration_windows(read_calibration_text(None), tokenizer, defaults.calib_samples,
+                                               defaults.calib_len)  # fmt: skip
                     samples = teacher_windows(source, text, seed=0, progress=False)
                 row = _run(name, opts, sets, source, first, base,
                            dict(heal_steps=steps, heal_batch_size=batch, heal_data=args.heal_data) if healing else None,
