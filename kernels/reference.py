@@ -12,7 +12,8 @@ contiguous):
 Logical position p of row b lives in slot `block_tables[b, p // block_size] * block_size + p % block_size`.
 A per-token slot table is the special case block_size = 1 (block_tables = slots).
 
-MLA layers store `[1, slots, d_c + d_r]` = [c_kv | k_rope] per token, read as `[slots, 1, d_c + d_r]` (d_c = kv_lora_rank, d_r = qk_rope_head_dim).
+MLA layers store `[1, slots, d_c + d_r]` = [c_kv | k_rope] per token, read as `[slots, 1, d_c + d_r]`
+(d_c = kv_lora_rank, d_r = qk_rope_head_dim).
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ CUDA grid.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -18,10 +19,21 @@ import torch
 import torch.nn.functional as F
 
 from hf_attn_patch import kernels
-from hf_attn_patch.cache.kv_storage import KVStorage
 from hf_attn_patch.kernels import reference
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_kv_storage():
+    """cache/kv_storage.py loaded by path: it needs only torch, while importing hf_attn_patch.cache needs
+    transformers, which scripts/gpu_check.sh's kernels-only fallback (a GPU machine without transformers 5.23) lacks."""
+    spec = importlib.util.spec_from_file_location("_kv_storage", ROOT / "hf_attn_patch" / "cache" / "kv_storage.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.KVStorage
+
+
+KVStorage = _load_kv_storage()
 ODD_LENGTHS = (1, 15, 17, 63, 500)  # one row each: every call sees all of them
 GQA = [(4, 4), (8, 2), (8, 1), (16, 2)]  # (H_q, H_kv): ratios 1, 4, 8 (MQA), 8
 

@@ -42,7 +42,8 @@ def test_reads_equal_the_dense_tensors(heads, dk, dv, fused):
     k, v = storage.read_slots(storage.slot_index(slots.reshape(-1)), 2, length)
     assert torch.equal(k, want_k) and torch.equal(v, want_v)
     # the kernels' flat views [slots, H, d]
-    assert torch.equal(storage.key_cache, keys.transpose(0, 1)) and torch.equal(storage.value_cache, values.transpose(0, 1))
+    assert torch.equal(storage.key_cache, keys.transpose(0, 1))
+    assert torch.equal(storage.value_cache, values.transpose(0, 1))
 
 
 @pytest.mark.parametrize("heads,dk,dv,fused", LAYOUTS)

@@ -80,7 +80,8 @@ class KVStorage:
         """Extend to num_blocks blocks (new ones zero); existing slots keep their contents."""
         extra = num_blocks * self.block_size - self._tensors[0].shape[1]
         if extra > 0:
-            self._tensors = tuple(torch.cat((t, t.new_zeros((t.shape[0], extra, t.shape[2]))), 1) for t in self._tensors)
+            self._tensors = tuple(torch.cat((t, t.new_zeros((t.shape[0], extra, t.shape[2]))), 1)
+                                  for t in self._tensors)  # fmt: skip
             self._views()
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:

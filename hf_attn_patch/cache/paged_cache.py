@@ -1,8 +1,9 @@
 """PagedKVCache: a transformers `Cache` whose KV lives in fixed-size blocks allocated as tokens arrive.
 
 Layout. Each attention layer owns one KVStorage (kv_storage.py: head-major keys [H, slots, d_k] and values
-[H, slots, d_v]; MLA layers: H = 1, the latent and the RoPE key fused in one tensor). All layers of a *group* (full attention, or one sliding window size) share one block table per row and one BlockPool: the k-th
-block of a row's table holds its positions [k*bs, (k+1)*bs) in every layer of the group.
+[H, slots, d_v]; MLA layers: H = 1, the latent and the RoPE key fused in one tensor). All layers of a *group* (full
+attention, or one sliding window size) share one block table per row and one BlockPool: the k-th block of a row's
+table holds its positions [k*bs, (k+1)*bs) in every layer of the group.
 
 Rows. Every row has the same logical length L (as generate() keeps it). A row's first `pad` positions are left
 padding: they map to the null block (zero keys, masked anyway) and take no memory. Sliding-window groups free the
@@ -16,8 +17,8 @@ owning only the storage tensors and the slot tables built from the manager's blo
 
 Attention reads the rows' blocks through one gather of whole pages per head (the pure-torch path; one row in
 consecutive slots is read as a view; a batch whose left padding is not a whole number of blocks is gathered slot
-by slot, since its rows' pages do not start at the same position); the returned K/V are [B, H, L, d] as DynamicCache returns them, so every attention implementation and both
-MLA paths work unchanged. Under the registered "paged_kv" attention, a decode step on CUDA instead returns the
+by slot, since its rows' pages do not start at the same position); the returned K/V are [B, H, L, d] as
+DynamicCache returns them, so every attention implementation and both MLA paths work unchanged. Under the registered "paged_kv" attention, a decode step on CUDA instead returns the
 layer's storage itself and sets a forward context with the step's AttentionMetadata (block tables in stored
 positions, left padding excluded, built once at the first layer), so the decode kernels read the pages by block.
 """
@@ -235,7 +236,8 @@ class PagedKVCache(Cache):
             key_run.copy_(keys)
             value_run.copy_(values)
         elif self._write_all_valid[window]:  # [B, H, T, d] -> [H, B * T, d] at the flat write slots
-            storage.write(self._write_flat[window], keys.transpose(0, 1).flatten(1, 2), values.transpose(0, 1).flatten(1, 2))
+            storage.write(self._write_flat[window], keys.transpose(0, 1).flatten(1, 2),
+                          values.transpose(0, 1).flatten(1, 2))  # fmt: skip
         else:  # prefill with left padding: padded positions are not stored
             valid = self._write[window].view(-1) >= 0
             storage.write(self._write_flat[window][valid], keys.transpose(0, 1).flatten(1, 2)[:, valid],
