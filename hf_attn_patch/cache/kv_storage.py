@@ -88,9 +88,7 @@ class KVStorage:
         """keys [H, N, d_k], values [H, N, d_v] into slots [N] (distinct)."""
         if self.fused:
             self._tensors[0].index_copy_(1, slots, torch.cat((keys, values), -1).to(self.dtype))
-        elif self.paired:
-            self._tensors[0].index_copy_(1, slots, torch.cat((keys, values), 0).to(self.dtype))
-        else:
+        else:  # paired: keys and values are the two contiguous halves of one tensor, written in place
             self.keys.index_copy_(1, slots, keys.to(self.dtype))
             self.values.index_copy_(1, slots, values.to(self.dtype))
 
