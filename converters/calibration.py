@@ -203,6 +203,10 @@ def stats_of_inputs(x: torch.Tensor, w, config, batch: int = 8) -> LayerStats:
     return acc.stats()
 
 
+class _Done(Exception):
+    """Raised by the last attention layer's hook: its statistics are in."""
+
+
 @torch.no_grad()
 def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[str, LayerStats]:
     """Run the source model on the windows and gather LayerStats for every stock attention layer."""
@@ -212,16 +216,23 @@ def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[s
     layers = stock_attention_layers(model)
     acc = {name: StatsAccumulator(arch.split_heads(m), model.config) for name, m in layers.items()}
 
+    last = list(layers)[-1]
+
     def make_hook(name):
         def hook(module, args, kwargs):
             acc[name].add(args[0] if args else kwargs["hidden_states"])
+            if name == last:  # the rest of the forward (the last layer, the LM head) is not needed
+                raise _Done
 
         return hook
 
     handles = [m.register_forward_pre_hook(make_hook(name), with_kwargs=True) for name, m in layers.items()]
     try:
-        for window in tqdm(windows, desc="calibration", disable=not progress):
-            model(window[None].to(model.device))
+        for start in tqdm(range(0, len(windows), 4), desc="calibration", disable=not progress):
+            try:
+                model(windows[start : start + 4].to(model.device), use_cache=False)
+            except _Done:
+                pass
     finally:
         for handle in handles:
             handle.remove()

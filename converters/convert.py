@@ -34,7 +34,7 @@ from .hub import check_repo_id, engines, model_card, push
 from .gqa_merge import GQA_METHODS, gqa_layer
 from .heal import plot_curve
 from .reconstruct import TARGETS as RECONSTRUCT_TARGETS
-from .reconstruct import sequential, summary
+from .reconstruct import LAYERWISE_LR, sequential, summary
 from .methods import MLA_METHODS, allocate_ranks, lift_plan, plan_layer, ranked_components
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,8 @@ class ConvertOptions:
     heal_held_in: int | None = None  # windows held out of healing to keep its best state (default 4)
     heal_batch_size: int | None = None  # windows of calib_len tokens per step, cut from the calibration text (default 4)
     heal_train: str | None = None  # attention (default): only the converted layers; all: every weight
+    heal_layerwise_steps: int | None = None  # healing's first stage: Adam steps per decoder layer fitting its output
+    # to the source's on the calibration windows (reconstruct target "block"); default 40, 0: none (BENCHMARKS)
     checkpoint_dir: str | None = None  # healing state saved here every checkpoint_every steps
     checkpoint_every: int = 0
     resume: bool = False  # continue healing from the last state in checkpoint_dir
@@ -156,15 +158,18 @@ class ConvertOptions:
             raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")
         if self.dtype is not None:
             dtype_of(self.dtype)  # raises naming the value
-        if not isinstance(self.reconstruct_steps, int) or isinstance(self.reconstruct_steps, bool) or self.reconstruct_steps < 0:
-            raise ValueError(f"reconstruct_steps={self.reconstruct_steps!r} must be a non-negative integer")
+        for name in ("reconstruct_steps", "heal_layerwise_steps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}={value!r} must be a non-negative integer")
         if not isinstance(self.reconstruct_lr, (int, float)) or not self.reconstruct_lr > 0:
             raise ValueError(f"reconstruct_lr={self.reconstruct_lr!r} must be a positive number")
         if self.reconstruct_target not in RECONSTRUCT_TARGETS:
             raise ValueError(f"reconstruct_target={self.reconstruct_target!r} is not one of {RECONSTRUCT_TARGETS}")
-        if (self.propagate or self.reconstruct_steps) and self.calib_samples < 2:
-            raise ValueError(f"calib_samples={self.calib_samples!r}: propagate / reconstruct_steps hold one window "
-                             "in, so they need at least 2")  # fmt: skip
+        if (self.propagate or self.reconstruct_steps or self.heal_steps and self.heal_layerwise_steps) \
+                and self.calib_samples < 2:  # fmt: skip
+            raise ValueError(f"calib_samples={self.calib_samples!r}: propagate / reconstruct_steps / "
+                             "heal_layerwise_steps hold one window in, so they need at least 2")  # fmt: skip
 
     def _refuse_inapplicable(self) -> None:
         """An option the chosen target or method would ignore is an error (it was given for a reason), then the
@@ -172,7 +177,7 @@ class ConvertOptions:
         inapplicable = {"mla": ("kv_lora_rank", "rope_dim", "kv_budget"), "gqa": ("kv_heads",),
                         "regroup": ("regroup",),
                         "heal": ("heal_lr", "heal_batch_size", "heal_train", "checkpoint_dir", "resume", "heal_data",
-                                 "heal_held_in")}  # fmt: skip
+                                 "heal_held_in", "heal_layerwise_steps")}  # fmt: skip
         given = lambda group: [n for n in inapplicable[group] if getattr(self, n) not in (None, False)]  # noqa: E731
         if self.to != "mla" and given("mla"):
             raise ValueError(f"{given('mla')[0]}={getattr(self, given('mla')[0])!r} applies to to='mla' only, "
@@ -187,7 +192,7 @@ class ConvertOptions:
             raise ValueError(f"{given('heal')[0]}={getattr(self, given('heal')[0])!r} applies to healing only: "
                              f"set heal_steps (--heal-steps N)")  # fmt: skip
         defaults = {"regroup": True, "heal_lr": "auto", "heal_batch_size": 4, "heal_train": "attention",
-                    "heal_data": "calib", "heal_held_in": 4}
+                    "heal_data": "calib", "heal_held_in": 4, "heal_layerwise_steps": 40}
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -322,6 +327,10 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
             new, report["deepseek_v3"] = to_deepseek_v3(new, windows, stride)
 
     if opts.heal_steps:
+        if opts.heal_layerwise_steps and opts.format != "deepseek_v3":  # first stage: layer by layer
+            if windows is None:
+                windows = calibration_windows(text(), tokenizer, opts.calib_samples, opts.calib_len)
+            report["heal_layerwise"] = heal_layerwise(model, new, windows, opts.heal_layerwise_steps)
         report["heal"] = _heal(new, model, tokenizer, text(), opts,
                                windows if opts.calib_source == "teacher" else None)  # fmt: skip
 
@@ -369,6 +378,13 @@ def _layerwise(model, new, windows: torch.Tensor, relift, opts: ConvertOptions, 
                       target=opts.reconstruct_target)  # fmt: skip
     report["layerwise"] = {"propagate": relift is not None, "reconstruct_steps": opts.reconstruct_steps,
                            "target": opts.reconstruct_target, **summary(fits)}  # fmt: skip
+
+
+def heal_layerwise(teacher, student, windows: torch.Tensor, steps: int) -> dict:
+    """Healing's first stage (reconstruct target "block"): every attention layer of `student` fitted, layer by layer,
+    so that its decoder layer's output matches the teacher's on the calibration windows; a summary for the report."""
+    fits = sequential(teacher, student, windows, steps=steps, lr=LAYERWISE_LR, target="block")
+    return {"steps": steps, "lr": LAYERWISE_LR, **summary(fits)}
 
 
 def _heal(student, teacher, tokenizer, text: str, opts: ConvertOptions, samples: torch.Tensor | None = None) -> dict:

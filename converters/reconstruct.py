@@ -39,6 +39,7 @@ from .exact import stock_attention_layers
 logger = logging.getLogger(__name__)
 
 TARGETS = ("source", "local", "block")
+LAYERWISE_LR = 3e-3  # target "block" after reconstruction (healing's first stage): a close start, a small step
 Relift = Callable[[str, LayerStats], dict]  # (layer name, propagated stats) -> the layer's new state dict
 
 

@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="calibration windows: samples of the source model itself (default; prompted by each "
                     "calibration-text window's first 4 tokens, temperature 1, top-p 0.95, --seed), or the calibration "
                     "text. SmolLM2-135M MLA 50%% closed form, WikiText-2: teacher 42.2 vs text 56.1 (BENCHMARKS.md)")
-    cv.add_argument("--calib-samples", type=_positive_int)
+    cv.add_argument("--calib-samples", type=_positive_int, help="calibration windows (default 32)")
     cv.add_argument("--calib-len", type=_positive_int)
     cv.add_argument("--heal-steps", type=int, help="distillation steps from the source after conversion (default 0)")
     cv.add_argument("--propagate", action="store_true", default=None,
@@ -332,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--reconstruct-steps", type=int, default=60,
                     help="Adam steps fitting each converted attention layer's output to the source's, layer by layer "
                     "(default 60; 0: closed form only; convert() in Python defaults to 0). SmolLM2-135M MLA 50%% "
-                    "with teacher calibration, WikiText-2: 42.2 -> 33.5, about 3 CPU-minutes (BENCHMARKS.md)")
+                    "with teacher calibration, WikiText-2: 42.2 -> 33.5, about 3-4 CPU-minutes (BENCHMARKS.md)")
     cv.add_argument("--reconstruct-lr", type=float, help="reconstruction step, a fraction of each weight's RMS (default 0.01)")
     cv.add_argument("--reconstruct-target", choices=["source", "local"],
                     help="fit to the source layer on the source's inputs (default) or on the converted prefix's")
@@ -344,6 +344,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="windows held out of healing; the best state on them is returned (default 4)")
     cv.add_argument("--heal-batch-size", type=_positive_int, help="windows per healing step (default 4)")
     cv.add_argument("--heal-train", choices=["attention", "all"], help="what healing updates (default attention)")
+    cv.add_argument("--heal-layerwise-steps", type=int,
+                    help="healing's first stage: Adam steps per decoder layer matching its output to the source's on "
+                    "the calibration windows, layer by layer (default 40; 0: none). SmolLM2-135M MLA 50%%: held-in "
+                    "teacher KL 0.150 -> 0.142 in 300 CPU s, as far as 100 KL healing steps reach in 800 (BENCHMARKS.md)")
     cv.add_argument("--checkpoint-dir", help="save the healing state here (with --checkpoint-every N)")
     cv.add_argument("--checkpoint-every", type=_positive_int, help="healing steps between saved states")
     cv.add_argument("--resume", action="store_true", default=None, help="continue healing from --checkpoint-dir")

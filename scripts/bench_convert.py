@@ -10,8 +10,9 @@ machine the wall time is noise, the CPU time less so). Rows per target:
     closed form (text)     the default method calibrated on the package corpus (TinyStories sample, 32 x 256 tokens)
     closed form (teacher)  the same calibrated on 32 x 256 samples of the source itself (calib_source="teacher")
     + reconstruction       teacher calibration and `--reconstruct-steps` Adam steps per layer (convert()'s path)
-    + healing              convert()'s healing step (`--heal-steps`, heal data `--heal-data`, lr "auto", best
-                           held-in state) applied to the reconstructed output, on the same teacher windows
+    + healing              convert()'s healing (the layer-wise first stage, then `--heal-steps` of KL, heal data
+                           `--heal-data`, lr "auto", best held-in state) applied to the reconstructed output, on the
+                           same teacher windows
     --all-methods adds every other closed-form method (text calibration), as the older tables had; MLA rows use
     `--rank-allocation` (default: convert()'s, measured sensitivity with a KV budget).
 Evaluation: stories260k on the last 60,000 characters of the TinyStories sample (8 x 256 tokens) and tinyshakespeare
@@ -34,7 +35,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
-from hf_attn_patch.converters.convert import ConvertOptions, _heal, convert, load_source
+from hf_attn_patch.converters.convert import ConvertOptions, _heal, convert, heal_layerwise, load_source
 from hf_attn_patch.converters.evaluate import evaluate, windows_of
 from hf_attn_patch.kv_memory import kv_cache_bytes
 
@@ -165,6 +166,8 @@ def _run(name, options, sets, source, first, base, heal, samples, tokenizer) -> 
         if heal:
             opts = ConvertOptions(**options, **heal)
             heal_cpu = time.process_time()
+            if opts.heal_layerwise_steps:  # convert()'s first healing stage, on its calibration windows
+                heal_layerwise(source, model, samples, opts.heal_layerwise_steps)
             healed = _heal(model, source, tokenizer, read_calibration_text(None), opts, samples)
             heal_cpu = time.process_time() - heal_cpu
             row["healed"] = dict(kv=kv, **_measure(model, sets, source, first, base), cpu=cpu + heal_cpu,

@@ -203,3 +203,18 @@ def test_convert_heals_on_teacher_samples_and_writes_the_curve(tmp_path, one_tor
     heal_report = report["heal"]
     assert heal_report["data"] == "mix" and heal_report["windows"] == 2 * (3 * 2 + 2) - 2 and heal_report["held_in_windows"] == 2
     assert heal_report["lr"] in AUTO_LRS and (tmp_path / "o" / "heal_curve.png").stat().st_size > 1000
+    layerwise = report["heal_layerwise"]  # the first stage, by default: every decoder layer, never worse held-in
+    assert layerwise["steps"] == 40 and len(layerwise["layers"]) == 5
+    assert all(l["error"] <= l["closed_form_error"] for l in layerwise["layers"])
+
+
+def test_layerwise_healing_stage_options(tmp_path, one_torch_thread):
+    from hf_attn_patch.converters.convert import ConvertOptions
+
+    with pytest.raises(ValueError, match="heal_layerwise_steps=-1 must be a non-negative integer"):
+        ConvertOptions(to="mqa", heal_steps=1, heal_layerwise_steps=-1)
+    with pytest.raises(ValueError, match="heal_layerwise_steps=5 applies to healing only"):
+        ConvertOptions(to="mqa", heal_layerwise_steps=5)
+    report = convert("default", tmp_path / "o", to="mqa", method="pca", heal_steps=1, heal_lr=1e-4,
+                     heal_layerwise_steps=0, calib_samples=4, calib_len=64)  # fmt: skip
+    assert "heal_layerwise" not in report and report["heal"]["steps"] == 1
