@@ -71,7 +71,7 @@ class ConvertOptions:
     reconstruct_target: str = "source"  # source: the source layer on its own inputs; local: on the converted ones
     heal_steps: int = 0  # distillation steps from the source after conversion (0: zero-shot)
     heal_lr: float | str | None = None  # a rate, or "auto" (default): a range test on held-in windows
-    heal_data: str | None = None  # calib: the calibration text (default); teacher: the source's own samples; mix: both
+    heal_data: str | None = None  # teacher: the source's own samples (default); calib: the calibration text; mix: both
     heal_held_in: int | None = None  # windows held out of healing to keep its best state (default 4)
     heal_batch_size: int | None = None  # windows of calib_len tokens per step, cut from the calibration text (default 4)
     heal_train: str | None = None  # attention (default): only the converted layers; all: every weight
@@ -192,7 +192,7 @@ class ConvertOptions:
             raise ValueError(f"{given('heal')[0]}={getattr(self, given('heal')[0])!r} applies to healing only: "
                              f"set heal_steps (--heal-steps N)")  # fmt: skip
         defaults = {"regroup": True, "heal_lr": "auto", "heal_batch_size": 4, "heal_train": "attention",
-                    "heal_data": "calib", "heal_held_in": 4, "heal_layerwise_steps": 40}
+                    "heal_data": "teacher", "heal_held_in": 4, "heal_layerwise_steps": 40}
         for name, value in defaults.items():
             if getattr(self, name) is None:
                 setattr(self, name, value)
@@ -406,8 +406,9 @@ def _heal(student, teacher, tokenizer, text: str, opts: ConvertOptions, samples:
         plain = calib[: len(samples)]
         windows = samples if opts.heal_data == "teacher" else torch.stack((samples, plain), dim=1).flatten(0, 1)
         held = min(opts.heal_held_in, len(windows) // 2)
-    else:
-        count = min(64, opts.heal_steps * opts.heal_batch_size) + held
+    else:  # enough for every process's batches (data parallel: each takes its own windows of a step)
+        processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
+        count = min(64, opts.heal_steps * opts.heal_batch_size * processes) + held
         prompts = calib[torch.randperm(len(calib), generator=torch.Generator().manual_seed(opts.seed))[:count]]
         sampled = teacher_windows(teacher, prompts, seed=opts.seed)
         if opts.heal_data == "teacher":

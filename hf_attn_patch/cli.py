@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--heal-lr", type=lambda v: v if v == "auto" else float(v),
                     help="healing learning rate, or auto (default): a short range test on held-in windows")
     cv.add_argument("--heal-data", choices=["calib", "teacher", "mix"],
-                    help="healing text: the calibration text (default), samples from the source model, or both")
+                    help="healing text: samples from the source model (default), the calibration text, or both")
     cv.add_argument("--heal-held-in", type=_positive_int,
                     help="windows held out of healing; the best state on them is returned (default 4)")
     cv.add_argument("--heal-batch-size", type=_positive_int, help="windows per healing step (default 4)")

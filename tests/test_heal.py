@@ -138,8 +138,11 @@ def test_two_process_data_parallel_healing_equals_one_process_with_twice_the_bat
     import subprocess
     import sys
 
+    # As the library call below: no reconstruction, and no layer-wise stage (every process runs that one whole, on
+    # its own thread count, so it is not what this test compares); healing data: the teacher's samples (the default),
+    # as many as both processes' batches need.
     options = ["--to", "mla", "--kv-budget", "0.5", "--method", "mha2mla", "--heal-steps", "3", "--heal-lr", "1e-3",
-               "--reconstruct-steps", "0", "--calib-source", "text"]  # as the library call below: no reconstruction
+               "--reconstruct-steps", "0", "--calib-source", "text", "--heal-layerwise-steps", "0"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with socket.socket() as probe:  # a port free on this machine now, not a fixed one another program may hold
         probe.bind(("127.0.0.1", 0))
@@ -150,9 +153,10 @@ def test_two_process_data_parallel_healing_equals_one_process_with_twice_the_bat
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("wrote ") == 1
     single = convert("default", tmp_path / "single", to="mla", kv_budget=0.5, method="mha2mla", heal_steps=3,
-                     heal_lr=1e-3, heal_batch_size=2)  # fmt: skip
+                     heal_lr=1e-3, heal_batch_size=2, heal_layerwise_steps=0)  # fmt: skip
     report = json.loads((tmp_path / "ddp" / "conversion_report.json").read_text())
     assert report["heal"]["tokens"] == single["heal"]["tokens"] == 3 * 2 * 256
+    assert report["heal"]["data"] == single["heal"]["data"] == "teacher"
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "ddp")
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "single")
     for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
