@@ -72,10 +72,6 @@ class KVStorage:
         """fused only: [slots, 1, d_k + d_v] (a view), one token's [c | k_rope] per row (the MLA decode kernel)."""
         return self._tensors[0].transpose(0, 1)
 
-    def tensors(self) -> tuple[torch.Tensor, ...]:
-        """The underlying tensors (tests, and whoever checks a tensor is a view of this storage)."""
-        return self._tensors
-
     def grow(self, num_blocks: int) -> None:
         """Extend to num_blocks blocks (new ones zero); existing slots keep their contents."""
         extra = num_blocks * self.block_size - self._tensors[0].shape[1]

@@ -18,9 +18,11 @@ owning only the storage tensors and the slot tables built from the manager's blo
 Attention reads the rows' blocks through one gather of whole pages per head (the pure-torch path; one row in
 consecutive slots is read as a view; a batch whose left padding is not a whole number of blocks is gathered slot
 by slot, since its rows' pages do not start at the same position); the returned K/V are [B, H, L, d] as
-DynamicCache returns them, so every attention implementation and both MLA paths work unchanged. Under the registered "paged_kv" attention, a decode step on CUDA instead returns the
-layer's storage itself and sets a forward context with the step's AttentionMetadata (block tables in stored
-positions, left padding excluded, built once at the first layer), so the decode kernels read the pages by block.
+DynamicCache returns them, so every attention implementation and both MLA paths work unchanged. Under the
+registered "paged_kv" attention, a decode step on CUDA instead returns flat views of the layer's storage (the
+kernels' [slots, H, d] pages) and puts the storage in a forward context with the step's AttentionMetadata (block
+tables in stored positions, left padding excluded, built once at the first layer), so the decode kernels read the
+pages by block.
 """
 
 from __future__ import annotations
@@ -327,8 +329,8 @@ class PagedKVCache(Cache):
         buffer[:, start] = write[:, 0]
         self._write[None], self._write_flat[None] = write, write.view(-1)
         self._read_len[None] = start + 1
-        self._read_index[None] = buffer[:, : start + 1].reshape(-1)
-        if self._pages.get(None) is None:  # slot by slot: the gather index grew by a position
+        if self._pages.get(None) is None:  # slot by slot: the read index and the gather index grow by a position
+            self._read_index[None] = buffer[:, : start + 1].reshape(-1)
             self._gather_index.clear()
 
     def _plan_step(self, start: int, new: int, device) -> None:
