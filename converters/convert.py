@@ -323,14 +323,14 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
                 return lift_plan(plan, weights[name], config, ranks[index[name]])[0]
 
             _layerwise(model, new, windows, relift if opts.propagate else None, opts, report)
-        if deepseek:
-            new, report["deepseek_v3"] = to_deepseek_v3(new, windows, stride)
 
+    if opts.heal_steps and opts.heal_layerwise_steps:  # healing's first stage, layer by layer, on the native form
+        if windows is None:
+            windows = calibration_windows(text(), tokenizer, opts.calib_samples, opts.calib_len)
+        report["heal_layerwise"] = heal_layerwise(model, new, windows, opts.heal_layerwise_steps)
+    if opts.format == "deepseek_v3":  # after the layer-wise stage: the latent-norm fit sees its weights
+        new, report["deepseek_v3"] = to_deepseek_v3(new, windows, stride)
     if opts.heal_steps:
-        if opts.heal_layerwise_steps and opts.format != "deepseek_v3":  # first stage: layer by layer
-            if windows is None:
-                windows = calibration_windows(text(), tokenizer, opts.calib_samples, opts.calib_len)
-            report["heal_layerwise"] = heal_layerwise(model, new, windows, opts.heal_layerwise_steps)
         report["heal"] = _heal(new, model, tokenizer, text(), opts,
                                windows if opts.calib_source == "teacher" else None)  # fmt: skip
 

@@ -222,3 +222,25 @@ def test_layerwise_healing_stage_options(tmp_path, one_torch_thread):
     report = convert("default", tmp_path / "o", to="mqa", method="pca", heal_steps=1, heal_lr=1e-4,
                      heal_layerwise_steps=0, calib_samples=4, calib_len=64)  # fmt: skip
     assert "heal_layerwise" not in report and report["heal"]["steps"] == 1
+
+
+def test_layerwise_healing_stage_runs_before_a_deepseek_v3_export(tmp_path, one_torch_thread, monkeypatch):
+    """format='deepseek_v3': the layer-wise stage fits the native MLA form, then the export (its latent-norm fit sees
+    the fitted weights), then KL healing on the stock model; it was silently skipped before."""
+    from hf_attn_patch.converters import convert as convert_module
+
+    calls = []
+    for name, tag in (("heal_layerwise", "layerwise"), ("to_deepseek_v3", "export")):
+        original = getattr(convert_module, name)
+        monkeypatch.setattr(convert_module, name, lambda *a, _f=original, _t=tag, **k: calls.append(_t) or _f(*a, **k))
+    report = convert("default", tmp_path / "ds", to="mla", kv_budget=0.5, format="deepseek_v3", heal_steps=1,
+                     heal_lr=1e-4, calib_samples=4, calib_len=64)  # fmt: skip
+    assert calls == ["layerwise", "export"]
+    layerwise = report["heal_layerwise"]  # the default 40 steps, every decoder layer, never worse held-in
+    assert layerwise["steps"] == 40 and len(layerwise["layers"]) == 5
+    assert all(l["error"] <= l["closed_form_error"] for l in layerwise["layers"])
+    assert any(l["best_step"] > 0 for l in layerwise["layers"])  # the stage changed the weights that were exported
+    assert report["format"] == "deepseek_v3" and report["heal"]["steps"] == 1
+    assert 0 < report["deepseek_v3"]["kl_to_native_per_token"] < 0.2
+    config = json.loads((tmp_path / "ds" / "config.json").read_text())
+    assert config["model_type"] == "deepseek_v3"
