@@ -65,7 +65,7 @@ def decode_tps(model, batch: int, context: int, steps: int, paged: bool, rounds:
     mask = torch.ones_like(ids)
     cache = PagedKVCache(model.config) if paged else DynamicCache(config=model.config)
     if paged:
-        cache.start_request(ids, mask)
+        cache.start_request(ids, mask, max_length=context + steps)  # as generate() passes its max_length
     best = float("inf")
     with torch.no_grad():
         first = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)

@@ -32,6 +32,20 @@ def test_ids_eviction_order_and_errors():
         BlockPool(1)
 
 
+def test_take_a_particular_block_and_find_free_runs():
+    pool = BlockPool(8)  # blocks 1..7
+    assert pool.free_run(7) == 1 and pool.free_run(8) is None
+    assert pool.take(3) and pool.refcount(3) == 1
+    assert not pool.take(3) and not pool.take(0) and not pool.take(8)  # live, the null block, out of range
+    assert pool.free_run(2) == 1 and pool.free_run(3) == 4  # 1-2 free, 3 live, 4-7 free
+    (cached,) = pool.allocate(1)  # the lowest free block: 1
+    pool.register(cached, b"h")
+    pool.free(cached)
+    assert cached == 1 and not pool.take(cached)  # cached blocks are not taken (they would lose a prefix hit)
+    assert pool.free_run(1) == 2 and pool.allocate(1) == [2]  # take() left the free list's order intact
+    assert pool.num_available() == 5 and pool.num_live() == 2
+
+
 def test_register_keeps_one_block_per_hash_and_shared_means_copy_first():
     pool = BlockPool(4)
     a, b = pool.allocate(2)

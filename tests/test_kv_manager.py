@@ -100,11 +100,39 @@ def test_bad_arguments_name_the_field():
         kv.add("a")
 
 
+def test_reserved_runs_keep_tables_consecutive_at_one_stride():
+    kv = KVManager(block_size=4, num_blocks=16, prefix_caching=False)
+    for seq in "abc":
+        kv.add(seq)
+    assert kv.reserve_runs(["a", "b"], 3)  # a's blocks from 1, b's from 4
+    kv.allocate_many([("a", 0, 6), ("b", 0, 6)])
+    assert kv.table("a") == [1, 2] and kv.table("b") == [4, 5]
+    kv.allocate("c", 0, 4)  # an unplaced sequence takes the lowest free block: 3, inside a's run
+    assert kv.table("c") == [3]
+    kv.allocate("a", 6, 12)  # a's third wanted block (3) is taken: any free block instead
+    kv.allocate("b", 6, 12)
+    assert kv.table("a") == [1, 2, 6] and kv.table("b") == [4, 5, 7]
+    kv.crop("b", 4)  # rollback frees b's blocks 5 and 7; growing again takes the wanted block 5 back
+    kv.allocate("b", 4, 8)
+    assert kv.table("b") == [4, 5]
+    with pytest.raises(ValueError, match="blocks_each=3 must be >= 1 and the sequences empty"):
+        kv.reserve_runs(["a"], 3)
+    small = KVManager(block_size=4, num_blocks=4)
+    small.add("x"), small.add("y")
+    assert not small.reserve_runs(["x", "y"], 2)  # 4 consecutive free blocks do not exist in 1..3
+    assert small.sequences["x"].homes == {} and small.pools[None].num_available() == 3
+    grows = KVManager(block_size=4, num_blocks=4, growable=True)
+    grows.add("x"), grows.add("y")
+    assert grows.reserve_runs(["x", "y"], 3) and grows.pools[None].num_blocks == 8  # doubled until 6 fit
+    grows.allocate_many([("x", 0, 12), ("y", 0, 12)])
+    assert grows.table("x") == [1, 2, 3] and grows.table("y") == [4, 5, 6]
+
+
 # -- random operation sequences ----------------------------------------------------------------------------------
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["add", "grow", "fork", "commit", "crop", "free", "window"]), st.integers(0, 5),
-              st.integers(0, 9), st.integers(1, 7)),  # fmt: skip
+    st.tuples(st.sampled_from(["add", "grow", "fork", "commit", "crop", "free", "window", "reserve"]),
+              st.integers(0, 5), st.integers(0, 9), st.integers(1, 7)),  # fmt: skip
     max_size=60,
 )
 
@@ -153,6 +181,8 @@ def test_invariants_under_random_operations(ops, windowed):
             kv.crop(seq, lengths[seq])
         elif op == "free" and present:
             kv.free(seq)
+        elif op == "reserve" and present and not any(len(kv.table(seq, g)) for g in groups):
+            kv.reserve_runs([seq], count)  # placement only: later grows take the wanted blocks while free
         elif op == "window" and present and windowed:
             kv.free_out_of_window(seq, lengths[seq])
         _check(kv)

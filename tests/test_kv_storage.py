@@ -1,4 +1,5 @@
-"""KVStorage: every read (a run, whole pages, slot by slot) equals the dense K/V written, in all three layouts."""
+"""KVStorage: every read (strided views, whole pages, slot by slot) equals the dense K/V written, in all three
+layouts; PagedKVCache takes the view path for rows laid out side by side."""
 
 from __future__ import annotations
 
@@ -30,8 +31,16 @@ def test_reads_equal_the_dense_tensors(heads, dk, dv, fused):
     storage, keys, values = filled(heads, dk, dv, fused)
     bs = storage.block_size
     assert storage.paired == (not fused and dk == dv)
-    k, v = storage.run(5, 11)
+    k, v = storage.strided(5, 0, 1, 11)  # one row: slots 5..15
     assert torch.equal(k[0], keys[:, 5:16]) and torch.equal(v[0], values[:, 5:16])
+    k, v = storage.strided(2, 13, 2, 11)  # two rows at a stride of 13 slots: 2..12 and 15..25
+    assert k.shape == (2, heads, 11, dk) and v.shape == (2, heads, 11, dv)
+    for r in range(2):
+        row = slice(2 + 13 * r, 13 + 13 * r)
+        assert torch.equal(k[r], keys[:, row]) and torch.equal(v[r], values[:, row])
+    k[1, :, 10] = 7.0  # a view: writing it writes slot 25 of the storage, and nothing else
+    keys[:, 25] = 7.0
+    assert torch.equal(storage.keys, keys) and torch.equal(storage.values, values)
     blocks = torch.tensor([[3, 1, 7], [2, 8, 0]])  # two rows' pages
     length = 10
     slots = (blocks[:, :, None] * bs + torch.arange(bs)).reshape(2, -1)[:, :length]
@@ -77,3 +86,46 @@ def test_unaligned_padding_reads_slot_by_slot_and_matches():
     reference, paged, cache = generate_both(model, ids, mask, block_size=4, max_new_tokens=12, do_sample=False)
     assert torch.equal(reference, paged)
     assert cache._pages[None] is None and isinstance(cache, PagedKVCache)
+
+
+def test_unpadded_batch_is_laid_out_and_read_as_one_view():
+    """generate() passes its max_length: an unpadded batch's rows get side-by-side runs, every step (block
+    boundaries included) writes and reads them as strided views, and the output is DynamicCache's."""
+    model = tiny_model("llama")
+    ids, mask = ragged(lengths=(7, 7, 7))
+    views = []
+    original = KVStorage.strided
+
+    def counting(self, *args):
+        views.append(args)
+        return original(self, *args)
+
+    KVStorage.strided = counting
+    try:
+        reference, paged, cache = generate_both(model, ids, mask, block_size=4, max_new_tokens=12, do_sample=False)
+    finally:
+        KVStorage.strided = original
+    assert torch.equal(reference, paged)
+    first, stride = cache._strided[None]
+    assert stride == 5 * 4  # max_length 19 -> 5 blocks per row
+    tables = [cache.manager.table(row.id) for row in cache.rows]
+    assert tables == [list(range(first // 4 + 5 * r, first // 4 + 5 * r + 5)) for r in range(3)]
+    steps = 12  # the prefill and 11 decode steps, every layer of each read through the view
+    assert len(views) == steps * model.config.num_hidden_layers and not cache._read
+
+
+def test_without_max_length_a_batch_falls_back_to_page_reads():
+    """Rows prefilled side by side without a reservation outgrow their runs at the first new block."""
+    model = tiny_model("llama")
+    ids, mask = ragged(lengths=(8, 8))
+    cache = PagedKVCache(model.config, block_size=4)
+    cache.start_request(ids, mask)
+    with torch.no_grad():
+        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+        assert cache._strided[None] == (4, 8)  # blocks 1-2 and 3-4: one view at a stride of 2 blocks
+        token = logits[:, -1:].argmax(-1)
+        mask = torch.cat((mask, mask.new_ones(2, 1)), 1)
+        model(token, attention_mask=mask, past_key_values=cache)
+    assert cache._strided[None] is None and cache._pages[None] is not None
+    with pytest.raises(ValueError, match="max_length=5 must be an integer >= the prompt length 8"):
+        cache.start_request(ids, mask[:, :8], max_length=5)

@@ -85,6 +85,24 @@ class BlockPool:
             out.append(block)
         return out
 
+    def take(self, block: int) -> bool:
+        """Hand out this particular block (refcount 1) if it is free; False, changing nothing, if it is not
+        (cached blocks are not taken: evicting one out of LRU order would lose a prefix hit)."""
+        if not 0 < block < self.num_blocks or self._refcount[block] or block in self._hash_of:
+            return False
+        self._free.remove(block)
+        self._refcount[block] = 1
+        return True
+
+    def free_run(self, n: int) -> int | None:
+        """The first block of the lowest run of n consecutive free blocks (not cached, not live), or None."""
+        run = 0
+        for block in range(1, self.num_blocks):
+            run = run + 1 if not self._refcount[block] and block not in self._hash_of else 0
+            if run == n:
+                return block - n + 1
+        return None
+
     def incref(self, block: int) -> None:
         """Take one more reference (a fork, a beam, or a prefix hit on a cached block)."""
         if block == NULL_BLOCK:

@@ -7,7 +7,8 @@ cache construction has no hook, so:
 - `prepare_cache_with_paged(original)`: `_prepare_cache_for_generation` builds a PagedKVCache for that name (sized
   for every row to reach max length unless `cache_config` gives num_blocks / max_memory);
 - `prefill_with_paged(original)`: `_prefill` tells the PagedKVCache where each row's prompt starts (left padding)
-  and which prompt blocks it already holds (prefix caching) before the prefill forward.
+  and which prompt blocks it already holds (prefix caching) before the prefill forward, and the generation's
+  max_length (so rows without padding are laid out to be read as one view).
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ def prefill_with_paged(original):
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
         cache = model_kwargs.get("past_key_values")
         if isinstance(cache, PagedKVCache) and is_first_iteration and model_kwargs.get("inputs_embeds") is None:
-            cache.start_request(input_ids, model_kwargs.get("attention_mask"))
+            longest = generation_config.max_length  # rows laid out for it (None where it is shorter than the prompt)
+            longest = longest if isinstance(longest, int) and longest >= input_ids.shape[1] else None
+            cache.start_request(input_ids, model_kwargs.get("attention_mask"), max_length=longest)
         return original(self, input_ids, generation_config, model_kwargs, is_first_iteration=is_first_iteration)
 
     _prefill.__wrapped__ = original

@@ -7,7 +7,8 @@ A slot is block * block_size + offset; block 0 is the null block (zeros, always 
 values apart, so that every read hands attention [B, H, L, d] whose per-(row, head) [L, d] matrices are contiguous,
 which CPU SDPA reads as fast as a dense cache (a token-major [slots, H, d_k + d_v] layout costs it ~10% on small
 heads, each head's row strided by H * (d_k + d_v)):
-- one row stored in consecutive slots reads as a view, `run(first, length)`, with no copy;
+- rows stored in consecutive slots at one stride (one row, or a batch laid out by KVManager.reserve_runs) read as
+  a view, `strided(first, stride, batch, length)`, with no copy;
 - a batch reads with one gather of whole pages per head and tensor: row h * num_blocks + block of the
   [H * num_blocks, block_size * d] view (`read_pages`, index from `page_index`);
 - the kernels get flat strided views [slots, H, d] (`key_cache`, `value_cache`): slot stride d, head stride
@@ -45,10 +46,9 @@ class KVStorage:
             self.keys, self.values = both[: self.heads], both[self.heads :]
         else:
             self.keys, self.values = self._tensors
-
-    @property
-    def num_blocks(self) -> int:
-        return self._tensors[0].shape[1] // self.block_size
+        self.num_blocks = self._tensors[0].shape[1] // self.block_size
+        k, v = self.keys, self.values  # (head stride, slot stride, offset) of each: what `strided` views need
+        self._geometry = (k.stride(0), k.stride(1), k.storage_offset(), v.stride(0), v.stride(1), v.storage_offset())
 
     @property
     def dtype(self) -> torch.dtype:
@@ -88,9 +88,20 @@ class KVStorage:
             self.keys.index_copy_(1, slots, keys.to(self.dtype))
             self.values.index_copy_(1, slots, values.to(self.dtype))
 
-    def run(self, first: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Slots [first, first + length) of one row -> K [1, H, length, d_k], V [1, H, length, d_v] (views)."""
-        return self.keys[None, :, first : first + length], self.values[None, :, first : first + length]
+    def strided(self, first: int, stride: int, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """B rows stored in consecutive slots, row r's positions [0, length) in slots first + r * stride + p ->
+        K [B, H, length, d_k], V [B, H, length, d_v]: views of the storage (no copy; writing them writes it).
+        (Written out per tensor: a decode step calls this once per layer, so its Python is kept minimal.)"""
+        kh, ks, ko, vh, vs, vo = self._geometry
+        heads, row_k, row_v = self.heads, stride * ks, stride * vs
+        return (self.keys.as_strided((batch, heads, length, self.key_dim), (row_k, kh, ks, 1), ko + first * ks),
+                self.values.as_strided((batch, heads, length, self.value_dim), (row_v, vh, vs, 1), vo + first * vs))
+
+    def write_strided(self, first: int, stride: int, start: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys [B, H, T, d_k], values [B, H, T, d_v] into positions [start, start + T) of the rows of `strided`."""
+        kh, ks, ko, vh, vs, vo = self._geometry
+        self.keys.as_strided(keys.shape, (stride * ks, kh, ks, 1), ko + (first + start) * ks).copy_(keys)
+        self.values.as_strided(values.shape, (stride * vs, vh, vs, 1), vo + (first + start) * vs).copy_(values)
 
     def page_index(self, blocks: torch.Tensor) -> torch.Tensor:
         """blocks [B, n] -> the flat page index [H * B * n] of `read_pages` (one per step, shared by the layers of

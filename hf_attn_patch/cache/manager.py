@@ -54,6 +54,7 @@ def layer_groups(config) -> list:
 class _Sequence:
     tables: dict  # group -> list of block ids
     hashes: list[bytes] = field(default_factory=list)  # hash chain of the leading full blocks named in the pool
+    homes: dict = field(default_factory=dict)  # group -> block wanted at table position 0 (reserve_runs)
 
 
 class KVManager:
@@ -160,6 +161,27 @@ class KVManager:
         seq.hashes = list(hashes[: num_tokens // self.block_size])
         return num_tokens
 
+    def reserve_runs(self, seq_ids: list, blocks_each: int) -> bool:
+        """Lay out empty sequences side by side: sequence i's k-th block is taken at block home + i * blocks_each + k
+        while that block is free, so their tables stay consecutive runs at one stride (the storage owner can read all
+        of them as one strided view, with no gather). Placement only: nothing is allocated, and a wanted block that
+        is taken already is replaced by any free one. A growable pool grows until the runs fit. Returns False,
+        changing nothing, when some pool has no such run."""
+        if blocks_each < 1 or any(any(self.sequences[s].tables.values()) for s in seq_ids):
+            raise ValueError(f"reserve_runs: blocks_each={blocks_each!r} must be >= 1 and the sequences empty")
+        homes = {}
+        for g, pool in self.pools.items():
+            need = len(seq_ids) * blocks_each
+            homes[g] = pool.free_run(need)
+            while homes[g] is None and self.growable:
+                pool.grow(pool.num_blocks)
+                homes[g] = pool.free_run(need)
+            if homes[g] is None:
+                return False
+        for i, seq_id in enumerate(seq_ids):
+            self.sequences[seq_id].homes = {g: home + i * blocks_each for g, home in homes.items()}
+        return True
+
     def allocate(self, seq_id, start: int, end: int) -> None:
         """Make positions [start, end) writable: new blocks up to `end`, and a private copy of the block holding
         `start` when it is shared or hashed (copy-on-write). All or nothing: raises CacheFullError unchanged."""
@@ -187,7 +209,12 @@ class KVManager:
                 del seq.hashes[k:]  # the copy will differ from the hashed block
                 self.version += 1
                 n -= 1
-            table.extend(pool.allocate(n))
+            home = seq.homes.get(g)
+            if home is None:
+                table.extend(pool.allocate(n))
+            else:  # the reserved run's next block when it is still free (the count above covers either choice)
+                for _ in range(n):
+                    table.append(home + len(table) if pool.take(home + len(table)) else pool.allocate(1)[0])
 
     def take_copies(self) -> list[tuple]:
         """Pending (group, source, destination) block copies; the storage owner applies them before writing."""

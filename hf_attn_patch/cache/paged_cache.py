@@ -15,9 +15,10 @@ chain (prefix_cache.py); a later request whose prompt starts with them reuses th
 All of that bookkeeping is the KV manager's (manager.py): this class is the transformers `Cache` adapter over it,
 owning only the storage tensors and the slot tables built from the manager's block tables.
 
-Attention reads the rows' blocks through one gather of whole pages per head (the pure-torch path; one row in
-consecutive slots is read as a view; a batch whose left padding is not a whole number of blocks is gathered slot
-by slot, since its rows' pages do not start at the same position); the returned K/V are [B, H, L, d] as
+Reads. Rows without left padding whose blocks are consecutive runs at one stride (one row, or a batch laid out by
+`start_request(max_length=...)`, which generate() passes) are written and read as strided views of the storage,
+with no copy; otherwise a step gathers whole pages per head (rows whose left padding is whole blocks) or slot by
+slot (the rest, whose pages do not start at the same position). The returned K/V are [B, H, L, d] as
 DynamicCache returns them, so every attention implementation and both MLA paths work unchanged. Under the
 registered "paged_kv" attention, a decode step on CUDA instead returns flat views of the layer's storage (the
 kernels' [slots, H, d] pages) and puts the storage in a forward context with the step's AttentionMetadata (block
@@ -154,7 +155,8 @@ class PagedKVCache(Cache):
         self._read_index: dict = {}  # group -> this step's read slots [B, L] flattened to [B * L]
         self._pages: dict = {}  # group -> [B, n] blocks of each row's logical positions (rows aligned to blocks)
         self._gather_index: dict = {}  # (group, heads, num_blocks, kind) -> the storage gather index of this step
-        self._contiguous_from: dict = {}  # group -> first slot when the one row's slots are consecutive, else None
+        self._strided: dict = {}  # group -> (first slot, row stride) when the rows are read as a view, else None
+        self._reserve = 0  # blocks per row to lay the next request's rows out in (KVManager.reserve_runs); 0: none
         self._pool_blocks: dict = {}  # group -> blocks in its pool at this step (the storage's first dimension)
         self._storage_blocks: dict = {}  # group -> blocks of its layers' storage (all grown together)
         self._unregistered = True  # some row may not be in the manager yet
@@ -165,11 +167,17 @@ class PagedKVCache(Cache):
 
     # -- requests --------------------------------------------------------------------------------------------
 
-    def start_request(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> int:
+    def start_request(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      max_length: int | None = None) -> int:  # fmt: skip
         """Begin a new batch of prompts: release the previous rows, learn each row's left padding, and attach the
-        cached blocks of the longest prefix all rows can skip. Returns the number of positions skipped."""
+        cached blocks of the longest prefix all rows can skip. Returns the number of positions skipped.
+
+        max_length (prompt + new tokens; generate() passes its own): rows without left padding or a prefix hit
+        get side-by-side runs of that many positions, so every step reads them as one view of the storage."""
         if attention_mask is not None and input_ids.shape[1] < attention_mask.shape[1]:
             return 0  # only the new tokens of a continuing request were passed: keep the rows as they are
+        if max_length is not None and (not isinstance(max_length, int) or max_length < input_ids.shape[1]):
+            raise ValueError(f"max_length={max_length!r} must be an integer >= the prompt length {input_ids.shape[1]}")
         self._release_rows()
         for idx, (kind, kwargs) in self._pass_through.items():  # constant-size states start over
             self.layers[idx] = DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
@@ -187,6 +195,8 @@ class PagedKVCache(Cache):
                 self.manager.add(row.id)
         for layer in self.paged:
             layer.length = skip
+        laid_out = max_length is not None and not skip and not any(pads)
+        self._reserve = -(-max_length // self.block_size) if laid_out else 0
         return skip
 
     def _attach_prefix(self) -> int:
@@ -226,17 +236,19 @@ class PagedKVCache(Cache):
             layer.lazy_initialization(keys, values)
         if layer is self.paged[0]:
             self._begin_step(keys)
-        storage = layer.storage
-        if storage is None or storage.num_blocks < self._pool_blocks[layer.window]:
+        storage, window, start = layer.storage, layer.window, layer.length
+        if storage is None or storage.num_blocks < self._pool_blocks[window]:
             storage = self._grow_storage(layer, keys, values)
-        window = layer.window
-        start = layer.length
         length = layer.length = start + keys.shape[2]
-        first = self._contiguous_from[window]
-        if first is not None:  # one row in consecutive slots: write a slice of the pages, read views of them
-            key_run, value_run = storage.run(first + start, length - start)
-            key_run.copy_(keys)
-            value_run.copy_(values)
+        layout = self._strided[window]
+        if layout is not None and not self._kernel_step:  # the usual decode step: views in, views out
+            first, stride = layout
+            storage.write_strided(first, stride, start, keys, values)
+            if layer is self.paged[-1]:
+                self._end_step()
+            return storage.strided(first, stride, len(self.rows), length)
+        if layout is not None:  # rows in consecutive slots at one stride: written and read as views of the pages
+            storage.write_strided(*layout, start, keys, values)
         elif self._write_all_valid[window]:  # [B, H, T, d] -> [H, B * T, d] at the flat write slots
             storage.write(self._write_flat[window], keys.transpose(0, 1).flatten(1, 2),
                           values.transpose(0, 1).flatten(1, 2))  # fmt: skip
@@ -256,9 +268,9 @@ class PagedKVCache(Cache):
     def _read_layer(self, layer: PagedLayer, length: int):
         """K [B, H, L, d_k], V [B, H, L, d_v] of a paged layer's first `length` positions."""
         storage, window = layer.storage, layer.window
-        first = self._contiguous_from[window]
-        if first is not None:
-            return storage.run(first, length)
+        layout = self._strided[window]
+        if layout is not None:
+            return storage.strided(*layout, len(self.rows), length)
         pages = self._pages.get(window)
         key = (window, storage.heads, storage.num_blocks, pages is not None)
         index = self._gather_index.get(key)
@@ -320,8 +332,8 @@ class PagedKVCache(Cache):
     def _advance_slots(self, start: int) -> None:
         """The steady decode step's slots: each row's write slot is last step's + 1 (the same block)."""
         self._steady_from = start
-        if self._contiguous_from[None] is not None:
-            return  # one contiguous row: read and written through views, no slot tables
+        if self._strided[None] is not None:
+            return  # read and written through views of the storage: no slot tables
         write = self._write[None] + 1
         buffer = self._read[None]
         if buffer.shape[1] <= start:  # doubling: amortized O(1) per decoded position
@@ -337,6 +349,9 @@ class PagedKVCache(Cache):
         """Blocks for the step's positions (copying shared partly filled ones, freeing out-of-window ones) and the
         slots every layer writes and reads."""
         self._steady_from = -1
+        if self._reserve:  # the request's first step: lay its rows out side by side
+            self.manager.reserve_runs([row.id for row in self.rows], self._reserve)
+            self._reserve = 0
         # stored positions (left padding excluded) written this step; all rows or none (CacheFullError)
         self.manager.allocate_many([(row.id, max(0, start - row.pad), max(0, start + new - row.pad))
                                     for row in self.rows])  # fmt: skip
@@ -370,15 +385,13 @@ class PagedKVCache(Cache):
         changed under them (a new request, beams, forks, crops, copies, window frees): then they are rebuilt.
         A slot is block * block_size + offset; slots in the null block read zeros.
         """
-        first = self._contiguous_from.get(group)
-        if first is not None and len(self.rows) == 1 and self._read.get(group) is None and start:
-            # One contiguous row, decoding: if the new positions extend the run, nothing needs building.
-            row, bs = self.rows[0], self.block_size
-            table = self._table(row, group)
-            if all(table[(p - row.pad) // bs] * bs + (p - row.pad) % bs == first + p for p in range(start, start + new)):
-                self._write_all_valid[group] = True
-                return
-            self._contiguous_from[group] = None
+        self._strided[group] = layout = self._strided_layout(group, start + new)
+        if layout is not None:  # written and read through views of the storage: no slot tables
+            self._write_all_valid[group] = True
+            self._read.pop(group, None)  # rebuilt from the tables if the layout ever breaks
+            self._read_len.pop(group, None)
+            self._pages[group] = None
+            return
         rows, end = self.rows, start + new
         buffer = self._read.get(group)  # [B, capacity]: slots of positions [0, self._read_len[group]) are valid
         rebuilt = buffer is None or buffer.shape[0] != len(rows) or self._read_len.get(group) != start
@@ -397,25 +410,25 @@ class PagedKVCache(Cache):
         self._read[group], self._read_len[group] = buffer, end
         read = buffer[:, :end]
         self._read_index[group] = read.reshape(-1)  # one flat index for every layer of the group this step
-        # A single row stored in consecutive slots (the usual case for one request) is read as a storage view:
-        # _contiguous_from[group] = c means position p sits in slot c + p.
-        first = None
-        if len(self.rows) == 1 and not self.rows[0].pad and self._write_all_valid[group]:
-            if rebuilt:
-                first = int(read[0, 0]) if bool((read[0, 1:] - read[0, :-1] == 1).all()) else None
-            else:
-                first = self._contiguous_from.get(group)
-                consecutive = new == 1 or bool((write[0, 1:] - write[0, :-1] == 1).all())
-                if first is not None and not (int(write[0, 0]) == first + start and consecutive):
-                    first = None
-        self._contiguous_from[group] = first
         self._gather_index = {key: index for key, index in self._gather_index.items() if key[0] != group}
         self._pages[group] = None
-        if first is not None:
-            del self._read[group]  # read as a storage view; rebuilt from the tables if that ever stops
-            del self._read_len[group]
-        elif all(row.pad % self.block_size == 0 for row in rows):  # every row's pages start at a logical block
+        if all(row.pad % self.block_size == 0 for row in rows):  # every row's pages start at a logical block
             self._pages[group] = self._page_table(group, end, device)
+
+    def _strided_layout(self, group, end: int) -> tuple[int, int] | None:
+        """(first slot, row stride in slots) when every row's positions [0, end) sit in consecutive slots, row r's
+        from first + r * stride (rows without left padding: one row alone, or rows laid out by reserve_runs); the
+        rows are then read as one view of the storage. None otherwise."""
+        if any(row.pad for row in self.rows):
+            return None
+        n = -(-end // self.block_size)
+        tables = [self._table(row, group)[:n] for row in self.rows]
+        first = tables[0][0]
+        stride = tables[1][0] - first if len(tables) > 1 else 0
+        if stride < 0 or any(t != list(range(first + r * stride, first + r * stride + n))
+                             for r, t in enumerate(tables)):  # fmt: skip
+            return None
+        return first * self.block_size, stride * self.block_size
 
     def _page_table(self, group, end: int, device) -> torch.Tensor:
         """[B, n] blocks holding logical positions [k * bs, (k + 1) * bs) of each row (n * bs >= end; left padding
