@@ -41,6 +41,12 @@ def test_reads_equal_the_dense_tensors(heads, dk, dv, fused):
     k[1, :, 10] = 7.0  # a view: writing it writes slot 25 of the storage, and nothing else
     keys[:, 25] = 7.0
     assert torch.equal(storage.keys, keys) and torch.equal(storage.values, values)
+    new_k, new_v = torch.randn(2, heads, 3, dk), torch.randn(2, heads, 3, dv)
+    k, v = storage.append_strided(2, 13, 11, new_k, new_v)  # positions 11..13 of both rows, then all 14
+    keys[:, [13, 14, 15, 26, 27, 28]] = new_k.transpose(0, 1).reshape(heads, 6, dk)
+    values[:, [13, 14, 15, 26, 27, 28]] = new_v.transpose(0, 1).reshape(heads, 6, dv)
+    assert torch.equal(storage.keys, keys) and torch.equal(storage.values, values)
+    assert torch.equal(k[1], keys[:, 15:29]) and torch.equal(v[0], values[:, 2:16])
     blocks = torch.tensor([[3, 1, 7], [2, 8, 0]])  # two rows' pages
     length = 10
     slots = (blocks[:, :, None] * bs + torch.arange(bs)).reshape(2, -1)[:, :length]
@@ -94,17 +100,17 @@ def test_unpadded_batch_is_laid_out_and_read_as_one_view():
     model = tiny_model("llama")
     ids, mask = ragged(lengths=(7, 7, 7))
     views = []
-    original = KVStorage.strided
+    original = KVStorage.append_strided
 
     def counting(self, *args):
-        views.append(args)
+        views.append(args[:3])
         return original(self, *args)
 
-    KVStorage.strided = counting
+    KVStorage.append_strided = counting
     try:
         reference, paged, cache = generate_both(model, ids, mask, block_size=4, max_new_tokens=12, do_sample=False)
     finally:
-        KVStorage.strided = original
+        KVStorage.append_strided = original
     assert torch.equal(reference, paged)
     first, stride = cache._strided[None]
     assert stride == 5 * 4  # max_length 19 -> 5 blocks per row

@@ -241,14 +241,13 @@ class PagedKVCache(Cache):
             storage = self._grow_storage(layer, keys, values)
         length = layer.length = start + keys.shape[2]
         layout = self._strided[window]
-        if layout is not None and not self._kernel_step:  # the usual decode step: views in, views out
-            first, stride = layout
-            storage.write_strided(first, stride, start, keys, values)
+        if layout is not None and not self._kernel_step:  # rows in consecutive slots at one stride: views in and out
+            views = storage.append_strided(*layout, start, keys, values)
             if layer is self.paged[-1]:
                 self._end_step()
-            return storage.strided(first, stride, len(self.rows), length)
-        if layout is not None:  # rows in consecutive slots at one stride: written and read as views of the pages
-            storage.write_strided(*layout, start, keys, values)
+            return views
+        if layout is not None:
+            storage.append_strided(*layout, start, keys, values)
         elif self._write_all_valid[window]:  # [B, H, T, d] -> [H, B * T, d] at the flat write slots
             storage.write(self._write_flat[window], keys.transpose(0, 1).flatten(1, 2),
                           values.transpose(0, 1).flatten(1, 2))  # fmt: skip
