@@ -85,15 +85,17 @@ def _paged_decode_kernel(
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
     acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    # head offsets in int64: the head-major pools' head stride is slots x d, and kvh x that passes 2^31 in big pools
+    head_k, head_v = kvh.to(tl.int64) * stride_kh, kvh.to(tl.int64) * stride_vh
     for n0 in range(lo, hi, BLOCK_N):
         slot, valid = _token_slots(BT, KMASK, b, n0, hi, stride_btb, stride_kmb, PAGE, BLOCK_N, HAS_MASK)
-        k = tl.load(K + slot[:, None] * stride_ks + kvh * stride_kh + dk[None, :],
+        k = tl.load(K + slot[:, None] * stride_ks + head_k + dk[None, :],
                     mask=valid[:, None] & (dk[None, :] < D_K), other=0.0)  # fmt: skip
         s = tl.dot(q, tl.trans(_operand(k, UPCAST)), input_precision=PREC) * scale  # [G, N] fp32
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (e^(2x) + 1) (saturates, never NaN)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         m, l, acc, p = _online_softmax_step(s * 1.4426950408889634, valid, m, l, acc)
-        v = tl.load(V + slot[:, None] * stride_vs + kvh * stride_vh + dv[None, :],
+        v = tl.load(V + slot[:, None] * stride_vs + head_v + dv[None, :],
                     mask=valid[:, None] & (dv[None, :] < D_V), other=0.0)  # fmt: skip
         acc += tl.dot(_operand(p.to(v.dtype), UPCAST), _operand(v, UPCAST), input_precision=PREC)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # no visible key: 0
