@@ -5,8 +5,9 @@
 1. Memory: a ragged batch (prompt lengths 16..1024, outputs 16..256, stories260k shape at fp32) as each cache holds
    it at the end of generation: bytes held vs the ideal (tokens actually in each row x bytes per token).
    DynamicCache and StaticCache pad every row to the longest; the paged cache holds each row's own blocks.
-2. Decode throughput: greedy decode steps on a prefilled DynamicCache vs PagedKVCache (given the final length, as
-   generate() gives it, so unpadded rows are laid out to be read as views), stories260k (batch 1 and 8,
+2. Decode throughput: greedy decode steps on a prefilled DynamicCache vs PagedKVCache (its pool and the final
+   length given as generate(cache_implementation="paged_kv") gives them, so the unpadded rows are laid out to be
+   read as views), stories260k (batch 1 and 8,
    context 512 and 2048; it runs past its 512 trained positions, which changes no cost) and SmolLM2-135M (batch 1
    and 8 at 512, batch 1 at 2048). --quick: stories260k at 512 only.
 3. Prefix caching: time to first token of a request whose 1,024-token prefix another request already computed
@@ -64,7 +65,9 @@ def decode_tps(model, batch: int, context: int, steps: int, paged: bool, rounds:
     torch.manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (batch, context))
     mask = torch.ones_like(ids)
-    cache = PagedKVCache(model.config) if paged else DynamicCache(config=model.config)
+    # the paged pool sized as generate(cache_implementation="paged_kv") sizes it: every row can reach the end
+    blocks = batch * (-(-(context + steps) // 16) + 1) + 1
+    cache = PagedKVCache(model.config, block_size=16, num_blocks=blocks) if paged else DynamicCache(config=model.config)
     if paged:
         cache.start_request(ids, mask, max_length=context + steps)  # as generate() passes its max_length
     best = float("inf")

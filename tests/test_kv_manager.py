@@ -123,9 +123,10 @@ def test_reserved_runs_keep_tables_consecutive_at_one_stride():
     assert small.sequences["x"].homes == {} and small.pools[None].num_available() == 3
     grows = KVManager(block_size=4, num_blocks=4, growable=True)
     grows.add("x"), grows.add("y")
-    assert grows.reserve_runs(["x", "y"], 3) and grows.pools[None].num_blocks == 8  # doubled until 6 fit
-    grows.allocate_many([("x", 0, 12), ("y", 0, 12)])
-    assert grows.table("x") == [1, 2, 3] and grows.table("y") == [4, 5, 6]
+    assert not grows.reserve_runs(["x", "y"], 3) and grows.pools[None].num_blocks == 4  # no growing for placement
+    assert grows.reserve_runs(["x", "y"], 1)  # runs of one block: x wants 1, 2, ... and y 2, 3, ...
+    grows.allocate_many([("x", 0, 8), ("y", 0, 8)])  # the pool doubles for the 4 blocks; x takes 2 before y can
+    assert grows.table("x") == [1, 2] and grows.table("y") == [3, 4]
 
 
 # -- random operation sequences ----------------------------------------------------------------------------------

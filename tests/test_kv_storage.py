@@ -10,7 +10,7 @@ from hf_attn_patch import PagedKVCache
 from hf_attn_patch.cache.kv_storage import KVStorage
 
 from .conftest import tiny_model
-from .test_paged_cache import generate_both, ragged
+from .test_paged_cache import generate_both, no_room_for_runs, ragged
 
 LAYOUTS = [(4, 8, 8, False), (2, 8, 6, False), (1, 12, 4, True)]  # paired (d_k == d_v), split, fused (MLA)
 
@@ -78,10 +78,12 @@ def test_copy_grow_and_zero_blocks(heads, dk, dv, fused):
 
 
 def test_block_aligned_padding_reads_whole_pages_and_matches():
-    """Left padding of whole blocks (8, 4, 0 at block_size 4) keeps the page gather; the output is DynamicCache's."""
+    """Rows not laid out (no room for the runs) with left padding of whole blocks (8, 4, 0 at block_size 4) read
+    whole pages; the output is DynamicCache's."""
     model = tiny_model("llama")
     ids, mask = ragged(lengths=(5, 9, 13))
-    reference, paged, cache = generate_both(model, ids, mask, block_size=4, max_new_tokens=12, do_sample=False)
+    reference, paged, cache = generate_both(model, ids, mask, block_size=4, cache_kwargs=no_room_for_runs(mask, 12),
+                                            max_new_tokens=12, do_sample=False)  # fmt: skip
     assert torch.equal(reference, paged)
     assert cache._pages[None] is not None  # the last step read whole pages
 
@@ -89,7 +91,8 @@ def test_block_aligned_padding_reads_whole_pages_and_matches():
 def test_unaligned_padding_reads_slot_by_slot_and_matches():
     model = tiny_model("llama")
     ids, mask = ragged(lengths=(9, 4, 13))  # pads 4, 9, 0: row 2's pages would start mid-block
-    reference, paged, cache = generate_both(model, ids, mask, block_size=4, max_new_tokens=12, do_sample=False)
+    reference, paged, cache = generate_both(model, ids, mask, block_size=4, cache_kwargs=no_room_for_runs(mask, 12),
+                                            max_new_tokens=12, do_sample=False)  # fmt: skip
     assert torch.equal(reference, paged)
     assert cache._pages[None] is None and isinstance(cache, PagedKVCache)
 
@@ -118,6 +121,25 @@ def test_unpadded_batch_is_laid_out_and_read_as_one_view():
     assert tables == [list(range(first // 4 + 5 * r, first // 4 + 5 * r + 5)) for r in range(3)]
     steps = 12  # the prefill and 11 decode steps, every layer of each read through the view
     assert len(views) == steps * model.config.num_hidden_layers and not cache._read
+    out = model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=12, do_sample=False,
+                         cache_implementation="paged_kv", return_dict_in_generate=True)  # fmt: skip
+    assert torch.equal(out.sequences, reference) and out.past_key_values._strided[None] is not None
+
+
+def test_padded_batch_is_laid_out_storing_the_padding_of_its_first_block():
+    """Pads 4, 9, 0 at block size 4: each run starts with its row's whole padding blocks (unallocated: row 1's 2),
+    the row's partial padding is stored (row 1's position 8, masked), and every step reads the views."""
+    model = tiny_model("llama")
+    ids, mask = ragged(lengths=(9, 4, 13))
+    reference, paged, cache = generate_both(model, ids, mask, block_size=4, max_new_tokens=12, do_sample=False)
+    assert torch.equal(reference, paged)
+    first, stride = cache._strided[None]
+    assert [row.pad for row in cache.rows] == [4, 8, 0] and stride == 7 * 4  # max_length 25
+    held = 13 + 12 - 1  # positions written: the prompt and every generated token but the last
+    for r, row in enumerate(cache.rows):
+        home = first // 4 + 7 * r + row.pad // 4
+        assert cache.manager.table(row.id) == list(range(home, home + -(-(held - row.pad) // 4)))
+    assert cache.stats()["used_bytes"] == (3 * held - 4 - 8) * sum(cache.values_per_token) * 4  # fp32
 
 
 def test_without_max_length_a_batch_falls_back_to_page_reads():

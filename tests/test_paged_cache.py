@@ -42,10 +42,20 @@ def ragged(vocab: int = 97, lengths=(9, 4, 13), seed: int = 0):
     return ids.masked_fill(mask == 0, 0), mask
 
 
-def generate_both(model, ids, mask, block_size=4, **kw):
+def no_room_for_runs(mask, max_new_tokens: int, block_size: int = 4) -> dict:
+    """PagedKVCache options for a pool with room for every row's blocks but not for side-by-side runs: the rows
+    are not laid out, so their reads gather whole pages or slots (left-padded rows only: unpadded ones need the
+    runs' blocks themselves)."""
+    total = mask.shape[1] + max_new_tokens
+    need = sum(-(-(total - pad) // block_size) for pad in (mask.cumsum(1) == 0).sum(1).tolist())
+    assert need < mask.shape[0] * -(-total // block_size), "rows without padding need the runs themselves"
+    return {"num_blocks": need + 1}
+
+
+def generate_both(model, ids, mask, block_size=4, cache_kwargs=None, **kw):
     kw = dict(attention_mask=mask, pad_token_id=0, **kw)
     reference = model.generate(ids, **kw)
-    cache = PagedKVCache(model.config, block_size=block_size)
+    cache = PagedKVCache(model.config, block_size=block_size, **(cache_kwargs or {}))
     counter = UpdateCounter(cache)
     paged = model.generate(ids, past_key_values=cache, **kw)
     assert counter.calls > 0
@@ -59,13 +69,19 @@ MODELS = [
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize("laid_out", [True, False])
 @pytest.mark.parametrize("model_type,variant", MODELS)
-def test_greedy_token_identical(model_type, variant):
+def test_greedy_token_identical(model_type, variant, laid_out):
+    """Both read paths: rows laid out side by side (strided views; generate()'s default when the pool has room)
+    and rows gathered from a pool with no room for the runs."""
     model = tiny_model(model_type)
     model = to_variant(model, variant) if variant else model
     ids, mask = ragged()
-    reference, paged, cache = generate_both(model, ids, mask, max_new_tokens=14, do_sample=False)
+    options = None if laid_out else no_room_for_runs(mask, 14)
+    reference, paged, cache = generate_both(model, ids, mask, cache_kwargs=options, max_new_tokens=14, do_sample=False)
     assert torch.equal(reference, paged)
+    if cache.groups == [None]:  # (a window group's layout lasts until its first freed block)
+        assert (cache._strided[None] is not None) == laid_out
     stats = cache.stats()
     assert 0 < stats["used_bytes"] <= stats["allocated_bytes"]
 
@@ -105,20 +121,26 @@ def test_forked_rows_share_prompt_blocks():
     assert cache.stats()["blocks_used"] == 2 * prompt_blocks + 8
 
 
-def test_padding_takes_no_memory():
+@pytest.mark.parametrize("laid_out", [True, False])
+def test_padding_takes_no_memory(laid_out):
+    """Whole blocks of left padding take no memory; a laid-out row also stores the padding inside its first block
+    (fewer than block_size positions), so that its positions start at a block of its run."""
     model = tiny_model("llama")
     lengths = (3, 17, 9)
     ids, mask = ragged(lengths=lengths)
-    cache = PagedKVCache(model.config, block_size=4)
+    options = {} if laid_out else no_room_for_runs(mask, 1)
+    cache = PagedKVCache(model.config, block_size=4, **options)
     with torch.no_grad():
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False,
                        pad_token_id=0)  # fmt: skip
-    assert cache.stats()["blocks_used"] == sum(-(-n // 4) for n in lengths)
+    stored = [n + (17 - n) % 4 if laid_out else n for n in lengths]  # width 17: pads 14, 0, 8
+    assert cache.stats()["blocks_used"] == sum(-(-n // 4) for n in stored) == (10 if laid_out else 9)
     dynamic = DynamicCache(config=model.config)
     with torch.no_grad():
         model(ids, attention_mask=mask, past_key_values=dynamic)
     per_token = sum(layer.keys[0, :, 0].numel() * 2 * 4 for layer in dynamic.layers)  # K and V, fp32
-    assert cache.stats()["used_bytes"] == sum(lengths) * per_token
+    assert cache.stats()["used_bytes"] == sum(stored) * per_token
+    assert (cache._strided[None] is not None) == laid_out
 
 
 def test_prefix_cache_hits_across_generate_calls():
@@ -272,19 +294,24 @@ def test_masked_hole_takes_the_reference_not_the_kernels(monkeypatch):
     assert calls == []
 
 
-@pytest.mark.parametrize("lengths", [(9, 4, 13), (7,)])  # gathered rows, and one row read as a storage view
-def test_steady_decode_steps_reuse_the_slots_and_match(lengths, monkeypatch):
+@pytest.mark.parametrize("lengths,laid_out", [((9, 4, 13), False), ((9, 4, 13), True), ((7,), True)])
+def test_steady_decode_steps_reuse_the_slots_and_match(lengths, laid_out, monkeypatch):
     """A decode step inside the rows' current blocks skips the allocation and slot rebuilding (each write slot is
-    the last one + 1); a step that starts a block plans again. Output stays token-identical to DynamicCache."""
+    the last one + 1); a step that starts a block plans again. Output stays token-identical to DynamicCache.
+    Gathered rows, rows laid out side by side (their stored positions start at their padding's block boundary),
+    and one row read as a storage view."""
     model = tiny_model("llama")
     ids, mask = ragged(lengths=lengths)
     planned = []
     original = PagedKVCache._plan_step
     monkeypatch.setattr(PagedKVCache, "_plan_step", lambda self, start, new, device: (
         planned.append(start), original(self, start, new, device))[1])  # fmt: skip
-    reference, paged, cache = generate_both(model, ids, mask, block_size=4, max_new_tokens=24, do_sample=False)
+    options = None if laid_out else no_room_for_runs(mask, 24)
+    reference, paged, cache = generate_both(model, ids, mask, block_size=4, cache_kwargs=options, max_new_tokens=24,
+                                            do_sample=False)  # fmt: skip
     assert torch.equal(reference, paged)
-    width, pads = ids.shape[1], [ids.shape[1] - n for n in lengths]
+    assert (cache._strided[None] is not None) == laid_out
+    width, pads = ids.shape[1], [ids.shape[1] - n - (ids.shape[1] - n) % 4 * laid_out for n in lengths]
     decodes = range(width, width + 23)  # positions written by the 23 decode steps
     # planned: the prefill (0), the first decode step, and every step where some row's stored position starts a block
     expected = [0, width] + [p for p in decodes[1:] if any((p - pad) % 4 == 0 for pad in pads)]

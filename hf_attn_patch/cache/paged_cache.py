@@ -52,7 +52,11 @@ _GROWABLE_START_BLOCKS = 64
 
 @dataclass
 class _Row:
-    """One sequence: its id in the KV manager, left padding and prompt tokens (for prefix hashing)."""
+    """One sequence: its id in the KV manager, left padding and prompt tokens (for prefix hashing).
+
+    Positions [0, pad) are not stored: the left padding, or for a laid-out row only its whole blocks of padding (the
+    rest of its first block is stored, masked like any padding; such a row names no blocks for prefix hits, since
+    their content would not be its prompt's alone)."""
 
     id: int
     pad: int = 0
@@ -157,6 +161,7 @@ class PagedKVCache(Cache):
         self._gather_index: dict = {}  # (group, heads, num_blocks, kind) -> the storage gather index of this step
         self._strided: dict = {}  # group -> (first slot, row stride) when the rows are read as a view, else None
         self._reserve = 0  # blocks per row to lay the next request's rows out in (KVManager.reserve_runs); 0: none
+        self._padding_storable = True  # a laid-out row may store its first block's padding (not under the kernels)
         self._pool_blocks: dict = {}  # group -> blocks in its pool at this step (the storage's first dimension)
         self._storage_blocks: dict = {}  # group -> blocks of its layers' storage (all grown together)
         self._unregistered = True  # some row may not be in the manager yet
@@ -173,7 +178,9 @@ class PagedKVCache(Cache):
         cached blocks of the longest prefix all rows can skip. Returns the number of positions skipped.
 
         max_length (prompt + new tokens; generate() passes its own): rows without left padding or a prefix hit
-        get side-by-side runs of that many positions, so every step reads them as one view of the storage."""
+        get side-by-side runs of that many positions, so every step reads them as one view of the storage (on CPU a
+        left-padded row is laid out too, storing the padding of its first block; the block-table kernels instead
+        need the padding unstored)."""
         if attention_mask is not None and input_ids.shape[1] < attention_mask.shape[1]:
             return 0  # only the new tokens of a continuing request were passed: keep the rows as they are
         if max_length is not None and (not isinstance(max_length, int) or max_length < input_ids.shape[1]):
@@ -195,8 +202,8 @@ class PagedKVCache(Cache):
                 self.manager.add(row.id)
         for layer in self.paged:
             layer.length = skip
-        laid_out = max_length is not None and not skip and not any(pads)
-        self._reserve = -(-max_length // self.block_size) if laid_out else 0
+        self._reserve = -(-max_length // self.block_size) if max_length is not None and not skip else 0
+        self._padding_storable = not metadata.use_kernels(input_ids)
         return skip
 
     def _attach_prefix(self) -> int:
@@ -240,15 +247,14 @@ class PagedKVCache(Cache):
         if storage is None or storage.num_blocks < self._pool_blocks[window]:
             storage = self._grow_storage(layer, keys, values)
         length = layer.length = start + keys.shape[2]
-        layout = self._strided[window]
-        if layout is not None and not self._kernel_step:  # rows in consecutive slots at one stride: views in and out
+        layout, all_valid = self._strided[window], self._write_all_valid[window]
+        if layout is not None and all_valid:  # rows in consecutive slots at one stride: views in and out
             views = storage.append_strided(*layout, start, keys, values)
-            if layer is self.paged[-1]:
-                self._end_step()
-            return views
-        if layout is not None:
-            storage.append_strided(*layout, start, keys, values)
-        elif self._write_all_valid[window]:  # [B, H, T, d] -> [H, B * T, d] at the flat write slots
+            if not self._kernel_step:
+                if layer is self.paged[-1]:
+                    self._end_step()
+                return views
+        elif all_valid:  # [B, H, T, d] -> [H, B * T, d] at the flat write slots
             storage.write(self._write_flat[window], keys.transpose(0, 1).flatten(1, 2),
                           values.transpose(0, 1).flatten(1, 2))  # fmt: skip
         else:  # prefill with left padding: padded positions are not stored
@@ -349,8 +355,7 @@ class PagedKVCache(Cache):
         slots every layer writes and reads."""
         self._steady_from = -1
         if self._reserve:  # the request's first step: lay its rows out side by side
-            self.manager.reserve_runs([row.id for row in self.rows], self._reserve)
-            self._reserve = 0
+            self._lay_out_rows()
         # stored positions (left padding excluded) written this step; all rows or none (CacheFullError)
         self.manager.allocate_many([(row.id, max(0, start - row.pad), max(0, start + new - row.pad))
                                     for row in self.rows])  # fmt: skip
@@ -377,6 +382,18 @@ class PagedKVCache(Cache):
         if new == 1 and self._write_all_valid.get(None, False):
             self._steady_from = start  # the next decode step may take the steady path
 
+    def _lay_out_rows(self) -> None:
+        """Runs of self._reserve blocks side by side for the new request's rows (before anything is stored), each
+        run starting with the row's whole blocks of padding; a row whose padding ends inside a block then stores
+        that block's padding too, so that its positions start at a block boundary of its run."""
+        bs, rows, blocks, self._reserve = self.block_size, self.rows, self._reserve, 0
+        if any(row.pad % bs for row in rows) and not self._padding_storable:
+            return  # the block-table kernels read every stored position as visible
+        if self.manager.reserve_runs([row.id for row in rows], blocks, [row.pad // bs for row in rows]):
+            for row in rows:
+                if row.pad % bs:
+                    row.pad, row.tokens = row.pad - row.pad % bs, []
+
     def _update_slots(self, group, start: int, new: int, device) -> None:
         """Slots of this step: write [B, new] (-1: padding, not stored) and read [B, start + new].
 
@@ -385,8 +402,13 @@ class PagedKVCache(Cache):
         A slot is block * block_size + offset; slots in the null block read zeros.
         """
         self._strided[group] = layout = self._strided_layout(group, start + new)
-        if layout is not None:  # written and read through views of the storage: no slot tables
-            self._write_all_valid[group] = True
+        if layout is not None:  # written and read through views of the storage: no read slots
+            # a row's padding inside its first block is written slot by slot (the view would write its
+            # unstored leading positions too)
+            self._write_all_valid[group] = all(start >= row.pad for row in self.rows)
+            if not self._write_all_valid[group]:
+                write = self._slots(group, start, start + new).to(device)
+                self._write[group], self._write_flat[group] = write, write.view(-1)
             self._read.pop(group, None)  # rebuilt from the tables if the layout ever breaks
             self._read_len.pop(group, None)
             self._pages[group] = None
@@ -415,19 +437,21 @@ class PagedKVCache(Cache):
             self._pages[group] = self._page_table(group, end, device)
 
     def _strided_layout(self, group, end: int) -> tuple[int, int] | None:
-        """(first slot, row stride in slots) when every row's positions [0, end) sit in consecutive slots, row r's
-        from first + r * stride (rows without left padding: one row alone, or rows laid out by reserve_runs); the
-        rows are then read as one view of the storage. None otherwise."""
-        if any(row.pad for row in self.rows):
+        """(first slot, row stride in slots) when row r's logical positions [0, end) are the consecutive slots from
+        first + r * stride: its stored blocks consecutive, its whole blocks of left padding just before them (read,
+        never written: masked, and unused by anyone else while the rows are laid out). One row alone, or rows laid
+        out by reserve_runs; the rows are then read as one view of the storage. None otherwise."""
+        bs, n, starts = self.block_size, -(-end // self.block_size), []
+        for row in self.rows:
+            lead = row.pad // bs
+            table = self._table(row, group)[: n - lead]
+            if row.pad % bs or not table or table[0] < lead or table != list(range(table[0], table[0] + n - lead)):
+                return None
+            starts.append(table[0] - lead)
+        stride = starts[1] - starts[0] if len(starts) > 1 else 0
+        if stride < 0 or any(v != starts[0] + r * stride for r, v in enumerate(starts)):
             return None
-        n = -(-end // self.block_size)
-        tables = [self._table(row, group)[:n] for row in self.rows]
-        first = tables[0][0]
-        stride = tables[1][0] - first if len(tables) > 1 else 0
-        if stride < 0 or any(t != list(range(first + r * stride, first + r * stride + n))
-                             for r, t in enumerate(tables)):  # fmt: skip
-            return None
-        return first * self.block_size, stride * self.block_size
+        return starts[0] * bs, stride * bs
 
     def _page_table(self, group, end: int, device) -> torch.Tensor:
         """[B, n] blocks holding logical positions [k * bs, (k + 1) * bs) of each row (n * bs >= end; left padding
