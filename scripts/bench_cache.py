@@ -9,7 +9,8 @@
    length given as generate(cache_implementation="paged_kv") gives them, so the unpadded rows are laid out to be
    read as views), stories260k (batch 1 and 8,
    context 512 and 2048; it runs past its 512 trained positions, which changes no cost) and SmolLM2-135M (batch 1
-   and 8 at 512, batch 1 at 2048). --quick: stories260k at 512 only.
+   and 8 at 512, batch 1 at 2048), and batch 8 at 512 left-padded (a ragged batch: each row but the first padded
+   by 0..255) for both models. --quick: stories260k at 512 only.
 3. Prefix caching: time to first token of a request whose 1,024-token prefix another request already computed
    (warm) vs the same request on an empty cache (cold), SmolLM2-135M (--quick: stories260k).
 """
@@ -59,12 +60,16 @@ def memory(model, block_size: int, new_tokens: int) -> None:
         print(f"   {name:<14}{held:>14,} B held   utilization {ideal / held:6.1%}   x ideal {held / ideal:5.2f}")
 
 
-def decode_tps(model, batch: int, context: int, steps: int, paged: bool, rounds: int = 3) -> float:
+def decode_tps(model, batch: int, context: int, steps: int, paged: bool, rounds: int = 3, padded: bool = False):
     """Greedy decode tokens/s on a prefilled cache (prefill not timed): best of `rounds` rounds of `steps` steps,
-    each round cropped back so every round decodes at the same context."""
+    each round cropped back so every round decodes at the same context. padded: rows left-padded by 0..context/2
+    (a ragged batch as generate() gets it; positions counted from each row's first token)."""
     torch.manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (batch, context))
     mask = torch.ones_like(ids)
+    if padded:
+        for row, pad in enumerate(torch.randint(0, context // 2, (batch,)).tolist()[1:], 1):  # row 0 is the longest
+            mask[row, :pad] = 0
     # the paged pool sized as generate(cache_implementation="paged_kv") sizes it: every row can reach the end
     blocks = batch * (-(-(context + steps) // 16) + 1) + 1
     cache = PagedKVCache(model.config, block_size=16, num_blocks=blocks) if paged else DynamicCache(config=model.config)
@@ -72,26 +77,30 @@ def decode_tps(model, batch: int, context: int, steps: int, paged: bool, rounds:
         cache.start_request(ids, mask, max_length=context + steps)  # as generate() passes its max_length
     best = float("inf")
     with torch.no_grad():
-        first = model(ids, attention_mask=mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+        positions = (mask.cumsum(1) - 1).clamp(min=0)
+        first = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1:].argmax(-1)
         for _ in range(rounds):
             token, step_mask = first, mask
             start = time.perf_counter()
             for _ in range(steps):
                 step_mask = torch.cat((step_mask, step_mask.new_ones(batch, 1)), 1)
-                token = model(token, attention_mask=step_mask, past_key_values=cache).logits[:, -1:].argmax(-1)
+                position = step_mask.sum(1, keepdim=True) - 1
+                token = model(token, attention_mask=step_mask, position_ids=position,
+                              past_key_values=cache).logits[:, -1:].argmax(-1)  # fmt: skip
             best = min(best, time.perf_counter() - start)
             cache.crop(-steps)
     return batch * steps / best
 
 
-def throughput(cases: list[tuple[str, object, int, int]], steps: int) -> None:
+def throughput(cases: list[tuple[str, object, int, int, bool]], steps: int) -> None:
     print(f"\n2. decode throughput: best of 3 rounds of {steps} greedy steps on a prefilled cache, tokens/s")
-    print(f"   {'model':<14}{'batch':>6}{'context':>9}{'Dynamic':>10}{'paged_kv':>10}{'ratio':>8}")
+    print(f"   {'model':<14}{'batch':>6}{'context':>9}{'padded':>8}{'Dynamic':>10}{'paged_kv':>10}{'ratio':>8}")
     decode_tps(cases[0][1], 1, 64, 8, paged=False)  # warm-up: the first forward of a process is slow
-    for name, model, batch, context in cases:
-        dynamic = decode_tps(model, batch, context, steps, paged=False)
-        paged = decode_tps(model, batch, context, steps, paged=True)
-        print(f"   {name:<14}{batch:>6}{context:>9}{dynamic:>10.1f}{paged:>10.1f}{paged / dynamic:>7.2f}x")
+    for name, model, batch, context, padded in cases:
+        dynamic = decode_tps(model, batch, context, steps, paged=False, padded=padded)
+        paged = decode_tps(model, batch, context, steps, paged=True, padded=padded)
+        print(f"   {name:<14}{batch:>6}{context:>9}{'yes' if padded else 'no':>8}{dynamic:>10.1f}{paged:>10.1f}"
+              f"{paged / dynamic:>7.2f}x")
 
 
 def prefix_ttft(model, prefix_len: int) -> None:
@@ -127,11 +136,13 @@ def main() -> None:
     print(f"torch {torch.__version__}, {args.threads} threads, fp32, CPU")
     stories, _ = load_default()
     memory(stories, block_size=16, new_tokens=256)
-    cases = [("stories260k", stories, batch, context) for batch in (1, 8) for context in (512, 2048)]
+    cases = [("stories260k", stories, batch, context, False) for batch in (1, 8) for context in (512, 2048)]
+    cases.append(("stories260k", stories, 8, 512, True))
     if not args.quick:
         smollm2 = load_smollm2()[0]
         # batch 8 at 2048 would spend minutes in SmolLM2's prefill on 2 cores: left out
-        cases += [("SmolLM2-135M", smollm2, 1, 512), ("SmolLM2-135M", smollm2, 8, 512), ("SmolLM2-135M", smollm2, 1, 2048)]
+        cases += [("SmolLM2-135M", smollm2, batch, context, padded)
+                  for batch, context, padded in ((1, 512, False), (8, 512, False), (1, 2048, False), (8, 512, True))]
     else:
         cases = [c for c in cases if c[3] == 512]
     throughput(cases, steps=32)
