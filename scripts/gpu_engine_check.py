@@ -1,5 +1,7 @@
 """The engine's paged path on the GPU: greedy Engine outputs equal generate() alone, with the kernels called at
-block granularity (prefill: paged_prefill_attention, decode: paged_decode_attention / mla_decode).
+block granularity (prefill: paged_prefill_attention, decode: paged_decode_attention / mla_decode); and paged
+generate() of a left-padded batch (cache_implementation="paged_kv": rows laid out and read as strided views under
+sdpa, pages read by the kernels under the "paged_kv" attention) equal to generate() with DynamicCache.
 
     python scripts/gpu_engine_check.py            # used by scripts/gpu_check.sh; CPU: the torch reference runs
 """
@@ -59,7 +61,30 @@ def main() -> int:
         failures += not ok
         print(f"{label:16s} {device}: {same}/{len(prompts)} token-identical to generate(); kernel calls {dict(calls)}"
               f" -> {'ok' if ok else 'FAIL'}")
+        failures += not paged_generate_matches(label, model, device, calls)
     return 1 if failures else 0
+
+
+def paged_generate_matches(label: str, model, device: str, calls) -> bool:
+    ids = torch.tensor([[0, 0, 0, 5, 9, 13, 22, 40, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 0, 0, 50, 60, 70, 80]],
+                       device=device)  # fmt: skip
+    kw = dict(attention_mask=(ids != 0).long(), max_new_tokens=12, do_sample=False, pad_token_id=0)
+    reference = model.generate(ids, **kw)
+    ok = True
+    for attention in ("sdpa", "paged_kv"):
+        calls.clear()
+        model.set_attn_implementation(attention)
+        try:
+            out = model.generate(ids, cache_implementation="paged_kv", return_dict_in_generate=True,
+                                 cache_config={"block_size": 4}, **kw)  # fmt: skip
+        finally:
+            model.set_attn_implementation("sdpa")
+        views = any(layout is not None for layout in out.past_key_values._strided.values())
+        same = torch.equal(out.sequences, reference)
+        ok &= same and (device == "cpu" or attention == "sdpa" or sum(calls.values()) > 0)  # CUDA: kernels ran
+        print(f"{label:16s} {device}: paged generate(), {attention} attention: token-identical {same}, rows read as "
+              f"views {views}, kernel calls {dict(calls)}")
+    return ok
 
 
 if __name__ == "__main__":
