@@ -44,6 +44,10 @@ FORMATS = ("auto", "native", "stock", "deepseek_v3")
 HEAL_DATA = ("calib", "teacher", "mix")
 STOCK_GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # configs with a native num_key_value_heads
 RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity")
+# reconstruct_steps "auto" (the CLI's default): steps per layer when the conversion keeps >= half the source's KV
+# values, and below: there the closed form starts further off and 60 steps end with most layers still improving
+# (SmolLM2 MQA 3->1 / MLA 25%, held-in teacher KL, BENCHMARKS.md "Fourth session")
+AUTO_RECONSTRUCT_STEPS = (60, 150)
 
 
 @dataclass
@@ -66,7 +70,8 @@ class ConvertOptions:
     calib_len: int = 256
     calib_source: str = "text"  # text: windows of calib_data; teacher: the source's own samples, prompted from them
     propagate: bool = False  # each layer's closed form recomputed from the converted prefix's statistics (kept if better)
-    reconstruct_steps: int = 0  # Adam steps fitting each converted layer's output (the CLI defaults to 60: its help)
+    reconstruct_steps: int | str = 0  # Adam steps fitting each converted layer's output; "auto" (the CLI's default):
+    # by the KV share kept (auto_reconstruct_steps)
     reconstruct_lr: float = 1e-2  # reconstruction step, as a fraction of each weight tensor's RMS (SmolLM2: best held-in)
     reconstruct_target: str = "source"  # source: the source layer on its own inputs; local: on the converted ones
     heal_steps: int = 0  # distillation steps from the source after conversion (0: zero-shot)
@@ -160,6 +165,8 @@ class ConvertOptions:
             dtype_of(self.dtype)  # raises naming the value
         for name in ("reconstruct_steps", "heal_layerwise_steps"):
             value = getattr(self, name)
+            if name == "reconstruct_steps" and value == "auto":
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(f"{name}={value!r} must be a non-negative integer")
         if not isinstance(self.reconstruct_lr, (int, float)) or not self.reconstruct_lr > 0:
@@ -249,6 +256,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
             logger.warning("%s has per-head q/k norms: the default %r does not apply, using 'mean'",
                            config.model_type, opts.method)  # fmt: skip
             opts.method = report["options"]["method"] = "mean"
+        _resolve_reconstruct_steps(opts, report, opts.kv_heads / source_kv)
         layerwise = opts.reconstruct_steps or (opts.propagate and opts.method != "mean")
         windows, stats = (_calibrate(model, tokenizer, text(), opts, report) if opts.method != "mean" or layerwise
                           else (None, {}))  # fmt: skip
@@ -270,6 +278,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
             _layerwise(model, new, windows, relift if opts.propagate and opts.method != "mean" else None, opts, report)
     else:
         rope_dim, kv_lora_rank = _mla_sizes(opts, config, source_kv, d_h)
+        _resolve_reconstruct_steps(opts, report, (rope_dim + kv_lora_rank) / (2 * source_kv * d_h))
         deepseek = opts.format == "deepseek_v3"
         if deepseek:
             check_source(config, rope_dim)
@@ -354,6 +363,18 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     if opts.push_to_hub is not None:
         report["hub"] = push(out, opts.push_to_hub, private=opts.private, client=hub_client)
     return report
+
+
+def auto_reconstruct_steps(kv_share: float) -> int:
+    """reconstruct_steps="auto": AUTO_RECONSTRUCT_STEPS[0] when the conversion keeps at least half the source's KV
+    values per token (kv_share >= 0.5), AUTO_RECONSTRUCT_STEPS[1] below."""
+    return AUTO_RECONSTRUCT_STEPS[0] if kv_share >= 0.5 else AUTO_RECONSTRUCT_STEPS[1]
+
+
+def _resolve_reconstruct_steps(opts: ConvertOptions, report: dict, kv_share: float) -> None:
+    if opts.reconstruct_steps == "auto":
+        opts.reconstruct_steps = report["options"]["reconstruct_steps"] = auto_reconstruct_steps(kv_share)
+        logger.info("reconstruct_steps auto: %d (KV share %.3g)", opts.reconstruct_steps, kv_share)
 
 
 def _is_main_process() -> bool:

@@ -68,7 +68,8 @@ def main() -> None:
     parser.add_argument("--targets", help="comma-separated target labels to run (default: all), e.g. 'MLA 50%%,MQA 3->1'")
     parser.add_argument("--all-methods", action="store_true", help="also every other closed-form method")
     parser.add_argument("--quick", action="store_true", help="stories260k only")
-    parser.add_argument("--reconstruct-steps", type=int, default=60, help="the CLI default")
+    parser.add_argument("--reconstruct-steps", type=lambda v: v if v == "auto" else int(v), default="auto",
+                        help="the CLI default (auto: 60 at >= half the KV values, 150 below)")
     parser.add_argument("--heal-steps", type=int, help="default: 100 (stories260k) / 60 (SmolLM2); 0: no healing")
     parser.add_argument("--heal-data", default="teacher", choices=["calib", "teacher", "mix"])
     parser.add_argument("--rank-allocation", help="MLA targets: convert()'s rank_allocation (default: convert()'s, "

@@ -7,7 +7,7 @@ import torch
 
 from hf_attn_patch.converters.calibration import (TEACHER_PROMPT, calibration_windows, read_calibration_text,
                                                   sample_from_teacher, teacher_windows)
-from hf_attn_patch.converters.convert import ConvertOptions, convert
+from hf_attn_patch.converters.convert import AUTO_RECONSTRUCT_STEPS, ConvertOptions, auto_reconstruct_steps, convert
 
 
 @pytest.fixture(scope="module")
@@ -57,4 +57,21 @@ def test_the_cli_calibrates_on_teacher_samples_and_reconstructs_by_default(tmp_p
     cli.main(["convert", "default", str(tmp_path / "o"), "--to", "mqa", "--calib-samples", "2", "--calib-len", "32"])
     report = json.loads((tmp_path / "o" / "conversion_report.json").read_text())
     assert report["calibration"]["source"] == "teacher"
-    assert report["layerwise"]["reconstruct_steps"] == 60 and len(report["layerwise"]["layers"]) == 5
+    # reconstruct steps "auto": MQA 4 -> 1 keeps a quarter of the KV values, below half: the longer fit
+    assert report["options"]["reconstruct_steps"] == AUTO_RECONSTRUCT_STEPS[1] == 150
+    assert report["layerwise"]["reconstruct_steps"] == 150 and len(report["layerwise"]["layers"]) == 5
+    cli.main(["convert", "default", str(tmp_path / "m"), "--to", "mla", "--kv-budget", "0.5", "--calib-samples", "2",
+              "--calib-len", "32", "--rank-allocation", "uniform"])  # fmt: skip
+    report = json.loads((tmp_path / "m" / "conversion_report.json").read_text())
+    assert report["layerwise"]["reconstruct_steps"] == AUTO_RECONSTRUCT_STEPS[0] == 60  # half the KV values: 60
+
+
+@pytest.mark.parametrize("share, steps", [(1.0, 60), (0.5, 60), (0.499, 150), (1 / 3, 150), (0.25, 150)])
+def test_auto_reconstruct_steps_by_kv_share(share, steps):
+    assert auto_reconstruct_steps(share) == steps
+
+
+def test_reconstruct_steps_accepts_auto_only_as_a_word():
+    assert ConvertOptions(to="mqa", reconstruct_steps="auto").reconstruct_steps == "auto"
+    with pytest.raises(ValueError, match="reconstruct_steps='many' must be a non-negative integer"):
+        ConvertOptions(to="mqa", reconstruct_steps="many")
