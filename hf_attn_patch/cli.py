@@ -329,10 +329,11 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--propagate", action="store_true", default=None,
                     help="recompute each layer's closed form from the statistics of the converted layers before it "
                     "(kept per layer where it lowers the held-in error; measured no better than plain: off by default)")
-    cv.add_argument("--reconstruct-steps", type=int, default=60,
+    cv.add_argument("--reconstruct-steps", type=lambda v: v if v == "auto" else int(v), default="auto",
                     help="Adam steps fitting each converted attention layer's output to the source's, layer by layer "
-                    "(default 60; 0: closed form only; convert() in Python defaults to 0). SmolLM2-135M MLA 50%% "
-                    "with teacher calibration, WikiText-2: 42.2 -> 33.5, about 3-4 CPU-minutes (BENCHMARKS.md)")
+                    "(default auto: 60 when the conversion keeps at least half the source's KV values, 150 below; 0: "
+                    "closed form only; convert() in Python defaults to 0). SmolLM2-135M MLA 50%% with teacher "
+                    "calibration, WikiText-2: 42.2 -> 33.5, about 3-4 CPU-minutes (BENCHMARKS.md)")
     cv.add_argument("--reconstruct-lr", type=float, help="reconstruction step, a fraction of each weight's RMS (default 0.01)")
     cv.add_argument("--reconstruct-target", choices=["source", "local"],
                     help="fit to the source layer on the source's inputs (default) or on the converted prefix's")
