@@ -111,23 +111,18 @@ def _positive_int(text: str) -> int:
     return value
 
 
-def _int_or_auto(text: str):
-    """An integer, or the word auto (the option's measured default rule)."""
-    if text == "auto":
-        return text
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither an integer nor 'auto'") from None
+def _or_auto(parse, noun: str):
+    """An argparse type: a value `parse` accepts, or the word auto (the option's measured default rule)."""
 
+    def value(text: str):
+        if text == "auto":
+            return text
+        try:
+            return parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is neither {noun} nor 'auto'") from None
 
-def _float_or_auto(text: str):
-    if text == "auto":
-        return text
-    try:
-        return float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor 'auto'") from None
+    return value
 
 
 def _non_negative_float(text: str) -> float:
@@ -348,7 +343,7 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--propagate", action="store_true", default=None,
                     help="recompute each layer's closed form from the statistics of the converted layers before it "
                     "(kept per layer where it lowers the held-in error; measured no better than plain: off by default)")
-    cv.add_argument("--reconstruct-steps", type=_int_or_auto, default="auto",
+    cv.add_argument("--reconstruct-steps", type=_or_auto(int, "an integer"), default="auto",
                     help="Adam steps fitting each converted attention layer's output to the source's, layer by layer "
                     "(default auto: 60 when the conversion keeps at least half the source's KV values, 150 below; 0: "
                     "closed form only; convert() in Python defaults to 0). SmolLM2-135M MLA 50%% with teacher "
@@ -356,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--reconstruct-lr", type=float, help="reconstruction step, a fraction of each weight's RMS (default 0.01)")
     cv.add_argument("--reconstruct-target", choices=["source", "local"],
                     help="fit to the source layer on the source's inputs (default) or on the converted prefix's")
-    cv.add_argument("--heal-lr", type=_float_or_auto,
+    cv.add_argument("--heal-lr", type=_or_auto(float, "a number"),
                     help="healing learning rate, or auto (default): a short range test on held-in windows")
     cv.add_argument("--heal-data", choices=["calib", "teacher", "mix"],
                     help="healing text: samples from the source model (default), the calibration text, or both")

@@ -6,8 +6,8 @@
    it at the end of generation: bytes held vs the ideal (tokens actually in each row x bytes per token).
    DynamicCache and StaticCache pad every row to the longest; the paged cache holds each row's own blocks.
 2. Decode throughput: greedy decode steps on a prefilled DynamicCache vs PagedKVCache (its pool and the final
-   length given as generate(cache_implementation="paged_kv") gives them, so the unpadded rows are laid out to be
-   read as views), stories260k (batch 1 and 8,
+   length given as generate(cache_implementation="paged_kv") gives them, so the rows are laid out to be read as
+   views), stories260k (batch 1 and 8,
    context 512 and 2048; it runs past its 512 trained positions, which changes no cost) and SmolLM2-135M (batch 1
    and 8 at 512, batch 1 at 2048), and batch 8 at 512 left-padded (a ragged batch: each row but the first padded
    by 0..255) for both models. --quick: stories260k at 512 only.
@@ -26,6 +26,7 @@ from transformers import DynamicCache, StaticCache
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch import PagedKVCache
+from hf_attn_patch.cache.generate_hook import pool_blocks_for_generation
 from hf_attn_patch.kv_memory import kv_cache_bytes
 from hf_attn_patch.models import load_default, load_smollm2
 
@@ -70,8 +71,7 @@ def decode_tps(model, batch: int, context: int, steps: int, paged: bool, rounds:
     if padded:
         for row, pad in enumerate(torch.randint(0, context // 2, (batch,)).tolist()[1:], 1):  # row 0 is the longest
             mask[row, :pad] = 0
-    # the paged pool sized as generate(cache_implementation="paged_kv") sizes it: every row can reach the end
-    blocks = batch * (-(-(context + steps) // 16) + 1) + 1
+    blocks = pool_blocks_for_generation(batch, context + steps, 16)  # as generate(cache_implementation="paged_kv")
     cache = PagedKVCache(model.config, block_size=16, num_blocks=blocks) if paged else DynamicCache(config=model.config)
     if paged:
         cache.start_request(ids, mask, max_length=context + steps)  # as generate() passes its max_length

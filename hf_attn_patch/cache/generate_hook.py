@@ -8,7 +8,7 @@ cache construction has no hook, so:
   for every row to reach max length unless `cache_config` gives num_blocks / max_memory);
 - `prefill_with_paged(original)`: `_prefill` tells the PagedKVCache where each row's prompt starts (left padding)
   and which prompt blocks it already holds (prefix caching) before the prefill forward, and the generation's
-  max_length (so rows without padding are laid out to be read as one view).
+  max_length (so the rows are laid out to be read as one view).
 """
 
 from __future__ import annotations
@@ -22,6 +22,12 @@ def with_paged_cache_name(names: tuple[str, ...]) -> tuple[str, ...]:
     return names + (PAGED_CACHE_NAME,)
 
 
+def pool_blocks_for_generation(rows: int, max_length: int, block_size: int) -> int:
+    """Blocks of the pool generate(cache_implementation="paged_kv") makes: enough for every row to reach max_length,
+    one block of slack per row, and the null block."""
+    return rows * (-(-max_length // block_size) + 1) + 1
+
+
 def prepare_cache_with_paged(original):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
         if generation_config.cache_implementation != PAGED_CACHE_NAME or model_kwargs.get("past_key_values") is not None:
@@ -30,7 +36,7 @@ def prepare_cache_with_paged(original):
         block_size = options.get("block_size", 16)
         if "num_blocks" not in options and "max_memory" not in options:  # enough for every row to reach max length
             rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
-            options["num_blocks"] = rows * (-(-max_cache_length // block_size) + 1) + 1
+            options["num_blocks"] = pool_blocks_for_generation(rows, max_cache_length, block_size)
         model_kwargs["past_key_values"] = PagedKVCache(self.config.get_text_config(decoder=True), **options)
 
     _prepare_cache_for_generation.__wrapped__ = original

@@ -101,12 +101,9 @@ class KVStorage:
         """Write keys [B, H, T, d_k], values [B, H, T, d_v] at positions [start, start + T) of the rows of `strided`
         and return those rows' K [B, H, start + T, d_k], V (views)."""
         kh, ks, ko, vh, vs, vo = self._geometry
-        batch, heads, new, _ = keys.shape
-        row_k, row_v, length = stride * ks, stride * vs, start + new
-        self.keys.as_strided(keys.shape, (row_k, kh, ks, 1), ko + (first + start) * ks).copy_(keys)
-        self.values.as_strided(values.shape, (row_v, vh, vs, 1), vo + (first + start) * vs).copy_(values)
-        return (self.keys.as_strided((batch, heads, length, self.key_dim), (row_k, kh, ks, 1), ko + first * ks),
-                self.values.as_strided((batch, heads, length, self.value_dim), (row_v, vh, vs, 1), vo + first * vs))
+        self.keys.as_strided(keys.shape, (stride * ks, kh, ks, 1), ko + (first + start) * ks).copy_(keys)
+        self.values.as_strided(values.shape, (stride * vs, vh, vs, 1), vo + (first + start) * vs).copy_(values)
+        return self.strided(first, stride, keys.shape[0], start + keys.shape[2])
 
     def page_index(self, blocks: torch.Tensor) -> torch.Tensor:
         """blocks [B, n] -> the flat page index [H * B * n] of `read_pages` (one per step, shared by the layers of

@@ -165,17 +165,17 @@ class KVManager:
         """Lay out empty sequences side by side: sequence i's k-th block is taken at block
         base + i * blocks_each + skips[i] + k while that block is free (skips: blocks each run leaves unused at its
         start, e.g. a row's whole blocks of left padding), so their tables stay consecutive runs at one stride (the
-        storage owner can read all of them as one strided view, with no gather). Placement only: nothing is allocated, and a wanted block that
-        is taken already is replaced by any free one. Returns False, changing nothing, when some pool has no such
-        run (a growable pool does not grow for it: its blocks stay allocated on demand)."""
+        storage owner can read all of them as one strided view, with no gather). Placement only: nothing is
+        allocated, and a wanted block that is taken already is replaced by any free one. Returns False, changing
+        nothing, when some pool has no such run (a growable pool does not grow for it: its blocks stay allocated on
+        demand)."""
         skips = skips or [0] * len(seq_ids)
         if blocks_each < 1 or any(any(self.sequences[s].tables.values()) for s in seq_ids):
             raise ValueError(f"reserve_runs: blocks_each={blocks_each!r} must be >= 1 and the sequences empty")
         if len(skips) != len(seq_ids) or not all(0 <= k < blocks_each for k in skips):
             raise ValueError(f"reserve_runs: skips={skips!r} must give each sequence 0 <= skip < {blocks_each}")
-        homes = {}
+        homes, need = {}, len(seq_ids) * blocks_each
         for g, pool in self.pools.items():
-            need = len(seq_ids) * blocks_each
             homes[g] = pool.free_run(need)
             if homes[g] is None:
                 return False

@@ -15,15 +15,15 @@ chain (prefix_cache.py); a later request whose prompt starts with them reuses th
 All of that bookkeeping is the KV manager's (manager.py): this class is the transformers `Cache` adapter over it,
 owning only the storage tensors and the slot tables built from the manager's block tables.
 
-Reads. Rows without left padding whose blocks are consecutive runs at one stride (one row, or a batch laid out by
-`start_request(max_length=...)`, which generate() passes) are written and read as strided views of the storage,
-with no copy; otherwise a step gathers whole pages per head (rows whose left padding is whole blocks) or slot by
-slot (the rest, whose pages do not start at the same position). The returned K/V are [B, H, L, d] as
-DynamicCache returns them, so every attention implementation and both MLA paths work unchanged. Under the
-registered "paged_kv" attention, a decode step on CUDA instead returns flat views of the layer's storage (the
-kernels' [slots, H, d] pages) and puts the storage in a forward context with the step's AttentionMetadata (block
-tables in stored positions, left padding excluded, built once at the first layer), so the decode kernels read the
-pages by block.
+Reads. Rows whose blocks are consecutive runs at one stride, each run starting with the row's whole blocks of left
+padding (one unpadded row, or a batch laid out by `start_request(max_length=...)`, which generate() passes), are
+written and read as strided views of the storage, with no copy; otherwise a step gathers whole pages per head (rows
+whose left padding is whole blocks) or slot by slot (the rest, whose pages do not start at the same position).
+The returned K/V are [B, H, L, d] as DynamicCache returns them, so every attention implementation and both MLA
+paths work unchanged. Under the registered "paged_kv" attention, a decode step on CUDA instead returns flat views
+of the layer's storage (the kernels' [slots, H, d] pages) and puts the storage in a forward context with the step's
+AttentionMetadata (block tables in stored positions, left padding excluded, built once at the first layer), so the
+decode kernels read the pages by block.
 """
 
 from __future__ import annotations
@@ -177,10 +177,10 @@ class PagedKVCache(Cache):
         """Begin a new batch of prompts: release the previous rows, learn each row's left padding, and attach the
         cached blocks of the longest prefix all rows can skip. Returns the number of positions skipped.
 
-        max_length (prompt + new tokens; generate() passes its own): rows without left padding or a prefix hit
-        get side-by-side runs of that many positions, so every step reads them as one view of the storage (on CPU a
-        left-padded row is laid out too, storing the padding of its first block; the block-table kernels instead
-        need the padding unstored)."""
+        max_length (prompt + new tokens; generate() passes its own): rows without a prefix hit get side-by-side runs
+        of that many positions, so every step reads them as one view of the storage. A row whose left padding ends
+        inside a block then stores that block's padding; unless the block-table kernels run (they need the padding
+        unstored), in which case such a batch is not laid out."""
         if attention_mask is not None and input_ids.shape[1] < attention_mask.shape[1]:
             return 0  # only the new tokens of a continuing request were passed: keep the rows as they are
         if max_length is not None and (not isinstance(max_length, int) or max_length < input_ids.shape[1]):
@@ -247,13 +247,9 @@ class PagedKVCache(Cache):
         if storage is None or storage.num_blocks < self._pool_blocks[window]:
             storage = self._grow_storage(layer, keys, values)
         length = layer.length = start + keys.shape[2]
-        layout, all_valid = self._strided[window], self._write_all_valid[window]
+        layout, all_valid, views = self._strided[window], self._write_all_valid[window], None
         if layout is not None and all_valid:  # rows in consecutive slots at one stride: views in and out
             views = storage.append_strided(*layout, start, keys, values)
-            if not self._kernel_step:
-                if layer is self.paged[-1]:
-                    self._end_step()
-                return views
         elif all_valid:  # [B, H, T, d] -> [H, B * T, d] at the flat write slots
             storage.write(self._write_flat[window], keys.transpose(0, 1).flatten(1, 2),
                           values.transpose(0, 1).flatten(1, 2))  # fmt: skip
@@ -268,7 +264,7 @@ class PagedKVCache(Cache):
                 set_forward_context(self._decode_context(keys.device))
             get_forward_context().storage[layer.layer_idx] = storage
             return storage.key_cache, storage.value_cache  # the pages themselves: the backend reads them by block table
-        return self._read_layer(layer, length)
+        return views if views is not None else self._read_layer(layer, length)
 
     def _read_layer(self, layer: PagedLayer, length: int):
         """K [B, H, L, d_k], V [B, H, L, d_v] of a paged layer's first `length` positions."""
