@@ -6,7 +6,7 @@
 For each model and target: perplexity on two evaluation texts that are never calibrated or healed on (and its ratio
 to the source's), mean KL(source || converted) per token on the first, KV bytes per token (fp16, all layers), and
 the CPU seconds of the conversion (time.process_time of this process, one torch thread unless --threads: on a shared
-machine the wall time is noise, the CPU time less so). Rows per target:
+machine the wall time is noise, the CPU time less so) and its wall time (annotated in the PNG, minutes). Rows per target:
     closed form (text)     the default method calibrated on the package corpus (TinyStories sample, 32 x 256 tokens)
     closed form (teacher)  the same calibrated on 32 x 256 samples of the source itself (calib_source="teacher")
     + reconstruction       teacher calibration and `--reconstruct-steps` Adam steps per layer (convert()'s path)
@@ -50,7 +50,7 @@ TARGETS = {
     "smollm2": [("MLA 50%", dict(to="mla", kv_budget=0.5)), ("MLA 25%", dict(to="mla", kv_budget=0.25)),
                 ("MQA 3->1", dict(to="mqa")), ("MLA 12.5%", dict(to="mla", kv_budget=0.125))],
 }  # fmt: skip
-HEAL = {"default": (100, 4), "smollm2": (60, 2)}  # steps, windows per step
+HEAL = {"default": (100, 4), "smollm2": (50, 2)}  # steps, windows per step (SmolLM2: the recipe timed for issue 13)
 
 
 def eval_sets(name: str, tokenizer) -> dict[str, torch.Tensor]:
@@ -96,7 +96,7 @@ def main() -> None:
         first = next(iter(sets))
         base = {k: evaluate(source, w, progress=False).perplexity for k, w in sets.items()}
         rows.append(dict(model=label, target="source", method="-", kv=kv_cache_bytes(source.config, 1), ppl=base,
-                         ratio={k: 1.0 for k in base}, kl=0.0, cpu=0.0))  # fmt: skip
+                         ratio={k: 1.0 for k in base}, kl=0.0, cpu=0.0, wall=0.0))  # fmt: skip
         print(f"{label}: source {_fmt(base)}", flush=True)
         steps, batch = HEAL[name]
         steps = steps if args.heal_steps is None else args.heal_steps
@@ -129,16 +129,16 @@ def main() -> None:
                         continue
                     rows.append(dict(model=label, target=target, method=run_label + (", healed" if kind == "healed" else ""), **r))
                     print(f"  {target:<9} {rows[-1]['method']:<40} {r['kv']:>6} B  ppl {_fmt(r['ppl'])} "
-                          f"(x{_fmt(r['ratio'])})  KL {r['kl']:.3f}  {r['cpu']:.0f} CPU s", flush=True)  # fmt: skip
+                          f"(x{_fmt(r['ratio'])})  KL {r['kl']:.3f}  {r['cpu']:.0f} CPU s  {r['wall']:.0f} s", flush=True)  # fmt: skip
                 rows_file.write_text(json.dumps(rows, indent=1))
     names = sorted({k for r in rows for k in r["ppl"]}, key=lambda k: k != "stories" and k != "wikitext2")
     print("\n| model | target | method | KV B/token | " + " | ".join(f"ppl {k} (ratio)" for k in names)
-          + " | KL | CPU s |")
-    print("|---|---|---|---:|" + "---:|" * len(names) + "---:|---:|")
+          + " | KL | CPU s | wall s |")
+    print("|---|---|---|---:|" + "---:|" * len(names) + "---:|---:|---:|")
     for r in rows:
         print(f"| {r['model']} | {r['target']} | {r['method']} | {r['kv']} | "
               + " | ".join(f"{r['ppl'][k]:.2f} ({r['ratio'][k]:.2f}x)" for k in names if k in r["ppl"])
-              + f" | {r['kl']:.3f} | {r['cpu']:.0f} |")  # fmt: skip
+              + f" | {r['kl']:.3f} | {r['cpu']:.0f} | {r.get('wall', 0):.0f} |")  # fmt: skip
     rows_file.write_text(json.dumps(rows, indent=1))
     _plot(rows, args.out)
 
@@ -157,22 +157,22 @@ def _run(name, options, sets, source, first, base, heal, samples, tokenizer) -> 
     """Convert (one-shot) and evaluate; with `heal`, heal that output (convert()'s healing step, the CPU seconds of
     the healing alone) and evaluate it as row["healed"]."""
     with tempfile.TemporaryDirectory() as tmp:
-        cpu = time.process_time()
+        cpu, wall = time.process_time(), time.perf_counter()
         report = convert(name, Path(tmp) / "out", **options)
-        cpu = time.process_time() - cpu
+        cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
         model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "out").eval()
         kv = report["kv_bytes_per_token_fp16"]["after"]
-        row = dict(kv=kv, **_measure(model, sets, source, first, base), cpu=cpu,
+        row = dict(kv=kv, **_measure(model, sets, source, first, base), cpu=cpu, wall=wall,
                    layer_error=report.get("layerwise", {}).get("mean_error"))  # fmt: skip
         if heal:
             opts = ConvertOptions(**options, **heal)
-            heal_cpu = time.process_time()
+            heal_cpu, heal_wall = time.process_time(), time.perf_counter()
             if opts.heal_layerwise_steps:  # convert()'s first healing stage, on its calibration windows
                 heal_layerwise(source, model, samples, opts.heal_layerwise_steps)
             healed = _heal(model, source, tokenizer, read_calibration_text(None), opts, samples)
-            heal_cpu = time.process_time() - heal_cpu
+            heal_cpu, heal_wall = time.process_time() - heal_cpu, time.perf_counter() - heal_wall
             row["healed"] = dict(kv=kv, **_measure(model, sets, source, first, base), cpu=cpu + heal_cpu,
-                                 heal_cpu=heal_cpu, heal_lr=healed["lr"], heal_best_step=healed["best_step"],
+                                 wall=wall + heal_wall, heal_cpu=heal_cpu, heal_lr=healed["lr"], heal_best_step=healed["best_step"],
                                  heal_held_in_kl=healed["held_in_kl"])  # fmt: skip
     return row
 
@@ -198,6 +198,11 @@ def _plot(rows, path: str) -> None:
                 pts = sorted((r["kv"], r["ppl"][first]) for r in match if r["target"].startswith("MLA") == (family == "MLA"))
                 if pts:
                     ax.plot(*zip(*pts), marker="o", color=color, linestyle=style, label=f"{kind}, {family}")
+                if kind in ("+ reconstruction", "healed"):  # what each costs: wall minutes beside its point
+                    for r in match:
+                        if "wall" in r:
+                            ax.annotate(f"{r['wall'] / 60:.1f} min", (r["kv"], r["ppl"][first]), fontsize=6,
+                                        color=color, xytext=(3, 3), textcoords="offset points")
         ax.set(xlabel="KV cache bytes per token (fp16, all layers)", ylabel=f"perplexity ({first})", title=model)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
