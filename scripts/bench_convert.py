@@ -6,7 +6,8 @@
 For each model and target: perplexity on two evaluation texts that are never calibrated or healed on (and its ratio
 to the source's), mean KL(source || converted) per token on the first, KV bytes per token (fp16, all layers), and
 the CPU seconds of the conversion (time.process_time of this process, one torch thread unless --threads: on a shared
-machine the wall time is noise, the CPU time less so) and its wall time (annotated in the PNG, minutes). Rows per target:
+machine the wall time is noise, the CPU time less so) and its wall time (beside each point of the PNG, in minutes).
+Rows per target:
     closed form (text)     the default method calibrated on the package corpus (TinyStories sample, 32 x 256 tokens)
     closed form (teacher)  the same calibrated on 32 x 256 samples of the source itself (calib_source="teacher")
     + reconstruction       teacher calibration and `--reconstruct-steps` Adam steps per layer (convert()'s path)
@@ -129,7 +130,8 @@ def main() -> None:
                         continue
                     rows.append(dict(model=label, target=target, method=run_label + (", healed" if kind == "healed" else ""), **r))
                     print(f"  {target:<9} {rows[-1]['method']:<40} {r['kv']:>6} B  ppl {_fmt(r['ppl'])} "
-                          f"(x{_fmt(r['ratio'])})  KL {r['kl']:.3f}  {r['cpu']:.0f} CPU s  {r['wall']:.0f} s", flush=True)  # fmt: skip
+                          f"(x{_fmt(r['ratio'])})  KL {r['kl']:.3f}  {r['cpu']:.0f} CPU s  {r['wall']:.0f} s",
+                          flush=True)  # fmt: skip
                 rows_file.write_text(json.dumps(rows, indent=1))
     names = sorted({k for r in rows for k in r["ppl"]}, key=lambda k: k != "stories" and k != "wikitext2")
     print("\n| model | target | method | KV B/token | " + " | ".join(f"ppl {k} (ratio)" for k in names)
@@ -172,8 +174,8 @@ def _run(name, options, sets, source, first, base, heal, samples, tokenizer) -> 
             healed = _heal(model, source, tokenizer, read_calibration_text(None), opts, samples)
             heal_cpu, heal_wall = time.process_time() - heal_cpu, time.perf_counter() - heal_wall
             row["healed"] = dict(kv=kv, **_measure(model, sets, source, first, base), cpu=cpu + heal_cpu,
-                                 wall=wall + heal_wall, heal_cpu=heal_cpu, heal_lr=healed["lr"], heal_best_step=healed["best_step"],
-                                 heal_held_in_kl=healed["held_in_kl"])  # fmt: skip
+                                 wall=wall + heal_wall, heal_cpu=heal_cpu, heal_lr=healed["lr"],
+                                 heal_best_step=healed["best_step"], heal_held_in_kl=healed["held_in_kl"])  # fmt: skip
     return row
 
 
