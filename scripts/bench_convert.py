@@ -140,7 +140,7 @@ def main() -> None:
     for r in rows:
         print(f"| {r['model']} | {r['target']} | {r['method']} | {r['kv']} | "
               + " | ".join(f"{r['ppl'][k]:.2f} ({r['ratio'][k]:.2f}x)" for k in names if k in r["ppl"])
-              + f" | {r['kl']:.3f} | {r['cpu']:.0f} | {r.get('wall', 0):.0f} |")  # fmt: skip
+              + f" | {r['kl']:.3f} | {r['cpu']:.0f} | {r['wall']:.0f} |")  # fmt: skip
     rows_file.write_text(json.dumps(rows, indent=1))
     _plot(rows, args.out)
 
@@ -200,11 +200,11 @@ def _plot(rows, path: str) -> None:
                 pts = sorted((r["kv"], r["ppl"][first]) for r in match if r["target"].startswith("MLA") == (family == "MLA"))
                 if pts:
                     ax.plot(*zip(*pts), marker="o", color=color, linestyle=style, label=f"{kind}, {family}")
-                if kind in ("+ reconstruction", "healed"):  # what each costs: wall minutes beside its point
-                    for r in match:
-                        if "wall" in r:
-                            ax.annotate(f"{r['wall'] / 60:.1f} min", (r["kv"], r["ppl"][first]), fontsize=6,
-                                        color=color, xytext=(3, 3), textcoords="offset points")
+            if kind in ("+ reconstruction", "healed"):  # what each costs: wall minutes beside its point
+                for r in match:
+                    if "wall" in r:  # rows saved before wall times were recorded have none
+                        ax.annotate(f"{r['wall'] / 60:.1f} min", (r["kv"], r["ppl"][first]), fontsize=6,
+                                    color=color, xytext=(3, 3), textcoords="offset points")
         ax.set(xlabel="KV cache bytes per token (fp16, all layers)", ylabel=f"perplexity ({first})", title=model)
         ax.set_yscale("log")
         ax.grid(True, which="both", alpha=0.3)
