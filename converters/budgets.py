@@ -175,6 +175,7 @@ def measure(model, layers: dict[str, nn.Module], lifts, windows: torch.Tensor) -
     one source forward; a measurement runs the model with the layers before l skipped and layer l's input replaced
     by the cache."""
     names = list(layers)
+    windows = windows.to(next(model.parameters()).device)
     blocks = [model.get_submodule(_parent(n)) for n in names]
     container = model.get_submodule(_parent(_parent(names[0])))
     inputs, out_types = [], []
@@ -195,7 +196,7 @@ def measure(model, layers: dict[str, nn.Module], lifts, windows: torch.Tensor) -
             continue
         parent, attr = _parent(names[l]), names[l].rsplit(".", 1)[1]
         source_attn = layers[names[l]]
-        setattr(model.get_submodule(parent), attr, lifts(l, k))
+        setattr(model.get_submodule(parent), attr, lifts(l, k).to(windows.device))
         replace = blocks[l].register_forward_pre_hook(lambda m, a, kw, h=inputs[l]: _with_input(a, kw, h),
                                                       with_kwargs=True)  # fmt: skip
         if skippable:

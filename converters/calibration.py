@@ -189,9 +189,10 @@ class StatsAccumulator:
         self.n += len(x)
 
     def stats(self) -> LayerStats:
+        """The sums so far, on the CPU (accumulated where the model runs; the closed forms run on the CPU)."""
         empty = torch.zeros(0, 0, dtype=torch.float64)
-        return LayerStats(input_cov=self.cov, q_pair_norm=self.q / self.n if self.half else empty,
-                          k_pair_norm=self.k / self.n if self.half else empty, tokens=self.n)  # fmt: skip
+        return LayerStats(input_cov=self.cov.cpu(), q_pair_norm=(self.q / self.n).cpu() if self.half else empty,
+                          k_pair_norm=(self.k / self.n).cpu() if self.half else empty, tokens=self.n)  # fmt: skip
 
 
 def stats_of_inputs(x: torch.Tensor, w, config, batch: int = 8) -> LayerStats:

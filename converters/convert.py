@@ -87,6 +87,7 @@ class ConvertOptions:
     resume: bool = False  # continue healing from the last state in checkpoint_dir
     format: str = "auto"  # native: our config fields; stock: plain config (llama-family GQA); deepseek_v3 (MLA)
     dtype: str | None = None  # of the saved weights; default: the source's
+    device: str = "auto"  # where the model passes run (sampling, statistics, sensitivity, fits); auto: cuda if any
     seed: int = 0
     overwrite: bool = False
     max_shard_size: str = "2GB"  # weights above this are split into shards with model.safetensors.index.json
@@ -163,6 +164,7 @@ class ConvertOptions:
             raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")
         if self.dtype is not None:
             dtype_of(self.dtype)  # raises naming the value
+        resolve_device(self.device)  # raises naming the value
         for name in ("reconstruct_steps", "heal_layerwise_steps"):
             value = getattr(self, name)
             if name == "reconstruct_steps" and value == "auto":
@@ -232,6 +234,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     started = time.perf_counter()
     torch.manual_seed(opts.seed)
     model, tokenizer = load_source(source)
+    model.to(resolve_device(opts.device))  # in memory only: the source checkpoint is never written
     config = model.config
     arch = architecture_of(config)
     if arch.replaces_stock:
@@ -262,7 +265,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
                           else (None, {}))  # fmt: skip
         lifted, groups = {}, []
         for name, m in layers.items():
-            lifted[name], layer_groups = gqa_layer(opts.method, arch.split_heads(m), config, opts.kv_heads,
+            lifted[name], layer_groups = gqa_layer(opts.method, arch.split_heads(m).cpu(), config, opts.kv_heads,
                                                    stats.get(name), regroup=opts.regroup)  # fmt: skip
             groups.append(layer_groups)
         new = rebuild(model, "gqa", {"num_key_value_heads": opts.kv_heads}, lifted)
@@ -271,7 +274,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
             index = {name: i for i, name in enumerate(layers)}
 
             def relift(name, layer_stats):  # the same merge from the converted prefix's statistics
-                state, groups[index[name]] = gqa_layer(opts.method, arch.split_heads(layers[name]), config,
+                state, groups[index[name]] = gqa_layer(opts.method, arch.split_heads(layers[name]).cpu(), config,
                                                        opts.kv_heads, layer_stats, regroup=opts.regroup)  # fmt: skip
                 return state
 
@@ -286,7 +289,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
         if sensitivity:  # the candidate grid is checked against the budget before calibrating
             candidate_grid(config, opts.kv_budget, opts.rope_dim)
         windows, stats = _calibrate(model, tokenizer, text(), opts, report)
-        weights = {name: arch.split_heads(module) for name, module in layers.items()}
+        weights = {name: arch.split_heads(module).cpu() for name, module in layers.items()}
         frequencies = stride = None
         rope_dims = [rope_dim] * len(weights)
         if sensitivity:  # per-layer RoPE dims and ranks (or the exact layer) by measured KL
@@ -363,6 +366,23 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     if opts.push_to_hub is not None:
         report["hub"] = push(out, opts.push_to_hub, private=opts.private, client=hub_client)
     return report
+
+
+def resolve_device(device: str) -> torch.device:
+    """The device of `device` ("auto": the first CUDA GPU if there is one, else the CPU); raises, naming the value,
+    for a name torch does not know or a device this machine lacks."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is not a torch device ('auto', 'cpu', 'cuda', 'cuda:1', ...)") from err
+    if resolved.type == "cuda" and (not torch.cuda.is_available()
+                                    or (resolved.index or 0) >= torch.cuda.device_count()):  # fmt: skip
+        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: the converter runs on 'cpu' or 'cuda' devices")
+    return resolved
 
 
 def auto_reconstruct_steps(kv_share: float) -> int:

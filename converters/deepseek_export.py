@@ -114,7 +114,7 @@ def to_deepseek_v3(native, windows: torch.Tensor, stride: int) -> tuple[torch.nn
                          "rope_theta": src.rope_parameters["rope_theta"] ** (stride * d_r / rotary_dim(src))},
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config, dtype=next(native.parameters()).dtype)
-    state = native.state_dict()
+    state = {k: v.cpu() for k, v in native.state_dict().items()}  # the export is built on the CPU
     heads, n = src.num_attention_heads, d_r // 2
     interleave = [i for j in range(n) for i in (j, j + n)]  # rotate_half order -> (x0, x1), (x2, x3), ...
     per_head = list(range(d_h)) + [d_h + i for i in interleave]  # [q_nope | q_rope] of each head
@@ -193,7 +193,7 @@ def latent_norm_maps(native, windows: torch.Tensor) -> tuple[list[torch.Tensor],
 
     def hook(layer):
         def record(module, args, output):
-            c = output[..., :d_c].reshape(-1, d_c).double()
+            c = output[..., :d_c].reshape(-1, d_c).double().cpu()
             ms = c.pow(2).mean(-1, keepdim=True)
             normed = c / ms.sqrt().clamp_min(1e-30)
             cross, gram, total, count = sums.get(layer, (0.0, 0.0, 0.0, 0))

@@ -73,5 +73,6 @@ def rebuild(model: nn.Module, variant: str, fields: dict, lifted: dict[str, dict
     for name, sd in lifted.items():
         state.update({f"{name}.{k}": v for k, v in sd.items()})
     new.load_state_dict(state, strict=True)
+    new.to(next(model.parameters()).device)  # built on the CPU: where the source runs, the conversion runs
     new.generation_config = copy.deepcopy(model.generation_config)
     return new.eval() if not model.training else new

@@ -369,6 +369,8 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--format", choices=["auto", "native", "stock", "deepseek_v3"],
                     help="auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock DeepseekV3ForCausalLM (MLA)")
     cv.add_argument("--dtype", help="dtype of the saved weights (default: the source's)")
+    cv.add_argument("--device", help="where the model passes run (teacher samples, statistics, sensitivity, "
+                    "reconstruction): auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, cuda:N")
     cv.add_argument("--seed", type=int)
     cv.add_argument("--overwrite", action="store_true", default=None)
     cv.add_argument("--max-shard-size", help="split weights above this size into shards with an index (default 2GB)")

@@ -132,6 +132,10 @@ def test_report_and_source_untouched(tmp_path):
         (dict(to="mqa", heal_steps=-1), "heal_steps=-1 must be a non-negative"),
         (dict(to="mqa", heal_steps=1, heal_train="mlp"), "heal_train='mlp' is not one of"),
         (dict(to="mqa", max_shard_size="lots"), "max_shard_size='lots': expected a positive size"),
+        (dict(to="mqa", device="gpu0"), "device='gpu0' is not a torch device"),
+        (dict(to="mqa", device="meta"), "device='meta': the converter runs on 'cpu' or 'cuda'"),
+        pytest.param(dict(to="mqa", device="cuda:7"), "device='cuda:7': this machine has",
+                     marks=pytest.mark.skipif(torch.cuda.device_count() > 7, reason="a machine with 8 GPUs")),
     ],
 )
 def test_bad_options_are_named(options, message, tmp_path):

@@ -35,6 +35,11 @@ class AttentionWeights:
     q_norm: torch.Tensor | None = None
     k_norm: torch.Tensor | None = None
 
+    def cpu(self) -> "AttentionWeights":
+        """The same weights on the CPU (the converters' closed forms run there, in float64)."""
+        moved = {name: value.cpu() if torch.is_tensor(value) else value for name, value in vars(self).items()}
+        return AttentionWeights(**moved)
+
     def gqa_state_dict(self) -> dict[str, torch.Tensor]:
         """State dict of a GroupedQueryAttention with the same heads."""
         out = {}
