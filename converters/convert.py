@@ -369,10 +369,11 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
 
 
 def resolve_device(device: str) -> torch.device:
-    """The device of `device` ("auto": the first CUDA GPU if there is one, else the CPU); raises, naming the value,
-    for a name torch does not know or a device this machine lacks."""
+    """The device of `device` ("auto": a CUDA GPU if there is one, else the CPU; under torchrun / accelerate launch
+    each process takes the GPU of its LOCAL_RANK, as accelerate does for healing); raises, naming the value, for a
+    name torch does not know or a device this machine lacks."""
     if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as err:
