@@ -184,6 +184,7 @@ def measure(model, layers: dict[str, nn.Module], lifts, windows: torch.Tensor) -
     hooks.append(blocks[0].register_forward_hook(lambda m, a, out: out_types.append(isinstance(out, tuple))))
     try:
         reference = torch.log_softmax(model(windows, use_cache=False).logits.float(), dim=-1)
+        probs = reference.exp()  # once, not once per candidate (the same values)
     finally:
         for h in hooks:
             h.remove()
@@ -210,7 +211,7 @@ def measure(model, layers: dict[str, nn.Module], lifts, windows: torch.Tensor) -
             if skippable:
                 for i in range(l):
                     container[i] = blocks[i]
-        kl[l].append(float((reference.exp() * (reference - logq)).sum(-1).mean()))
+        kl[l].append(float((probs * (reference - logq)).sum(-1).mean()))
     return kl
 
 
