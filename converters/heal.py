@@ -115,7 +115,7 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         accelerator.load_state(str(ckpt))
         start_step = int((ckpt / "step.txt").read_text())
         if (ckpt / MASTERS_FILE).exists():
-            masters.load(ckpt / MASTERS_FILE)
+            masters.restore(_load_tensors(ckpt / MASTERS_FILE, len(params)))
     result = HealResult(steps=0, tokens=0, seconds=0.0)
     started = time.perf_counter()
     held = None if held_in is None else held_in.to(accelerator.device)
@@ -126,13 +126,10 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         result.held_in.append((0, start_kl))
         best_kl, best_state = start_kl, masters.copy()
     elif start_step and (ckpt / BEST_FILE).exists():  # resumed: the best state and the rate of the first run
-        from safetensors.torch import load_file
-
         saved = json.loads((ckpt / BEST_META).read_text())
         best_kl, result.best_step, result.held_in = saved["best_kl"], saved["best_step"], [tuple(x) for x in saved["held_in"]]
         result.range_test = {float(k): v for k, v in saved["range_test"].items()}
-        tensors = load_file(str(ckpt / BEST_FILE))
-        best_state = [tensors[f"p{i}"] for i in range(len(params))]
+        best_state = _load_tensors(ckpt / BEST_FILE, len(params))
         lr = saved["lr"] if lr == "auto" else lr
     if lr == "auto":
         lr = _range_test(student, teacher, optimizer, masters, windows, held, batch_size, lm_weight, accelerator,
@@ -163,11 +160,9 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         if ckpt is not None and checkpoint_every and result.steps % checkpoint_every == 0:
             accelerator.save_state(str(ckpt))
             if masters.separate and accelerator.is_main_process:
-                masters.save(ckpt / MASTERS_FILE)
+                _save_tensors(masters.tensors, ckpt / MASTERS_FILE)
             if best_state is not None and accelerator.is_main_process:
-                from safetensors.torch import save_file
-
-                save_file({f"p{i}": t.contiguous() for i, t in enumerate(best_state)}, str(ckpt / BEST_FILE))
+                _save_tensors(best_state, ckpt / BEST_FILE)
                 (ckpt / BEST_META).write_text(json.dumps({"best_kl": best_kl, "best_step": result.best_step, "lr": lr,
                                                           "held_in": result.held_in, "range_test": result.range_test}))
             (ckpt / "step.txt").write_text(str(result.steps))
@@ -266,22 +261,25 @@ class _MasterWeights:
             m.copy_(saved)
         self._push()
 
-    def save(self, path: Path) -> None:
-        from safetensors.torch import save_file
-
-        save_file({f"m{i}": m.detach().contiguous() for i, m in enumerate(self.tensors)}, str(path))
-
-    def load(self, path: Path) -> None:
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(path))
-        self.restore([tensors[f"m{i}"] for i in range(len(self.tensors))])
-
     @torch.no_grad()
     def _push(self) -> None:
         for p, m in zip(self.params, self.tensors):
             if m is not p:
                 p.copy_(m)
+
+
+def _save_tensors(tensors: list[torch.Tensor], path: Path) -> None:
+    """A list of tensors as one safetensors file (keys p0, p1, ...)."""
+    from safetensors.torch import save_file
+
+    save_file({f"p{i}": t.detach().contiguous() for i, t in enumerate(tensors)}, str(path))
+
+
+def _load_tensors(path: Path, count: int) -> list[torch.Tensor]:
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    return [tensors[f"p{i}"] for i in range(count)]
 
 
 def plot_curve(losses: list[float], held_in: list[tuple[int, float]], best_step: int, lr: float, path) -> None:
