@@ -227,8 +227,8 @@ def test_sampling_num_return_sequences(random_llama, stories):
 # ---------------------------------------------------------------------------------------- errors and dead ends
 def test_unsupported_features_raise_at_construction(stories):
     _, tok = stories
-    with pytest.raises(GrammarError, match="dependentSchemas"):
-        JSONSchemaLogitsProcessor({"type": "object", "dependentSchemas": {"a": {"required": ["b"]}}}, tok,
+    with pytest.raises(GrammarError, match=r"'\$ref' at #/properties/a"):
+        JSONSchemaLogitsProcessor({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, tok,
                                   backend="llguidance")
     with pytest.raises(GrammarError, match="'not'"):
         JSONSchemaLogitsProcessor({"type": "object", "properties": {"x": {"not": {"type": "string"}}}}, tok,

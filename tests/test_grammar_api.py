@@ -80,8 +80,8 @@ def test_generate_kwargs_errors(stories, kwargs, match):
 
 
 def test_generate_kwargs_unsupported_feature(stories):
-    rf = {"type": "json_schema", "json_schema": {"schema": {"type": "array", "uniqueItems": True}}}
-    with pytest.raises(GrammarError, match="uniqueItems"):
+    rf = {"type": "json_schema", "json_schema": {"schema": {"type": "array", "items": {"$ref": "#/$defs/none"}}}}
+    with pytest.raises(GrammarError, match=r"'\$ref' at #/items"):
         processor_from_generate_kwargs(response_format=rf, tokenizer=stories[1])
 
 

@@ -23,6 +23,8 @@ from .vocab import TokenizerAdapter
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("llguidance", "xgrammar")
+INSTALL = {"llguidance": "pip install llguidance, a dependency of hf-attn-patch",
+           "xgrammar": "pip install 'hf-attn-patch[grammar]'"}  # fmt: skip
 
 
 class Matcher(Protocol):
@@ -51,10 +53,11 @@ def resolve_backend(name: str) -> "LLGuidanceBackend | XGrammarBackend":
             if name != "auto":
                 raise BackendUnavailableError(
                     f"backend={name!r} was requested but cannot be imported ({err}); "
-                    f"install it (pip install 'hf-attn-patch[grammar]') or use backend='auto'"
+                    f"install it ({INSTALL[name]}) or use backend='auto'"
                 ) from err
             logger.info("grammar backend %s unavailable (%s), trying the next one", cand, err)
-    raise BackendUnavailableError("no grammar backend is installed: pip install llguidance (or xgrammar); " + "; ".join(errors))
+    raise BackendUnavailableError("no grammar backend can be imported: reinstall hf-attn-patch, which depends on "
+                                  "llguidance (pip install llguidance); " + "; ".join(errors))  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------------- JSON Schema checks
@@ -115,11 +118,12 @@ class LLGuidanceBackend:
         self._llg = llguidance
 
     def compile(self, spec: GrammarSpec, adapter: TokenizerAdapter, *, separators=(", ", ": "),
-                whitespace_flexible: bool = False):
-        """(grammar text, template matcher) for `spec`; GrammarError on an unsupported feature or syntax error."""
+                whitespace_flexible: bool = False, json_options: dict | None = None):
+        """Template matcher for `spec`; GrammarError on an unsupported feature or syntax error.
+        json_options: extra llguidance JSON options (``coerce_one_of``, ``lenient``)."""
         llg = self._llg
         options = {"whitespace_flexible": whitespace_flexible, "item_separator": separators[0],
-                   "key_separator": separators[1]}
+                   "key_separator": separators[1], **(json_options or {})}
         try:
             if spec.kind == "json_schema":
                 grammar = llg.LLMatcher.grammar_from_json_schema(spec.source, overrides=options)

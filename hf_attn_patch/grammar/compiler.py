@@ -9,6 +9,8 @@ from collections import OrderedDict
 
 from .backends import resolve_backend
 from .errors import GrammarError
+from .schema_checks import CheckedMatcher, known_formats, schema_checks_for
+from .schema_relax import relax_and_compile
 from .spec import GrammarSpec
 from .state import GrammarState
 from .vocab import TokenizerAdapter, get_adapter
@@ -24,21 +26,34 @@ class CompiledGrammar:
     """A grammar compiled for one tokenizer by one backend; immutable, shareable between rows and requests.
 
     new_state() -> GrammarState at the start of the grammar. compile_seconds: time the backend took.
+    checks: the exact JSON Schema checks on top of a widened grammar (schema_checks.SchemaChecks), or None when the
+    backend compiled the schema as it is. widened: {keyword: [schema paths]} the grammar does not enforce itself.
+    notes: remarks for the user (unknown formats, accepted as any string).
     """
 
-    def __init__(self, spec: GrammarSpec, backend, adapter: TokenizerAdapter, compiled, compile_seconds: float):
+    @property
+    def notes(self) -> tuple:
+        return self.checks.notes if self.checks is not None else ()
+
+    def __init__(self, spec: GrammarSpec, backend, adapter: TokenizerAdapter, compiled, compile_seconds: float,
+                 checks=None, widened=None):
         self.spec = spec
         self.backend = backend
         self.adapter = adapter
         self._compiled = compiled
         self.compile_seconds = compile_seconds
+        self.checks = checks
+        self.widened = widened
 
     @property
     def backend_name(self) -> str:
         return self.backend.name
 
     def new_state(self) -> GrammarState:
-        return GrammarState(self.backend.matcher(self._compiled), self.adapter.eos_token_ids, self.adapter.vocab_size,
+        matcher = self.backend.matcher(self._compiled)
+        if self.checks is not None:
+            matcher = CheckedMatcher(matcher, self.checks)
+        return GrammarState(matcher, self.adapter.eos_token_ids, self.adapter.vocab_size,
                             backend=self.backend.name, banned_token_ids=self.adapter.special_token_ids)
 
 
@@ -65,8 +80,20 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
                 _CACHE.move_to_end(key)
                 return hit
     t0 = time.perf_counter()
-    compiled = be.compile(spec, adapter, separators=tuple(separators), whitespace_flexible=whitespace_flexible)
-    result = CompiledGrammar(spec, be, adapter, compiled, time.perf_counter() - t0)
+    checks = widened = None
+    if spec.kind == "json_schema" and be.name == "llguidance":
+        def compile_fn(schema, options):
+            return be.compile(GrammarSpec("json_schema", schema), adapter, separators=tuple(separators),
+                              whitespace_flexible=whitespace_flexible, json_options=options)
+
+        compiled, relaxed = relax_and_compile(spec.source, compile_fn, known_formats())
+        checks = schema_checks_for(spec.source, relaxed, adapter.token_bytes())
+        widened = relaxed.dropped
+        for note in relaxed.notes:
+            logger.warning("json_schema: %s", note)
+    else:
+        compiled = be.compile(spec, adapter, separators=tuple(separators), whitespace_flexible=whitespace_flexible)
+    result = CompiledGrammar(spec, be, adapter, compiled, time.perf_counter() - t0, checks=checks, widened=widened)
     logger.debug("compiled %s with %s in %.1f ms", spec.kind, be.name, 1e3 * result.compile_seconds)
     if cache:
         with _LOCK:

@@ -77,9 +77,12 @@ class BatchMatcher:
         return self.states[row].dead_at is not None
 
     def finish_reason(self, row: int) -> str | None:
-        """None (running), "eos" (grammar complete and EOS taken) or "dead_end: <reason>"."""
+        """None (running), "eos" (grammar complete and EOS taken), "check_failed: <keyword> at <schema path>" (an
+        exact JSON Schema check kept failing until its budget ran out) or "dead_end: <reason>"."""
         state = self.states[row]
         if state.dead_at is not None:
+            if state.dead_reason.startswith("check_failed"):
+                return state.dead_reason
             return "dead_end: " + state.dead_reason
         ended = state.is_terminated() and bool(state.tokens) and state.tokens[-1] in state.eos_token_ids
         return "eos" if ended else None
@@ -105,7 +108,9 @@ class BatchMatcher:
             state.fill_bitmask(bitmask, out)
             limit = state.vocab_size if width is None else min(width, state.vocab_size)
             if not state.is_terminated() and not bm.any_allowed(bitmask, out, limit):
-                self._dead(row, "no token allowed by the grammar within the model's vocabulary")
+                error = state.error() or ""
+                self._dead(row, error if error.startswith("check_failed")
+                           else "no token allowed by the grammar within the model's vocabulary")
                 bm.only_tokens(bitmask, out, state.eos_token_ids)
         return bitmask
 

@@ -140,6 +140,7 @@ class TokenizerAdapter:
         self.fingerprint = fingerprint
         self._tokenizer_ref = weakref.ref(tokenizer)
         self._llg = None
+        self._bytes = None
         self._xgr_info = None
         self._xgr_compiler = None
         self._lock = threading.Lock()
@@ -149,6 +150,13 @@ class TokenizerAdapter:
         if tok is None:
             raise RuntimeError("the tokenizer this adapter was built from has been garbage-collected")
         return tok
+
+    def token_bytes(self) -> list:
+        """Bytes of every token id (special tokens: b""), decoded once."""
+        with self._lock:
+            if self._bytes is None:
+                self._bytes = token_bytes(self._tokenizer())[0]
+            return self._bytes
 
     def llguidance_tokenizer(self):
         """llguidance.LLTokenizer for this vocabulary (built once)."""

@@ -1,0 +1,207 @@
+"""JSON Schema keywords the grammar backend refuses -> a sound over-approximation the backend compiles.
+
+Every change widens the set of accepted instances (a dropped ``not``, ``if`` / ``then`` / ``else``, dependency,
+``uniqueItems``, ``contains``, ``propertyNames``, an unknown ``format`` or an unparseable ``pattern``; ``oneOf``
+compiled as ``anyOf``), so the grammar never masks a valid instance; what the grammar no longer enforces is checked
+exactly by :mod:`.schema_checks` at the close of the sub-value it governs. ``modified`` holds the ``id()`` of every
+subschema dict of the ORIGINAL schema whose own keywords were widened (``"#"`` pointer of the root if the whole schema
+had to be widened).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import re
+from urllib.parse import unquote
+from dataclasses import dataclass, field
+
+from .errors import GrammarError
+
+logger = logging.getLogger(__name__)
+
+# Keywords the llguidance backend refuses (1.9: "Unimplemented keys"); dropping any of them widens the schema.
+DROP_KEYS = ("not", "if", "then", "else", "dependencies", "dependentSchemas", "dependentRequired", "uniqueItems",
+             "contains", "minContains", "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+# Formats llguidance enforces itself (others are dropped from the grammar and checked here, or reported as unknown).
+BACKEND_FORMATS = frozenset(("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
+                             "uri"))
+# Keys whose value is a map name -> subschema / a subschema / a list of subschemas.
+MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+ONE_KEYS = ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else", "contains",
+            "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+LIST_KEYS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
+
+_UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
+_UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+
+
+@dataclass
+class Relaxed:
+    """schema: what the backend compiles; modified: ids of original subschemas widened; notes: user-facing remarks
+    (unknown formats); dropped: {keyword: [schema paths]}; whole: the whole schema was widened to any JSON."""
+
+    schema: dict
+    modified: set = field(default_factory=set)
+    notes: list = field(default_factory=list)
+    dropped: dict = field(default_factory=dict)
+    whole: bool = False
+    options: dict = field(default_factory=dict)
+
+
+def walk(schema, path="#"):
+    """Yield (json-pointer path, subschema dict) for every subschema dict of `schema` (definitions included)."""
+    if not isinstance(schema, dict):
+        return
+    yield path, schema
+    for key in MAP_KEYS + ("dependencies",):
+        sub = schema.get(key)
+        if isinstance(sub, dict):
+            for name, s in sub.items():
+                yield from walk(s, f"{path}/{key}/{_escape(name)}")
+    for key in ONE_KEYS:
+        if isinstance(schema.get(key), dict):
+            yield from walk(schema[key], f"{path}/{key}")
+    for key in LIST_KEYS:
+        sub = schema.get(key)
+        if isinstance(sub, list):
+            for i, s in enumerate(sub):
+                yield from walk(s, f"{path}/{key}/{i}")
+
+
+def _escape(name) -> str:
+    return str(name).replace("~", "~0").replace("/", "~1")
+
+
+class _Relaxer:
+    """Builds a widened copy of the original schema; records which original subschemas it widened."""
+
+    def __init__(self, original: dict, known_formats):
+        self.original = original
+        self.known_formats = known_formats
+        self.drop = set(DROP_KEYS)
+        self.formats_dropped: set = set()
+        self.drop_patterns = False
+        self.drop_min_max_props = True
+
+    def build(self, out: Relaxed) -> dict:
+        relaxed = copy.deepcopy(self.original)
+        originals = dict(walk(self.original))
+        for path, sub in walk(relaxed):
+            orig = originals.get(path)
+            changed = []
+            for key in list(sub):
+                if key in self.drop and not (key == "uniqueItems" and sub[key] is False):
+                    changed.append(key)
+                    del sub[key]
+                elif key in self.drop:
+                    del sub[key]
+            if "oneOf" in sub:  # compiled as anyOf (coerce_one_of): exclusivity is checked
+                changed.append("oneOf")
+            fmt = sub.get("format")
+            if isinstance(fmt, str) and (fmt not in BACKEND_FORMATS or fmt in self.formats_dropped):
+                del sub["format"]
+                changed.append("format")
+                if fmt not in self.known_formats:
+                    note = f"format {fmt!r} at {path} is not a known format: any string is accepted"
+                    if note not in out.notes:
+                        out.notes.append(note)
+            mult = sub.get("multipleOf")
+            if isinstance(mult, float) and not mult.is_integer():
+                changed.append("multipleOf")  # kept in the grammar (floats: approximate), checked exactly
+            if self.drop_patterns and "pattern" in sub:
+                del sub["pattern"]
+                changed.append("pattern")
+            if self.drop_patterns and isinstance(sub.get("patternProperties"), dict):
+                del sub["patternProperties"]  # dropping it alone would narrow additionalProperties: drop both
+                sub.pop("additionalProperties", None)
+                changed.append("patternProperties")
+            if self.drop_min_max_props and ("minProperties" in sub or "maxProperties" in sub):
+                props = sub.get("properties") if isinstance(sub.get("properties"), dict) else {}
+                required = set(sub.get("required") or []) if isinstance(sub.get("required"), list) else set()
+                if not set(props) <= required or sub.get("additionalProperties", True) is not False:
+                    for key in ("minProperties", "maxProperties"):
+                        if key in sub:
+                            del sub[key]
+                            changed.append(key)
+            if changed and orig is not None:
+                out.modified.add(id(orig))
+                for key in changed:
+                    out.dropped.setdefault(key, []).append(path)
+        return relaxed
+
+    def widen_from_error(self, message: str) -> bool:
+        """Widen further after a backend error; False if the message names nothing more to widen."""
+        m = _UNIMPLEMENTED.search(message)
+        if m:
+            keys = set(json.loads("[" + m.group(1) + "]")) - self.drop
+            if keys:
+                self.drop |= keys
+                return True
+        m = _UNKNOWN_FORMAT.search(message)
+        if m and m.group(1) not in self.formats_dropped:
+            self.formats_dropped.add(m.group(1).strip("\"'"))
+            return True
+        if "regex" in message.lower() and not self.drop_patterns:
+            self.drop_patterns = True
+            return True
+        return False
+
+
+def _pointer_target(root, ref: str):
+    """The subschema a local JSON-pointer ref ("#", "#/a/b") names, or raises KeyError / IndexError."""
+    node = root
+    for part in ref[2:].split("/") if ref not in ("#", "#/") else []:
+        part = unquote(part).replace("~1", "/").replace("~0", "~")
+        node = node[int(part)] if isinstance(node, list) else node[part]
+    return node
+
+
+def check_refs(schema: dict) -> None:
+    """GrammarError naming the path of the first local ``$ref`` (``#/...``) that names nothing in the schema."""
+    for path, sub in walk(schema):
+        ref = sub.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            try:
+                _pointer_target(schema, ref)
+            except (KeyError, IndexError, ValueError, TypeError):
+                raise GrammarError(f"json_schema: '$ref' at {path}: {ref!r} names nothing in the schema") from None
+
+
+def relax_and_compile(schema: dict, compile_fn, known_formats) -> tuple[object, Relaxed]:
+    """compile_fn(schema dict, extra backend options) -> compiled (raises GrammarError). Widen until it compiles.
+
+    Order: the keywords the backend is known to refuse; then what each error names (keywords, formats, regexes);
+    then the backend's lenient mode; last, the whole schema as any JSON value (everything checked exactly).
+    Returns (compiled, Relaxed).
+    """
+    check_refs(schema)
+    out = Relaxed(schema)
+    relaxer = _Relaxer(schema, known_formats)
+    options = {"coerce_one_of": True}
+    last = None
+    for _ in range(12):
+        out.modified, out.dropped = set(), {}
+        relaxed = relaxer.build(out)
+        try:
+            compiled = compile_fn(relaxed, options)
+        except GrammarError as err:
+            last = str(err)
+            if relaxer.widen_from_error(last):
+                continue
+            break
+        out.schema, out.options = relaxed, options
+        return compiled, out
+    logger.info("schema still refused after widening (%s); trying the lenient mode", last)
+    for attempt, (candidate, opts) in enumerate(((relaxed, {**options, "lenient": True}), ({}, {}))):
+        try:
+            compiled = compile_fn(candidate, opts)
+        except GrammarError as err:
+            last = str(err)
+            continue
+        out.schema, out.options, out.whole = candidate, opts, True
+        out.modified.add(id(schema))
+        out.dropped.setdefault("lenient" if attempt == 0 else "*", []).append("#")
+        return compiled, out
+    raise GrammarError(f"json_schema: {last}")
