@@ -1,0 +1,244 @@
+"""Structured output on real-world JSON Schemas (JSONSchemaBench / MaskBench): ours (widened grammar + exact checks)
+against llguidance alone, on a fixed seeded random sample.
+
+    python scripts/bench_schemas.py /path/to/jsonschemabench/git-dir --n 1000 --seed 0 --generate 200
+
+The mirror is a git directory of github.com/guidance-ai/jsonschemabench (read with git; no work tree needed); the
+schemas and their valid / invalid test instances come from maskbench/data/*.json. Figures:
+- refused: schemas whose compilation raises GrammarError;
+- completeness: valid instances replayed token by token stay allowed by the mask, and EOS is allowed at the end
+  (a refused schema counts its instances as not complete);
+- soundness: invalid instances hit a masked token (EOS included) before their end;
+- generation: a random-weight llama over the tokenizer's vocabulary samples under the processor, with +4 added to
+  the logits of EOS and of the tokens holding '"', ']' or '}' (else the nearly uniform random model writes strings
+  far longer than the token limit); the outputs that end with EOS are validated with jsonschema (formats checked);
+- mask time per token: ours against the plain path (the same compiled grammar without checks), on the valid replays,
+  for schemas that need no checks and for those that do. The machine may be shared: ratios are within one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+from hf_attn_patch.grammar import GrammarError, GrammarSpec, GrammarState, compile_grammar
+from hf_attn_patch.grammar import bitmask as bm
+from hf_attn_patch.grammar.backends import LLGuidanceBackend
+from hf_attn_patch.grammar.schema_checks import format_checker
+from hf_attn_patch.grammar.vocab import get_adapter
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def load_sample(git_dir: str, n: int, seed: int) -> list[tuple[str, dict]]:
+    """(name, MaskBench entry) for a seeded random sample of n files of maskbench/data (sorted names first)."""
+    names = subprocess.run(["git", "--git-dir", git_dir, "ls-tree", "-r", "--name-only", "HEAD", "maskbench/data/"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    names = sorted(x for x in names if x.endswith(".json"))
+    picked = random.Random(seed).sample(names, min(n, len(names)))
+    batch = subprocess.run(["git", "--git-dir", git_dir, "cat-file", "--batch"], input="".join(f"HEAD:{x}\n" for x in picked).encode(),
+                           capture_output=True, check=True).stdout
+    out, pos = [], 0
+    for name in picked:
+        header_end = batch.index(b"\n", pos)
+        size = int(batch[pos:header_end].split()[2])
+        out.append((name, json.loads(batch[header_end + 1: header_end + 1 + size])))
+        pos = header_end + 1 + size + 1
+    return out
+
+
+def encode(adapter, text: str) -> list[int]:
+    """Token ids of `text` as the grammar sees the vocabulary (no SentencePiece prefix space)."""
+    return adapter.llguidance_tokenizer().tokenize_str(text)
+
+
+def replay(state: GrammarState, ids: list[int]) -> tuple[bool, float, int]:
+    """(every token allowed by the mask and EOS allowed at the end, seconds in fill_bitmask, masks computed)."""
+    mask = bm.allocate_bitmask(1, state.vocab_size)
+    seconds, steps = 0.0, 0
+    for t in ids:
+        t0 = time.perf_counter()
+        state.fill_bitmask(mask, 0)
+        seconds += time.perf_counter() - t0
+        steps += 1
+        if not bm.unpack(mask, state.vocab_size)[0, t] or not state.accept_token(t):
+            return False, seconds, steps
+    t0 = time.perf_counter()
+    state.fill_bitmask(mask, 0)
+    seconds += time.perf_counter() - t0
+    return bool(bm.unpack(mask, state.vocab_size)[0, state.eos_token_ids[0]]), seconds, steps + 1
+
+
+def plain_state(compiled, adapter) -> GrammarState:
+    """The compiled grammar's backend matcher alone (no exact checks): the plain path."""
+    return GrammarState(compiled.backend.matcher(compiled._compiled), adapter.eos_token_ids, adapter.vocab_size,
+                        backend="plain", banned_token_ids=adapter.special_token_ids)
+
+
+def validator(schema):
+    import jsonschema
+    from jsonschema.validators import validator_for
+
+    cls = validator_for(schema, default=jsonschema.Draft202012Validator)
+    return cls(schema, format_checker=format_checker())
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mirror", help="git directory of guidance-ai/jsonschemabench")
+    ap.add_argument("--n", type=int, default=1000, help="schemas in the sample (default 1000)")
+    ap.add_argument("--seed", type=int, default=0, help="sample seed (default 0)")
+    ap.add_argument("--tokenizer", default=str(ROOT.parent / "shared/models/stories260k"),
+                    help="tokenizer folder (default: stories260k)")
+    ap.add_argument("--generate", type=int, default=200, help="schemas of the sample to generate for (default 200)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    args = ap.parse_args()
+    logging.getLogger("hf_attn_patch").setLevel(logging.ERROR)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.tokenizer)
+    adapter = get_adapter(tok)
+    sample = load_sample(args.mirror, args.n, args.seed)
+    llg = LLGuidanceBackend()
+    stats = {k: 0 for k in ("schemas", "refused", "refused_llg", "valid", "complete", "complete_llg", "invalid",
+                            "caught", "caught_llg", "with_checks")}
+    times = {"plain_nocheck": 0.0, "ours_nocheck": 0.0, "plain_check": 0.0, "ours_check": 0.0}
+    steps = {"nocheck": 0, "check": 0}
+    refusals, compiled_ok = [], []
+    t_start = time.perf_counter()
+    for name, entry in sample:
+        schema, tests = entry["schema"], entry.get("tests") or []
+        stats["schemas"] += 1
+        try:
+            ours = compile_grammar(GrammarSpec.json_schema(schema), tok, backend="llguidance", cache=False)
+        except GrammarError as err:
+            ours = None
+            stats["refused"] += 1
+            refusals.append((name, str(err)[:160]))
+        try:
+            alone = llg.compile(GrammarSpec.json_schema(schema), adapter)
+        except GrammarError:
+            alone = None
+            stats["refused_llg"] += 1
+        if ours is not None:
+            compiled_ok.append((name, schema, ours))
+            stats["with_checks"] += ours.checks is not None
+        for test in tests:
+            ids = encode(adapter, json.dumps(test["data"], ensure_ascii=False))
+            key = "nocheck" if ours is None or ours.checks is None else "check"
+            if test["valid"]:
+                stats["valid"] += 1
+                if ours is not None:
+                    replay(ours.new_state(), ids)  # warm-up: the backend's lexer cache is shared by the copies
+                    ok, sec, n = replay(ours.new_state(), ids)
+                    stats["complete"] += ok
+                    _, sec_plain, n_plain = replay(plain_state(ours, adapter), ids)
+                    sec = min(sec, replay(ours.new_state(), ids)[1])  # twice each, alternating: the lower time
+                    sec_plain = min(sec_plain, replay(plain_state(ours, adapter), ids)[1])
+                    if ok and n == n_plain:
+                        times[f"ours_{key}"] += sec
+                        times[f"plain_{key}"] += sec_plain
+                        steps[key] += n
+                if alone is not None:
+                    stats["complete_llg"] += replay(GrammarState(llg.matcher(alone), adapter.eos_token_ids,
+                                                                 adapter.vocab_size), ids)[0]
+            else:
+                stats["invalid"] += 1
+                if ours is not None:
+                    stats["caught"] += not replay(ours.new_state(), ids)[0]
+                if alone is not None:
+                    stats["caught_llg"] += not replay(GrammarState(llg.matcher(alone), adapter.eos_token_ids,
+                                                                   adapter.vocab_size), ids)[0]
+    replay_seconds = time.perf_counter() - t_start
+
+    gen = generate(compiled_ok[: args.generate], tok, args.max_new_tokens) if args.generate else {}
+    s = stats
+    pct = lambda a, b: round(100.0 * a / max(b, 1), 2)  # noqa: E731
+    figures = {
+        "sample": {"n": s["schemas"], "seed": args.seed, "tokenizer": Path(args.tokenizer).name,
+                   "valid_instances": s["valid"], "invalid_instances": s["invalid"],
+                   "schemas_with_checks": s["with_checks"]},
+        "refused_pct": {"ours": pct(s["refused"], s["schemas"]), "llguidance": pct(s["refused_llg"], s["schemas"])},
+        "completeness_pct": {"ours": pct(s["complete"], s["valid"]), "llguidance": pct(s["complete_llg"], s["valid"])},
+        "soundness_pct": {"ours": pct(s["caught"], s["invalid"]), "llguidance": pct(s["caught_llg"], s["invalid"])},
+        "mask_us_per_token": {
+            "no_checks": {"ours": round(1e6 * times["ours_nocheck"] / max(steps["nocheck"], 1), 1),
+                          "plain": round(1e6 * times["plain_nocheck"] / max(steps["nocheck"], 1), 1)},
+            "with_checks": {"ours": round(1e6 * times["ours_check"] / max(steps["check"], 1), 1),
+                            "plain": round(1e6 * times["plain_check"] / max(steps["check"], 1), 1)}},
+        "generation": gen,
+        "replay_seconds": round(replay_seconds, 1),
+        "refusals": refusals[:20],
+    }
+    for k in ("no_checks", "with_checks"):
+        d = figures["mask_us_per_token"][k]
+        d["ratio"] = round(d["ours"] / d["plain"], 3) if d["plain"] else None
+    print(json.dumps(figures, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
+
+
+def generate(compiled: list, tok, max_new_tokens: int) -> dict:
+    """A random-weight llama samples under each grammar; outputs that end with EOS are validated."""
+    import transformers
+    from transformers import LogitsProcessorList
+
+    from hf_attn_patch.grammar import GrammarConstrainedLogitsProcessor
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
+    model = transformers.LlamaForCausalLM(config).eval()
+    bias = torch.zeros(len(tok))
+    adapter = get_adapter(tok)
+    for t, data in enumerate(adapter.token_bytes()):
+        if any(c in data for c in b'"]}'):
+            bias[t] = 4.0
+    bias[tok.eos_token_id] = 4.0
+
+    def structural_bias(input_ids, scores):
+        return scores + bias[: scores.shape[-1]]
+
+    counts = {"schemas": len(compiled), "eos": 0, "eos_valid": 0, "check_failed": 0, "dead_end": 0, "length": 0,
+              "eos_with_checks": 0, "seconds": 0.0}
+    bad = []
+    t0 = time.perf_counter()
+    for i, (name, schema, grammar) in enumerate(compiled):
+        proc = GrammarConstrainedLogitsProcessor([grammar.spec], tok, backend="llguidance")
+        torch.manual_seed(i)
+        prompt = torch.tensor([[tok.bos_token_id or 1]])
+        with torch.no_grad():
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
+                                 do_sample=True, logits_processor=LogitsProcessorList([structural_bias, proc]),
+                                 eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        reason = proc.finish_reasons[0]  # None when EOS was sampled last (the processor is not called after it)
+        if reason is None:
+            reason = "eos" if out[0, -1].item() == tok.eos_token_id else "length"
+        key = reason.split(":")[0] if reason.split(":")[0] in counts else "dead_end"
+        counts[key] += 1
+        if reason == "eos":
+            text = tok.decode(out[0, 1:], skip_special_tokens=True)
+            try:
+                ok = validator(schema).is_valid(json.loads(text))
+            except ValueError:
+                ok = False
+            counts["eos_valid"] += ok
+            counts["eos_with_checks"] += grammar.checks is not None
+            if not ok:
+                bad.append((name, text[:200]))
+    counts["seconds"] = round(time.perf_counter() - t0, 1)
+    counts["eos_valid_pct"] = round(100.0 * counts["eos_valid"] / max(counts["eos"], 1), 2)
+    counts["invalid_examples"] = bad[:5]
+    return counts
+
+
+if __name__ == "__main__":
+    main()
