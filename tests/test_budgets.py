@@ -20,6 +20,8 @@ from hf_attn_patch.converters.methods import lift_plan
 from hf_attn_patch.kv_memory import kv_cache_bytes
 from hf_attn_patch.models.architectures import architecture_of
 
+from ._fast import FAST
+
 
 @pytest.fixture(scope="module")
 def source():
@@ -110,7 +112,7 @@ def test_measure_matches_a_full_forward_with_one_layer_replaced(source):
 
 def test_sensitivity_conversion_within_budget_and_reported(tmp_path, source):
     model, _ = source
-    report = convert("default", tmp_path / "out", to="mla", kv_budget=0.5, rank_allocation="sensitivity")
+    report = convert("default", tmp_path / "out", to="mla", kv_budget=0.5, rank_allocation="sensitivity", **FAST)
     b = report["budgets"]
     assert b["budget_values_per_token"] == 160
     assert b["values_per_token"] <= 160
@@ -139,7 +141,7 @@ def test_sensitivity_conversion_within_budget_and_reported(tmp_path, source):
 
 def test_full_budget_keeps_every_layer_exact(tmp_path, source):
     model, tokenizer = source
-    report = convert("default", tmp_path / "out", to="mla", kv_budget=1.0, rank_allocation="sensitivity")
+    report = convert("default", tmp_path / "out", to="mla", kv_budget=1.0, rank_allocation="sensitivity", **FAST)
     assert {c["choice"] for c in report["budgets"]["layers"]} == {"unconverted (exact MLA)"}
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     assert kv_cache_bytes(saved.config, 1) == kv_cache_bytes(model.config, 1)
@@ -167,5 +169,5 @@ def test_bad_input_is_refused_before_any_work(tmp_path, monkeypatch, options, ma
 
     monkeypatch.setattr(convert_module, "_calibrate", never)
     with pytest.raises(ValueError, match=match):
-        convert("default", tmp_path / "out", **options)
+        convert("default", tmp_path / "out", **options, **FAST)
     assert not (tmp_path / "out").exists()

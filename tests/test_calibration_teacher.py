@@ -40,7 +40,7 @@ def test_a_tiny_nucleus_is_greedy(stories, text_windows, one_torch_thread):
 
 def test_convert_calibrates_on_teacher_samples(tmp_path, one_torch_thread):
     common = dict(to="mla", kv_budget=0.25, calib_samples=4, calib_len=64, reconstruct_steps=10)
-    text = convert("default", tmp_path / "text", **common)
+    text = convert("default", tmp_path / "text", calib_source="text", **common)
     teacher = convert("default", tmp_path / "teacher", calib_source="teacher", **common)
     assert text["calibration"]["source"] == "text" and teacher["calibration"]["source"] == "teacher"
     # other windows, so other statistics and other layer errors

@@ -22,6 +22,7 @@ from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
 
 from .conftest import STORIES_ATOL, tiny_model
 from .test_models import CORPORA
+from ._fast import FAST
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def logits(model, ids):
 def test_mla_at_full_rank_with_every_rope_pair_is_exact(stories, tmp_path):
     """GQA source, kv_lora_rank = 2*H_kv*d_h (64) and every rotary pair kept (rope_dim = H_kv*d_h = 32): exact."""
     model, tokenizer = stories
-    report = convert("default", tmp_path / "out", to="mla", kv_lora_rank=64, rope_dim=32, calib_samples=2)
+    report = convert("default", tmp_path / "out", to="mla", kv_lora_rank=64, rope_dim=32, calib_samples=2, **FAST)
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     layer = converted.model.layers[0].self_attn
     assert isinstance(layer, MultiHeadLatentAttention) and (layer.kv_lora_rank, layer.qk_rope_head_dim) == (64, 32)
@@ -48,7 +49,7 @@ def test_mla_at_full_rank_with_every_rope_pair_is_exact(stories, tmp_path):
 
 def test_gqa_stock_format_loads_without_the_patch(stories, tmp_path):
     model, tokenizer = stories
-    report = convert("default", tmp_path / "gqa", to="gqa", kv_heads=2)
+    report = convert("default", tmp_path / "gqa", to="gqa", kv_heads=2, **FAST)
     assert report["format"] == "stock" and report["kv_ratio"] == 0.5
     config = json.loads((tmp_path / "gqa" / "config.json").read_text())
     assert "attention_variant" not in config and config["num_key_value_heads"] == 2
@@ -66,7 +67,7 @@ def test_gqa_native_format_for_gpt2(tmp_path):
     (tmp_path / "src" / "tokenizer.json").write_text((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
     (tmp_path / "src" / "tokenizer_config.json").write_text((DEFAULT_MODEL_DIR / "tokenizer_config.json").read_text())
     # method="mean": the default pca calibrates, and this tiny gpt2 (vocab 97, 64 positions) cannot read the text
-    report = convert(str(tmp_path / "src"), tmp_path / "mqa", to="mqa", method="mean")
+    report = convert(str(tmp_path / "src"), tmp_path / "mqa", to="mqa", method="mean", **FAST)
     assert report["format"] == "native"
     converted = AutoModelForCausalLM.from_pretrained(tmp_path / "mqa")
     attn = converted.transformer.h[0].attn
@@ -94,7 +95,7 @@ def test_calibrated_beats_the_mha2mla_baseline(stories, tmp_path):
     windows = windows_of(text, tokenizer, ctx=256, max_tokens=1024)
     ppl = {}
     for method in ("mha2mla", "calibrated"):
-        convert("default", tmp_path / method, to="mla", kv_budget=0.25, method=method)
+        convert("default", tmp_path / method, to="mla", kv_budget=0.25, method=method, **FAST)
         converted = AutoModelForCausalLM.from_pretrained(tmp_path / method).eval()
         ppl[method] = evaluate(converted, windows, progress=False).perplexity
     source = evaluate(model, windows, progress=False).perplexity
@@ -104,7 +105,7 @@ def test_calibrated_beats_the_mha2mla_baseline(stories, tmp_path):
 def test_report_and_source_untouched(tmp_path):
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in DEFAULT_MODEL_DIR.iterdir()}
     report = convert("default", tmp_path / "out", to="mla", kv_budget=0.5, method="calibrated", calib_samples=4,
-                     rank_allocation="uniform")  # one rank and RoPE size for all layers (the default measures them)
+                     rank_allocation="uniform", **FAST)  # one rank and RoPE size for all layers (the default measures them)
     saved = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
     assert saved["mla"]["kv_lora_rank"] == 32 - 8 and saved["mla"]["qk_rope_head_dim"] == 8
     assert saved["kv_bytes_per_token_fp16"] == {"before": 640, "after": 320} == report["kv_bytes_per_token_fp16"]
@@ -133,14 +134,14 @@ def test_report_and_source_untouched(tmp_path):
         (dict(to="mqa", heal_steps=1, heal_train="mlp"), "heal_train='mlp' is not one of"),
         (dict(to="mqa", max_shard_size="lots"), "max_shard_size='lots': expected a positive size"),
         (dict(to="mqa", device="gpu0"), "device='gpu0' is not a torch device"),
-        (dict(to="mqa", device="meta"), "device='meta': the converter runs on 'cpu' or 'cuda'"),
+        (dict(to="mqa", device="meta"), "device='meta': only 'cpu' and 'cuda' devices are supported"),
         pytest.param(dict(to="mqa", device="cuda:7"), "device='cuda:7': this machine has",
                      marks=pytest.mark.skipif(torch.cuda.device_count() > 7, reason="a machine with 8 GPUs")),
     ],
 )
 def test_bad_options_are_named(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):
-        convert("default", tmp_path / "out", **options)
+        convert("default", tmp_path / "out", **options, **FAST)
     assert not (tmp_path / "out").exists()
 
 
@@ -148,10 +149,10 @@ def test_bad_calibration_data_and_existing_output(tmp_path):
     empty = tmp_path / "empty.txt"
     empty.write_text("\n")
     with pytest.raises(ValueError, match="is empty"):
-        convert("default", tmp_path / "out", to="mla", kv_budget=0.5, calib_data=str(empty))
+        convert("default", tmp_path / "out", to="mla", kv_budget=0.5, calib_data=str(empty), **FAST)
     (tmp_path / "exists").mkdir()
     with pytest.raises(ValueError, match="exists: pass overwrite=True"):
-        convert("default", tmp_path / "exists", to="mqa")
+        convert("default", tmp_path / "exists", to="mqa", **FAST)
 
 
 def test_convert_cli(tmp_path):
@@ -253,7 +254,7 @@ def test_calibration_from_a_datasets_dataset(tmp_path):
     assert read_calibration_text(str(tmp_path / "rows.jsonl")) == read_calibration_text(str(tmp_path / "ds"),
                                                                                         column="story")  # fmt: skip
     report = convert("default", tmp_path / "out", to="mla", kv_budget=0.5, calib_data=str(tmp_path / "ds"),
-                     calib_column="story", calib_samples=2, calib_len=64)  # fmt: skip
+                     calib_column="story", calib_samples=2, calib_len=64, **FAST)  # fmt: skip
     assert report["calibration"]["column"] == "story" and report["calibration"]["data"] == str(tmp_path / "ds")
     with pytest.raises(ValueError, match=r"calib_column='text' is not a column of .*\['story', 'id'\]"):
         read_calibration_text(str(tmp_path / "ds"))
@@ -264,19 +265,19 @@ def test_calibration_from_a_datasets_dataset(tmp_path):
 def test_gqa_methods_through_convert_report_their_groups_and_per_layer_ranks_load(tmp_path):
     """pca through convert (stock llama config) and per-layer MLA ranks (energy allocation) that load and are
     counted by kv_cache_bytes layer by layer."""
-    report = convert("default", tmp_path / "pca", to="gqa", kv_heads=2, method="pca", calib_samples=4, calib_len=64)
+    report = convert("default", tmp_path / "pca", to="gqa", kv_heads=2, method="pca", calib_samples=4, calib_len=64, **FAST)
     groups = report["kv_heads"]["groups_per_layer"]
     assert len(groups) == 5 and all(sorted(sum(g, [])) == [0, 1, 2, 3] for g in groups)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "pca").config.num_key_value_heads == 2
     report = convert("default", tmp_path / "mla", to="mla", kv_budget=0.5, rank_allocation="energy", calib_samples=4,
-                     calib_len=64)  # fmt: skip
+                     calib_len=64, **FAST)  # fmt: skip
     ranks = report["mla"]["kv_lora_rank_per_layer"]
     assert sum(ranks) == 5 * 24 and len(set(ranks)) > 1 and report["kv_bytes_per_token_fp16"]["after"] == 320
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")
     assert [layer.self_attn.kv_lora_rank for layer in model.model.layers] == ranks
     assert all(0 < e <= 1 for e in report["mla"]["retained_energy_per_layer"])
     with pytest.raises(ValueError, match="rank_allocation='energy' needs"):
-        convert("default", tmp_path / "x", to="mla", kv_lora_rank=8, rank_allocation="energy")
+        convert("default", tmp_path / "x", to="mla", kv_lora_rank=8, rank_allocation="energy", **FAST)
 
 
 def test_default_method_falls_back_to_mean_for_per_head_qk_norms(tmp_path, stories):
@@ -285,10 +286,10 @@ def test_default_method_falls_back_to_mean_for_per_head_qk_norms(tmp_path, stori
     source = tmp_path / "qwen3"
     tiny_model("qwen3").save_pretrained(source)
     stories[1].save_pretrained(source)  # any tokenizer: mean reads no calibration text
-    report = convert(str(source), tmp_path / "out", to="mqa")
+    report = convert(str(source), tmp_path / "out", to="mqa", **FAST)
     assert report["options"]["method"] == "mean"
     with pytest.raises(ValueError, match="method='pca' with per-head q/k norms"):
-        convert(str(source), tmp_path / "out2", to="mqa", method="pca")
+        convert(str(source), tmp_path / "out2", to="mqa", method="pca", **FAST)
     assert not (tmp_path / "out2").exists()
 
 

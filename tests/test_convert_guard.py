@@ -14,6 +14,8 @@ import pytest
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
 
+from ._fast import FAST
+
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file under folder -> (size, mtime_ns): what must not change."""
@@ -36,7 +38,7 @@ def test_out_that_overlaps_the_source_is_refused(source, where):
     out = {"same": source, "inside": source / "converted", "parent": source.parent}[where]
     relation = {"same": "is", "inside": "lies inside", "parent": "contains"}[where]
     with pytest.raises(ValueError, match=rf"out='{out}' {relation} the source '{source}'"):
-        convert(str(source), out, to="mla", kv_budget=0.5, overwrite=True)
+        convert(str(source), out, to="mla", kv_budget=0.5, overwrite=True, **FAST)
     assert snapshot(source.parent) == before
 
 
@@ -51,17 +53,17 @@ def test_cli_refuses_converting_a_model_onto_itself(source):
 
 def test_the_embedded_default_is_a_source_too():
     with pytest.raises(ValueError, match="lies inside the source"):
-        convert("default", Path(DEFAULT_MODEL_DIR) / "out", to="mqa", overwrite=True)
+        convert("default", Path(DEFAULT_MODEL_DIR) / "out", to="mqa", overwrite=True, **FAST)
 
 
 def test_file_or_unwritable_out_is_refused_before_work(tmp_path):
     file = tmp_path / "a_file"
     file.write_text("keep me")
     with pytest.raises(ValueError, match="is a file, not a folder"):
-        convert("default", file, to="mqa", overwrite=True)
+        convert("default", file, to="mqa", overwrite=True, **FAST)
     assert file.read_text() == "keep me"
     with pytest.raises(ValueError, match="cannot be written: .*a_file.* is not a writable folder"):
-        convert("default", file / "out", to="mqa")
+        convert("default", file / "out", to="mqa", **FAST)
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
@@ -69,7 +71,7 @@ def test_read_only_parent_is_refused(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir(mode=0o500)
     with pytest.raises(ValueError, match="cannot be written"):
-        convert("default", locked / "out", to="mqa")
+        convert("default", locked / "out", to="mqa", **FAST)
 
 
 def test_pickled_bin_only_source_is_refused_with_the_fix(tmp_path):
@@ -78,7 +80,7 @@ def test_pickled_bin_only_source_is_refused_with_the_fix(tmp_path):
     (folder / "config.json").write_text((Path(DEFAULT_MODEL_DIR) / "config.json").read_text())
     (folder / "pytorch_model.bin").write_bytes(b"not unpickled")
     with pytest.raises(ValueError, match=r"only pickled \.bin weights.*arbitrary code.*save_pretrained"):
-        convert(str(folder), tmp_path / "out", to="mqa")
+        convert(str(folder), tmp_path / "out", to="mqa", **FAST)
 
 
 @pytest.mark.parametrize(
@@ -97,7 +99,7 @@ def test_pickled_bin_only_source_is_refused_with_the_fix(tmp_path):
 )
 def test_options_the_target_would_ignore_are_refused(options, message, tmp_path):
     with pytest.raises(ValueError, match=message):
-        convert("default", tmp_path / "out", **options)
+        convert("default", tmp_path / "out", **options, **FAST)
     assert not (tmp_path / "out").exists()
 
 
@@ -108,7 +110,7 @@ def test_stale_staging_of_a_dead_process_is_removed_and_out_is_ordinary(tmp_path
     (stale / "model.safetensors").write_bytes(b"half written")
     live = tmp_path / f".out.partial-{os.getpid()}-def456"  # a conversion still running (this process)
     live.mkdir()
-    convert("default", tmp_path / "out", to="mqa", method="mean")
+    convert("default", tmp_path / "out", to="mqa", method="mean", **FAST)
     assert not stale.exists() and live.exists()
     umask = os.umask(0)
     os.umask(umask)

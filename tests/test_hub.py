@@ -11,6 +11,8 @@ import pytest
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.hub import push
 
+from ._fast import FAST
+
 
 class RecordingClient:
     """Stands in for huggingface_hub.HfApi: records the calls push() makes."""
@@ -29,7 +31,7 @@ class RecordingClient:
 @pytest.fixture(scope="module")
 def converted(tmp_path_factory):
     out = tmp_path_factory.mktemp("conv") / "mqa"
-    convert("default", out, to="mqa")
+    convert("default", out, to="mqa", **FAST)
     return out
 
 
@@ -66,19 +68,19 @@ def test_push_cli_dry_run(converted):
 def test_convert_pushes_when_asked_and_checks_the_repo_first(tmp_path):
     client = RecordingClient()
     report = convert("default", tmp_path / "gqa", to="gqa", kv_heads=2, push_to_hub="me/stories-gqa", private=True,
-                     hub_client=client)  # fmt: skip
+                     hub_client=client, **FAST)  # fmt: skip
     assert client.calls[0] == ("create_repo", "me/stories-gqa", True, True)
     assert client.calls[1] == ("upload_folder", str(tmp_path / "gqa"), "me/stories-gqa")
     assert report["hub"]["url"] == "https://huggingface.co/me/stories-gqa"
     with pytest.raises(ValueError, match="repo_id='no-slash' must look like 'owner/name'"):
-        convert("default", tmp_path / "never", to="gqa", kv_heads=2, push_to_hub="no-slash")
+        convert("default", tmp_path / "never", to="gqa", kv_heads=2, push_to_hub="no-slash", **FAST)
     assert not (tmp_path / "never").exists()  # refused before any work
 
 
 def test_sharded_export_has_an_index_and_loads(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    convert("default", tmp_path / "sharded", to="mla", kv_budget=0.5, max_shard_size="300KB")
+    convert("default", tmp_path / "sharded", to="mla", kv_budget=0.5, max_shard_size="300KB", **FAST)
     index = json.loads((tmp_path / "sharded" / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # several shards
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "sharded")

@@ -10,12 +10,14 @@ from hf_attn_patch.converters.calibration import calibration_windows, collect_st
 from hf_attn_patch.converters.convert import ConvertOptions, convert
 from hf_attn_patch.converters.reconstruct import sequential
 
+from ._fast import FAST
+
 
 @pytest.fixture(scope="module")
 def mla25(tmp_path_factory, stories):
     out = tmp_path_factory.mktemp("rec") / "out"
     convert("default", out, to="mla", kv_budget=0.25, calib_samples=8, calib_len=128,
-            rank_allocation="uniform")  # the closed form these margins were measured from
+            rank_allocation="uniform", **FAST)  # the closed form these margins were measured from
     windows = calibration_windows(read_calibration_text(None), stories[1], 8, 128)
     return out, windows
 
@@ -73,7 +75,7 @@ def test_propagated_statistics_differ_and_are_kept_only_where_better(mla25, stor
 
 def test_propagated_closed_form_lowers_the_local_error(tmp_path, stories, one_torch_thread):
     report = convert("default", tmp_path / "p", to="mla", kv_budget=0.25, calib_samples=8, calib_len=128,
-                     propagate=True, reconstruct_target="local")  # fmt: skip
+                     propagate=True, reconstruct_target="local", **FAST)  # fmt: skip
     layers = report["layerwise"]["layers"]
     assert layers[0]["propagated_error"] is not None
     # kept only where it measured lower; measured: kept in most layers

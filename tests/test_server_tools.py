@@ -135,3 +135,35 @@ def test_streamed_auto_equals_whole(client):
         else:
             assert content == whole.message.content and not calls
             assert sum(1 for d in deltas if d["delta"].get("content")) > 1  # text streamed, not held to the end
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_tool_call_cut_by_max_tokens(client, choice):
+    """A call cut by max_tokens comes back as a call with the arguments so far and finish_reason "length" (as OpenAI
+    and vLLM answer), streamed or not; before the function's name is complete, the text is the content."""
+    client, port = client
+    body = dict(model="stories260k", messages=ASK, tools=TOOLS, tool_choice=choice, temperature=0)
+    whole = client.chat.completions.create(max_tokens=80, **body).choices[0]
+    (complete,) = whole.message.tool_calls
+    cut_calls = 0
+    for max_tokens in range(2, 40, 3):
+        choice_ = client.chat.completions.create(max_tokens=max_tokens, **body).choices[0]
+        if choice_.finish_reason != "length":  # the whole call fit
+            continue
+        events = sse(port, "/v1/chat/completions", dict(body, max_tokens=max_tokens, stream=True))
+        deltas = [e["choices"][0] for e in events[:-1]]
+        assert deltas[-1]["finish_reason"] == "length"
+        streamed = [c for d in deltas for c in d["delta"].get("tool_calls") or []]
+        if choice_.message.tool_calls is None:  # the name itself was cut (tool_choice "required" only)
+            assert isinstance(choice, str) and choice_.message.content and not streamed
+            continue
+        (call,) = choice_.message.tool_calls
+        assert choice_.message.content is None and call.function.name == complete.function.name
+        assert [c["function"]["arguments"] for c in streamed] == [call.function.arguments]
+        if not isinstance(choice, str):  # the raw arguments so far: a prefix of the greedy whole
+            assert complete.function.arguments.startswith(call.function.arguments)
+        if call.function.arguments != complete.function.arguments:  # else: the limit fell on the call's last token
+            with pytest.raises(json.JSONDecodeError):  # half-written, and finish_reason says so
+                json.loads(call.function.arguments)
+            cut_calls += 1
+    assert cut_calls >= 2

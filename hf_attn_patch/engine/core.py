@@ -25,10 +25,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..devices import resolve_device, resolve_dtype
 from ..kv_memory import kv_cache_bytes
 from ..speculative.drafters import ngram_lookup
 from .detokenizer import IncrementalDetokenizer
 from .grammar_link import mask_rows, request_grammar
+from .memory import DEFAULT_KV_MEMORY, kv_budget
 from .params import RequestOutput, SamplingParams, TokenLogprob
 from .runner import ModelRunner
 from .sampler import SamplingBatch, sample, token_logprobs
@@ -54,9 +56,18 @@ class Engine:
     def __init__(self, model, tokenizer, *, max_batch_tokens: int = 512, block_size: int = 16,
                  max_memory: int | None = None, num_blocks: int | None = None, max_num_seqs: int = 64,
                  chunked_prefill: bool = True, prefill_chunk: int | None = None, prefix_caching: bool = True,
-                 max_model_len: int | None = None):  # fmt: skip
+                 max_model_len: int | None = None, device: str | None = None, dtype: str | None = None,
+                 memory_utilization: float | None = None):  # fmt: skip
         """max_model_len: the longest prompt + max_tokens accepted (default: config.max_position_embeddings; larger
-        only for models known to extrapolate, e.g. RoPE ones in a benchmark)."""
+        only for models known to extrapolate, e.g. RoPE ones in a benchmark).
+        device / dtype: move the model there first ("auto": a CUDA GPU if any; the checkpoint's dtype, fp32 ones in
+        bf16 on a GPU: devices.py); None: leave it where it is.
+        The KV pool: num_blocks blocks, or max_memory bytes, or memory_utilization, a share of the device's memory
+        less what is in use and a profiling forward's activations (memory.py); default 512 MiB."""
+        if device is not None or dtype is not None:
+            weight = next(model.parameters())
+            place = resolve_device(device, "device") if device is not None else weight.device
+            model.to(place, resolve_dtype(dtype, weight.dtype, place) if dtype is not None else weight.dtype)
         config = model.config.get_text_config(decoder=True)
         if max_model_len is not None and (not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
                                           or max_model_len < 1):  # fmt: skip
@@ -65,11 +76,19 @@ class Engine:
                             ("max_num_seqs", max_num_seqs)):  # fmt: skip
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"Engine: {name}={value!r} must be a positive integer")
+        if memory_utilization is not None and (num_blocks is not None or max_memory is not None):
+            raise ValueError(f"Engine: memory_utilization={memory_utilization!r} sizes the KV pool itself; give "
+                             f"num_blocks={num_blocks!r} / max_memory={max_memory!r} or it, not both")  # fmt: skip
+        self.memory_budget = None  # KVBudget when sized by memory_utilization
+        if memory_utilization is not None:
+            self.memory_budget = kv_budget(model, max_batch_tokens, max_num_seqs, memory_utilization)
+            max_memory = self.memory_budget.kv_bytes
         dtype = next(model.parameters()).dtype
+        state = kv_cache_bytes(config, 0, dtype=dtype)  # per sequence; 0 without constant-state layers
+        self.block_bytes = kv_cache_bytes(config, block_size, dtype=dtype) - state  # one block, all attention layers
         if num_blocks is None:  # the memory holds the blocks and, for hybrid models, max_num_seqs constant states
-            memory = max_memory if max_memory is not None else 512 * 1024 * 1024
-            state = kv_cache_bytes(config, 0, dtype=dtype)  # per sequence; 0 without constant-state layers
-            block = kv_cache_bytes(config, block_size, dtype=dtype) - state  # one block, all attention layers
+            memory = max_memory if max_memory is not None else DEFAULT_KV_MEMORY
+            block = self.block_bytes
             num_blocks = max(0, memory - max_num_seqs * state) // block
             if state and num_blocks < 2:
                 raise ValueError(f"Engine: max_memory={memory} cannot hold the constant states of max_num_seqs="
@@ -92,6 +111,18 @@ class Engine:
         self._ids = itertools.count()
         self._aborted: list[RequestOutput] = []
         self.steps = 0
+
+    def kv_stats(self) -> dict:
+        """The KV pool now: blocks total / used (referenced) / cached (kept for prefix hits) / free, and bytes."""
+        pools = list(self.kv.pools.values())
+        total = sum(p.num_blocks - 1 for p in pools)  # block 0 is the null block
+        used, cached = sum(p.num_live() for p in pools), sum(p.num_cached() for p in pools)
+        bytes_total = self.block_bytes * self.kv.num_blocks
+        return {"block_size": self.kv.block_size, "blocks_total": total, "blocks_used": used, "blocks_cached": cached,
+                "blocks_free": total - used - cached, "bytes_total": bytes_total,
+                "bytes_used": bytes_total * used // max(total, 1),
+                "device": str(next(self.model.parameters()).device),
+                "sizing": self.memory_budget.to_dict() if self.memory_budget else None}  # fmt: skip
 
     # -- requests ----------------------------------------------------------------------------------------------
 

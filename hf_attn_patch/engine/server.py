@@ -226,9 +226,14 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
     def model_card() -> dict:
         return {"id": model_name, "object": "model", "created": 0, "owned_by": "local", "max_model_len": limit}
 
+    def pool_stats() -> dict:
+        with engine.lock:  # a consistent view between two engine steps
+            return engine.kv_stats()
+
     @app.get("/health")
     async def health():
-        return {"status": "ok" if runner.accepting else "shutting_down", "in_flight": runner.in_flight}
+        return {"status": "ok" if runner.accepting else "shutting_down", "in_flight": runner.in_flight,
+                "kv_cache": await run_in_threadpool(pool_stats)}  # fmt: skip
 
     @app.get("/v1/models")
     async def models():
@@ -434,14 +439,14 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
         choices = []
         for i, rid in enumerate(ids):
             out = finals[rid]
-            content, calls = parse_output(plan, out.text)
+            content, calls = parse_output(plan, out.text, cut=out.finish_reason == "length")
             message = {"role": "assistant", "content": content}
             if calls:
                 message["tool_calls"] = calls
             logprobs = None
             if req.top_logprobs is not None:
                 logprobs = {"content": chat_logprobs(out.logprobs or [], token_text, req.top_logprobs)}
-            reason = "tool_calls" if calls else out.finish_reason
+            reason = _finish_reason(out.finish_reason, calls)
             choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": reason})
         completion = sum(len(finals[rid].token_ids) for rid in ids)
         return dict(head, choices=choices, usage=usage(len(prompt), completion))
@@ -483,10 +488,10 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
                 completion += len(out.token_ids)
                 reason = out.finish_reason
                 if rid not in texting:  # held: a tool call, or text that could not be told apart until the end
-                    content, calls = parse_output(plan, out.text)
+                    content, calls = parse_output(plan, out.text, cut=reason == "length")
                     logprobs = pending_logprobs(rid, out)
+                    reason = _finish_reason(reason, calls)
                     if calls:
-                        reason = "tool_calls"
                         yield chunk(i, {"tool_calls": [dict(calls[0], index=0)]}, logprobs=logprobs)
                     elif content or logprobs:
                         yield chunk(i, {"content": content}, logprobs=logprobs)
@@ -498,6 +503,11 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
             runner.abort([rid for rid in ids if rid in left])
 
     return app
+
+
+def _finish_reason(engine_reason: str, calls: list[dict] | None) -> str:
+    """"tool_calls" for a complete call; a call the length limit cut keeps "length", so a client never runs it."""
+    return "tool_calls" if calls and engine_reason != "length" else engine_reason
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -7,7 +7,8 @@ tool_choice (default "auto" with tools, "none" without):
     "auto"                       the output is either text that does not start with "<", or
                                  <tool_call>{"name": ..., "arguments": ...}</tool_call> (a Lark grammar with %json)
 Every constraint goes through hf_attn_patch.grammar, so arguments always parse and follow the schema unless the
-length limit cut them short (then the text comes back as content with finish_reason "length").
+length limit cut them short: then the call comes back with the arguments generated so far and finish_reason "length"
+(as OpenAI and vLLM answer), or as content if even the function's name was cut.
 At most one call per answer (parallel_tool_calls is accepted: one call is allowed either way).
 """
 
@@ -81,23 +82,36 @@ def read_tools(body: dict) -> ToolPlan:
     return ToolPlan("named", clean, name, {"type": "json_schema", "schema": schemas[name]})
 
 
-def parse_output(plan: ToolPlan, text: str) -> tuple[str | None, list[dict] | None]:
-    """The model's text -> (content, tool_calls); a call that does not parse (cut by the length limit) stays text."""
+def parse_output(plan: ToolPlan, text: str, cut: bool = False) -> tuple[str | None, list[dict] | None]:
+    """The model's text -> (content, tool_calls). cut: the length limit ended it; a call it cut short comes back
+    as a call with the arguments generated so far (as OpenAI and vLLM do, beside finish_reason "length"), once the
+    function's name is complete; before that, and for text, the text is the content."""
     if plan.mode == "none":
         return text, None
+    body = text
+    if plan.mode == "auto":
+        if not text.startswith(OPEN):
+            return text, None
+        body = text[len(OPEN) :].removesuffix(CLOSE)
     try:
         if plan.mode == "named":
-            json.loads(text)
-            return None, [_call(plan.name, text)]
-        if plan.mode == "auto":
-            if not text.startswith(OPEN):
-                return text, None
-            payload = json.loads(text[len(OPEN) :].removesuffix(CLOSE))
-        else:
-            payload = json.loads(text)
+            json.loads(body)
+            return None, [_call(plan.name, body)]
+        payload = json.loads(body)
         return None, [_call(payload["name"], json.dumps(payload["arguments"], ensure_ascii=False))]
     except (ValueError, KeyError, TypeError):
+        if not cut:
+            return text, None
+    if plan.mode == "named":
+        return None, [_call(plan.name, body)]
+    partial = _PARTIAL_CALL.match(body)  # the grammar writes "name" before "arguments" (the schema's order)
+    names = {tool["function"]["name"] for tool in plan.tools}
+    if partial is None or partial["name"] not in names:
         return text, None
+    return None, [_call(partial["name"], partial["arguments"])]
+
+
+_PARTIAL_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]+)"\s*,\s*"arguments"\s*:\s*(?P<arguments>.*)\Z', re.S)
 
 
 def _call(name: str, arguments: str) -> dict:
