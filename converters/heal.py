@@ -5,8 +5,9 @@ a linear warmup over the first tenth of the steps, then a cosine decay to a tent
 close to its teacher: a full-size first step would throw that away). accelerate
 places the models and handles mixed precision and data parallelism, so the same loop runs on one CPU or, started with
 `accelerate launch --multi_gpu` / `torchrun`, as data parallel (DDP) on many GPUs or CPU processes: each process
-takes its own windows of every step. Sharded training (FSDP, DeepSpeed ZeRO-3) is refused: the weights would have
-to be gathered before the converter writes them, and that path is not built.
+takes its own windows of every step. Started with `accelerate launch --config_file <FSDP config, fsdp_version: 2>`,
+the student and the teacher are sharded over the processes instead (FSDP2, heal_fsdp.py): the same steps on the same
+windows, for models no single device holds. DeepSpeed (ZeRO-3) and FSDP1 are refused (heal_fsdp.launch_mode).
 
 Low-precision weights (a bf16 or fp16 model, as a 7B source is): Adam steps fp32 master copies of the trainable
 weights and every step rounds them into the model (_MasterWeights); stepping a bf16 weight directly loses every
@@ -34,13 +35,13 @@ from tqdm.auto import tqdm
 
 from ..attention import GroupedQueryAttention, MultiHeadLatentAttention
 from ..models.architectures import architecture_of
+from .heal_fsdp import FSDP_DIR, LOW_PRECISION, Sharded, launch_mode
 
 logger = logging.getLogger(__name__)
 
 TRAINABLE = ("attention", "all")
 BEST_FILE, BEST_META = "heal_best.safetensors", "heal_best.json"  # beside accelerate's checkpoint
 MASTERS_FILE = "heal_masters.safetensors"  # the fp32 master weights of a low-precision student, beside it too
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 AUTO_LRS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3)  # the range test of lr="auto"
 
 
@@ -84,56 +85,74 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         raise ValueError(f"eval_every={eval_every!r} must be a positive integer")
     if resume and checkpoint_dir is None:
         raise ValueError("resume=True needs checkpoint_dir")
+    launch_mode()  # raises for DeepSpeed / FSDP1 launches, before any work
     use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
     accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=not torch.cuda.is_available())
-    if accelerator.distributed_type.name in ("FSDP", "DEEPSPEED"):
-        raise ValueError(f"healing under {accelerator.distributed_type.name} is not supported: launch data parallel "
-                         "(accelerate launch --multi_gpu, or torchrun)")  # fmt: skip
+    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    sharded_launch = launch_mode(accelerator) == "fsdp"
+    if resume and sharded_launch != (ckpt / FSDP_DIR).exists() and (ckpt / "step.txt").exists():
+        raise ValueError(f"checkpoint_dir={str(ckpt)!r} holds a {'data-parallel' if sharded_launch else 'sharded (FSDP)'}"
+                         " healing state: resume it with the launch that wrote it")  # fmt: skip
     params = _trainable(student, train)
     if not params:
         raise ValueError("the student has no attention layers to train (train='attention')")
-    for p in student.parameters():
+    model = student  # the caller's model; `student` below: what trains (the DDP wrapper, or the sharded copy)
+    for p in model.parameters():
         p.requires_grad_(False)
     for p in params:
         p.requires_grad_(True)
     if gradient_checkpointing:
-        student.gradient_checkpointing_enable()
-    student.to(accelerator.device)  # before the masters are copied: they live where their weights do
-    masters = _MasterWeights(params)
+        model.gradient_checkpointing_enable()
+    sharded = None
+    if sharded_launch:  # the caller's models stay where they are; their sharded copies go to the device
+        sharded = Sharded(model, teacher, accelerator)
+        student, teacher, params = sharded.student, sharded.teacher, sharded.params
+    else:
+        student.to(accelerator.device)  # before the masters are copied: they live where their weights do
+    masters = _MasterWeights(params)  # sharded: the trainable weights themselves (fp32 already)
     optimizer = torch.optim.AdamW(masters.tensors, lr=1e-4 if lr == "auto" else lr, weight_decay=0.0)
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
     )
-    student, optimizer = accelerator.prepare(student, optimizer)
-    # Not prepared: accelerate's scheduler wrapper steps once per process per step. Saved with the checkpoints.
-    accelerator.register_for_checkpointing(schedule)
-    teacher = teacher.to(accelerator.device).eval()
-    start_step = 0
-    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
-    if resume and (ckpt / "step.txt").exists():
+    if sharded is None:
+        student, optimizer = accelerator.prepare(student, optimizer)
+        # Not prepared: accelerate's scheduler wrapper steps once per process per step. Saved with the checkpoints.
+        accelerator.register_for_checkpointing(schedule)
+        teacher = teacher.to(accelerator.device).eval()
+    teacher.eval()
+    start_step, saved, best_state = 0, None, None
+    if resume and sharded is not None and (ckpt / FSDP_DIR).exists():
+        start_step, saved, best_state = sharded.load(ckpt / FSDP_DIR, optimizer, schedule, masters.tensors)
+    elif resume and (ckpt / "step.txt").exists():
         accelerator.load_state(str(ckpt))
         start_step = int((ckpt / "step.txt").read_text())
         if (ckpt / MASTERS_FILE).exists():
             masters.restore(_load_tensors(ckpt / MASTERS_FILE, len(params)))
+        if (ckpt / BEST_FILE).exists():
+            saved, best_state = json.loads((ckpt / BEST_META).read_text()), _load_tensors(ckpt / BEST_FILE, len(params))
     result = HealResult(steps=0, tokens=0, seconds=0.0)
     started = time.perf_counter()
     held = None if held_in is None else held_in.to(accelerator.device)
-    measure = lambda: _held_in_kl(student, teacher, held)  # noqa: E731
-    best_state, best_kl = None, float("inf")
+
+    def measure() -> float:
+        kl = _held_in_kl(student, teacher, held)
+        if sharded is not None:  # every process measures the same windows; the mean makes their choices one
+            kl = accelerator.reduce(torch.tensor(kl, dtype=torch.float64, device=accelerator.device), "mean").item()
+        return kl
+
+    best_kl = float("inf")
     if held is not None and start_step == 0:
         start_kl = measure()
         result.held_in.append((0, start_kl))
         best_kl, best_state = start_kl, masters.copy()
-    elif start_step and (ckpt / BEST_FILE).exists():  # resumed: the best state and the rate of the first run
-        saved = json.loads((ckpt / BEST_META).read_text())
+    elif saved is not None:  # resumed: the best state and the rate of the first run
         best_kl, result.best_step, result.held_in = saved["best_kl"], saved["best_step"], [tuple(x) for x in saved["held_in"]]
         result.range_test = {float(k): v for k, v in saved["range_test"].items()}
-        best_state = _load_tensors(ckpt / BEST_FILE, len(params))
         lr = saved["lr"] if lr == "auto" else lr
     if lr == "auto":
-        lr = _range_test(student, teacher, optimizer, masters, windows, held, batch_size, lm_weight, accelerator,
-                         probe or max(1, min(10, steps // 10)), result, best_state)  # fmt: skip
+        lr = _range_test(student, teacher, optimizer, masters, windows, batch_size, lm_weight, accelerator,
+                         probe or max(1, min(10, steps // 10)), result, best_state, measure)  # fmt: skip
         schedule.base_lrs = [lr for _ in schedule.base_lrs]
         for group in optimizer.param_groups:
             group["initial_lr"], group["lr"] = lr, lr * schedule.lr_lambdas[0](schedule.last_epoch)
@@ -158,13 +177,17 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
             if best_state is not None and kl < best_kl:
                 best_kl, best_state, result.best_step = kl, masters.copy(), result.steps
         if ckpt is not None and checkpoint_every and result.steps % checkpoint_every == 0:
-            accelerator.save_state(str(ckpt))
-            if masters.separate and accelerator.is_main_process:
-                _save_tensors(masters.tensors, ckpt / MASTERS_FILE)
-            if best_state is not None and accelerator.is_main_process:
-                _save_tensors(best_state, ckpt / BEST_FILE)
-                (ckpt / BEST_META).write_text(json.dumps({"best_kl": best_kl, "best_step": result.best_step, "lr": lr,
-                                                          "held_in": result.held_in, "range_test": result.range_test}))
+            meta = None if best_state is None else {"best_kl": best_kl, "best_step": result.best_step, "lr": lr,
+                                                    "held_in": result.held_in, "range_test": result.range_test}
+            if sharded is not None:
+                sharded.save(ckpt / FSDP_DIR, optimizer, result.steps, schedule, best_state, meta)
+            else:
+                accelerator.save_state(str(ckpt))
+                if masters.separate and accelerator.is_main_process:
+                    _save_tensors(masters.tensors, ckpt / MASTERS_FILE)
+                if best_state is not None and accelerator.is_main_process:
+                    _save_tensors(best_state, ckpt / BEST_FILE)
+                    (ckpt / BEST_META).write_text(json.dumps(meta))
             (ckpt / "step.txt").write_text(str(result.steps))
     accelerator.wait_for_everyone()
     student.eval()
@@ -172,9 +195,12 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         masters.restore(best_state)
         logger.info("healing: restored step %d (held-in KL %.4f; last %.4f)", result.best_step, best_kl,
                     result.held_in[-1][1])  # fmt: skip
+    if sharded is not None:
+        sharded.copy_into(model)
+    model.eval()
     if gradient_checkpointing:
-        student.gradient_checkpointing_disable()
-    for p in student.parameters():
+        model.gradient_checkpointing_disable()
+    for p in model.parameters():
         p.requires_grad_(True)
     result.seconds = time.perf_counter() - started
     logger.info("healed %d steps, %d tokens, %.1f s, last loss %.4f", result.steps, result.tokens, result.seconds,
@@ -197,8 +223,8 @@ def _step(student, teacher, optimizer, masters, ids, lm_weight, accelerator) -> 
     return loss
 
 
-def _range_test(student, teacher, optimizer, masters, windows, held, batch_size, lm_weight, accelerator, probe,
-                result: HealResult, start_state) -> float:  # fmt: skip
+def _range_test(student, teacher, optimizer, masters, windows, batch_size, lm_weight, accelerator, probe,
+                result: HealResult, start_state, measure) -> float:  # fmt: skip
     """The rate of AUTO_LRS whose `probe` constant-rate steps from the start reach the lowest held-in KL; the
     weights and optimizer state go back to the start after every probe."""
     state = masters.copy() if start_state is None else start_state
@@ -209,7 +235,7 @@ def _range_test(student, teacher, optimizer, masters, windows, held, batch_size,
         for step in range(probe):
             rows = torch.arange(step * batch_size, (step + 1) * batch_size) % len(windows)
             _step(student, teacher, optimizer, masters, windows[rows].to(accelerator.device), lm_weight, accelerator)
-        result.range_test[rate] = _held_in_kl(student, teacher, held)
+        result.range_test[rate] = measure()
         masters.restore(state)
         inner = getattr(optimizer, "optimizer", optimizer)
         inner.state.clear()

@@ -16,12 +16,14 @@ from hf_attn_patch.converters.evaluate import evaluate, windows_of
 from hf_attn_patch.converters.heal import AUTO_LRS, heal
 from hf_attn_patch.models import load_default
 
+from ._fast import FAST
+
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     source, tokenizer = load_default()
     out = tmp_path_factory.mktemp("mla") / "out"
-    convert("default", out, to="mla", kv_budget=0.25, method="mha2mla")  # a poor start: room to heal
+    convert("default", out, to="mla", kv_budget=0.25, method="mha2mla", **FAST)  # a poor start: room to heal
     text = read_calibration_text(None)
     train = calibration_windows(text[:60_000], tokenizer, 16, 128)
     held_out = windows_of(text[-40_000:], tokenizer, ctx=256, max_tokens=1024)
@@ -102,14 +104,14 @@ def test_bad_heal_options(setup):
 
 def test_convert_with_healing_reports_it(tmp_path):
     report = convert("default", tmp_path / "healed", to="mla", kv_budget=0.5, method="mha2mla", heal_steps=8,
-                     heal_lr=1e-3)  # fmt: skip
+                     heal_lr=1e-3, **FAST)  # fmt: skip
     assert report["heal"]["steps"] == 8 and report["heal"]["last_loss"] < report["heal"]["first_loss"]
     assert (tmp_path / "healed" / "model.safetensors").exists()
 
 
 def test_stock_format_gqa_heals_its_attention(tmp_path):
     source, tokenizer = load_default()
-    convert("default", tmp_path / "gqa", to="gqa", kv_heads=2)
+    convert("default", tmp_path / "gqa", to="gqa", kv_heads=2, **FAST)
     student = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa")
     assert type(student.model.layers[0].self_attn).__name__ == "LlamaAttention"  # a stock config
     before = student.model.layers[0].self_attn.k_proj.weight.clone()
@@ -123,7 +125,7 @@ def test_convert_heals_with_checkpoints_and_resumes(tmp_path, monkeypatch):
     from hf_attn_patch.converters import heal as heal_module
 
     options = dict(to="mla", kv_budget=0.5, heal_lr=1e-3, heal_batch_size=2, heal_steps=4)
-    convert("default", tmp_path / "straight", **options)
+    convert("default", tmp_path / "straight", **options, **FAST)
 
     class CrashAfterTwoSteps(list):  # stands in for the progress bar: the run dies after step 2's checkpoint
         def __iter__(self):
@@ -136,9 +138,9 @@ def test_convert_heals_with_checkpoints_and_resumes(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(heal_module, "tqdm", lambda steps, **_: CrashAfterTwoSteps(steps))
         with pytest.raises(RuntimeError, match="simulated crash"):
-            convert("default", tmp_path / "first", checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, **options)
+            convert("default", tmp_path / "first", checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, **options, **FAST)
     assert not (tmp_path / "first").exists()  # nothing half-written
-    report = convert("default", tmp_path / "resumed", checkpoint_dir=str(tmp_path / "ckpt"), resume=True, **options)
+    report = convert("default", tmp_path / "resumed", checkpoint_dir=str(tmp_path / "ckpt"), resume=True, **options, **FAST)
     assert report["heal"]["steps"] == 4
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight")
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed")
@@ -147,7 +149,7 @@ def test_convert_heals_with_checkpoints_and_resumes(tmp_path, monkeypatch):
         # to one rounding of weights of size <= 1 (eps 1.2e-7 < 1e-6)
         torch.testing.assert_close(x, y, atol=1e-6, rtol=0, msg=name)
     with pytest.raises(ValueError, match="need checkpoint_dir"):
-        convert("default", tmp_path / "bad", resume=True, **options)
+        convert("default", tmp_path / "bad", resume=True, **options, **FAST)
 
 
 def test_two_process_data_parallel_healing_equals_one_process_with_twice_the_batch(tmp_path):
@@ -173,7 +175,8 @@ def test_two_process_data_parallel_healing_equals_one_process_with_twice_the_bat
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("wrote ") == 1
     single = convert("default", tmp_path / "single", to="mla", kv_budget=0.5, method="mha2mla", heal_steps=3,
-                     heal_lr=1e-3, heal_batch_size=2, heal_layerwise_steps=0)  # fmt: skip
+                     heal_lr=1e-3, heal_batch_size=2, heal_layerwise_steps=0, reconstruct_steps=0,
+                     calib_source="text")  # fmt: skip
     report = json.loads((tmp_path / "ddp" / "conversion_report.json").read_text())
     assert report["heal"]["tokens"] == single["heal"]["tokens"] == 3 * 2 * 256
     assert report["heal"]["data"] == single["heal"]["data"] == "teacher"
@@ -223,7 +226,7 @@ def test_teacher_samples_are_reproducible(stories, one_torch_thread):
 
 def test_convert_heals_on_teacher_samples_and_writes_the_curve(tmp_path, one_torch_thread):
     report = convert("default", tmp_path / "o", to="mqa", method="pca", heal_steps=3, heal_data="mix",
-                     heal_batch_size=2, heal_held_in=2, calib_samples=4, calib_len=64)  # fmt: skip
+                     heal_batch_size=2, heal_held_in=2, calib_samples=4, calib_len=64, **FAST)  # fmt: skip
     heal_report = report["heal"]
     assert heal_report["data"] == "mix" and heal_report["windows"] == 2 * (3 * 2 + 2) - 2 and heal_report["held_in_windows"] == 2
     assert heal_report["lr"] in AUTO_LRS and (tmp_path / "o" / "heal_curve.png").stat().st_size > 1000
@@ -240,7 +243,7 @@ def test_layerwise_healing_stage_options(tmp_path, one_torch_thread):
     with pytest.raises(ValueError, match="heal_layerwise_steps=5 applies to healing only"):
         ConvertOptions(to="mqa", heal_layerwise_steps=5)
     report = convert("default", tmp_path / "o", to="mqa", method="pca", heal_steps=1, heal_lr=1e-4,
-                     heal_layerwise_steps=0, calib_samples=4, calib_len=64)  # fmt: skip
+                     heal_layerwise_steps=0, calib_samples=4, calib_len=64, **FAST)  # fmt: skip
     assert "heal_layerwise" not in report and report["heal"]["steps"] == 1
 
 
@@ -254,7 +257,7 @@ def test_layerwise_healing_stage_runs_before_a_deepseek_v3_export(tmp_path, one_
         original = getattr(convert_module, name)
         monkeypatch.setattr(convert_module, name, lambda *a, _f=original, _t=tag, **k: calls.append(_t) or _f(*a, **k))
     report = convert("default", tmp_path / "ds", to="mla", kv_budget=0.5, format="deepseek_v3", heal_steps=1,
-                     heal_lr=1e-4, calib_samples=4, calib_len=64)  # fmt: skip
+                     heal_lr=1e-4, calib_samples=4, calib_len=64, **FAST)  # fmt: skip
     assert calls == ["layerwise", "export"]
     layerwise = report["heal_layerwise"]  # the default 40 steps, every decoder layer, never worse held-in
     assert layerwise["steps"] == 40 and len(layerwise["layers"]) == 5

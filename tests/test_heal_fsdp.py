@@ -1,0 +1,176 @@
+"""Sharded healing (FSDP2 through `accelerate launch`) on 2 CPU processes over gloo: a step equals a data-parallel
+step, a resumed run equals a straight one, rank 0 writes the healed model, and DeepSpeed / FSDP1 are refused.
+
+This file is also the script the launched processes run (`python tests/test_heal_fsdp.py STUDENT OUT`)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG = ROOT / "scripts" / "accelerate_fsdp.yaml"
+STEPS, LR = 4, 1e-3  # the runs below; the interrupted one dies after step 2's checkpoint
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _port() -> str:
+    with socket.socket() as probe:  # free on this machine now, not a fixed one another program may hold
+        probe.bind(("127.0.0.1", 0))
+        return str(probe.getsockname()[1])
+
+
+def _launch(sharded: bool, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """2 CPU processes: `accelerate launch` with the FSDP config, or torchrun (data parallel)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for name in [k for k in env if k.startswith(("ACCELERATE_", "FSDP_"))]:
+        del env[name]  # only the launcher decides
+    if sharded:
+        head = ["-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--num_processes", "2",
+                "--main_process_port", _port()]  # fmt: skip
+    else:
+        head = ["-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", _port()]
+    result = subprocess.run([sys.executable, *head, *args], capture_output=True, text=True, env=env, timeout=timeout,
+                            cwd=ROOT)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+@pytest.fixture(scope="module")
+def student_dir(tmp_path_factory):
+    from hf_attn_patch.converters.convert import convert
+
+    out = tmp_path_factory.mktemp("fsdp") / "mla"
+    convert("default", out, to="mla", kv_budget=0.5, method="mha2mla", reconstruct_steps=0, calib_source="text")
+    return out
+
+
+def test_a_sharded_step_equals_a_data_parallel_step_and_resumes_exactly(student_dir, tmp_path):
+    _launch(False, __file__, str(student_dir), str(tmp_path / "ddp"), "straight")
+    _launch(True, __file__, str(student_dir), str(tmp_path / "fsdp"), "straight", "resume")
+    shards = sorted(p.name for p in (tmp_path / "fsdp" / "ckpt_fp32" / "heal_fsdp").iterdir())
+    assert "__0_0.distcp" in shards and "__1_0.distcp" in shards  # each process wrote its own shards
+    for dtype in DTYPES:
+        ddp = load_file(tmp_path / "ddp" / f"straight_{dtype}.safetensors")
+        fsdp = load_file(tmp_path / "fsdp" / f"straight_{dtype}.safetensors")
+        resumed = load_file(tmp_path / "fsdp" / f"resume_{dtype}.safetensors")
+        assert ddp.keys() == fsdp.keys() == resumed.keys() and any("self_attn" in k for k in ddp)
+        for name, weight in ddp.items():
+            # resumed = straight: the same ops on the same shards, and the saved state (the fp32 sharded weights,
+            # the optimizer state, the schedule) is exact: equal up to one rounding of weights of size <= 1 (fp32 eps
+            # 1.2e-7 < 1e-6)
+            torch.testing.assert_close(resumed[name], fsdp[name], atol=1e-6, rtol=0, msg=name)
+            if dtype == "fp32":
+                # FSDP gathers the same weights and reduce-scatters the gradients the all-reduce of DDP averages:
+                # the same sums of 2 terms, at most a reduction-order difference, a relative eps 1.2e-7 per gradient.
+                # Adam normalizes the updates to ~lr 1e-3, so 4 steps move a weight by <= 4e-3 with a relative error
+                # far under 1e-3: <= 1e-5 (measured 0: halving a sum of 2 is exact)
+                torch.testing.assert_close(fsdp[name], weight, atol=1e-5, rtol=0, msg=name)
+            else:
+                # bf16: both step fp32 masters, but DDP averages bf16 gradients (a relative error 2^-9 each) where FSDP
+                # reduces them in fp32; Adam turns that into master differences ~lr x 2^-9 x steps ~ 1e-5, far under
+                # one bf16 ulp of the largest weights, so rounding a master to bf16 lands at most one ulp of the
+                # tensor's largest |w| away (2^(floor(log2 max|w|) - 7); measured: 22% of the weights differ, by at
+                # most that)
+                ulp = 2.0 ** (torch.log2(weight.float().abs().max()).floor().item() - 7)
+                torch.testing.assert_close(fsdp[name], weight, atol=ulp, rtol=0, msg=name)
+
+
+def test_convert_under_an_fsdp_launch_writes_the_healed_model_once(student_dir, tmp_path):
+    """hf-attn convert through `accelerate launch --config_file scripts/accelerate_fsdp.yaml`: every process converts
+    and heals its shards, rank 0 writes OUT, and the result equals one process with both processes' batches."""
+    from hf_attn_patch.converters.convert import convert
+
+    options = ["--to", "mla", "--kv-budget", "0.5", "--method", "mha2mla", "--heal-steps", "3", "--heal-lr", "1e-3",
+               "--reconstruct-steps", "0", "--calib-source", "text", "--heal-layerwise-steps", "0"]
+    result = _launch(True, "-m", "hf_attn_patch.cli", "convert", "default", str(tmp_path / "fsdp"), *options,
+                     "--heal-batch-size", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "3")
+    assert result.stdout.count("wrote ") == 1
+    assert (tmp_path / "ckpt" / "heal_fsdp" / "__1_0.distcp").exists()  # it healed sharded
+    single = convert("default", tmp_path / "single", to="mla", kv_budget=0.5, method="mha2mla", heal_steps=3,
+                     heal_lr=1e-3, heal_batch_size=2, heal_layerwise_steps=0, reconstruct_steps=0,
+                     calib_source="text")  # fmt: skip
+    report = json.loads((tmp_path / "fsdp" / "conversion_report.json").read_text())
+    assert report["heal"]["tokens"] == single["heal"]["tokens"] == 3 * 2 * 256
+    a = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp")
+    b = AutoModelForCausalLM.from_pretrained(tmp_path / "single")
+    for (name, x), (_, y) in zip(a.named_parameters(), b.named_parameters()):
+        # as the data-parallel test (test_heal.py): a reduction-order difference per gradient, Adam steps ~lr 1e-3
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=0, msg=name)
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"ACCELERATE_USE_DEEPSPEED": "true"}, "DeepSpeed .*distributed_type: DEEPSPEED"),
+    ({"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"}, "fsdp_version=1 .*FSDP2 only"),
+    ({"ACCELERATE_USE_FSDP": "true"}, "fsdp_version=1 .*accelerate's default is 1"),
+])  # fmt: skip
+def test_deepspeed_and_fsdp1_launches_are_refused_before_any_work(env, message, monkeypatch):
+    from hf_attn_patch.converters.heal import heal
+
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    student = torch.nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=message):
+        heal(student, student, torch.zeros(2, 4, dtype=torch.long), steps=1)
+
+
+def _run(student_dir: str, out: str, *modes: str) -> None:
+    """The launched processes: heal the converted student (fp32 and bf16) STEPS steps from the source straight, and /
+    or interrupted after step 2 and resumed; rank 0 saves the trainable weights as OUT/<mode>_<dtype>.safetensors."""
+    import copy
+
+    from hf_attn_patch.converters import heal as heal_module
+    from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text
+    from hf_attn_patch.models import load_default
+
+    source, tokenizer = load_default()
+    windows = calibration_windows(read_calibration_text(None)[:20_000], tokenizer, 8, 64)
+    out = Path(out)
+    rank = int(os.environ["RANK"])
+
+    class CrashAfterTwoSteps(list):  # stands in for the progress bar: the run dies after step 2's checkpoint
+        def __iter__(self):
+            yield from self[:2]
+            raise RuntimeError("simulated crash")
+
+        def set_postfix(self, **_):
+            pass
+
+    for dtype_name, dtype in DTYPES.items():
+        teacher = copy.deepcopy(source).to(dtype)
+        for mode in modes:
+            student = AutoModelForCausalLM.from_pretrained(student_dir).to(dtype)
+            ckpt = out / f"ckpt_{dtype_name}"
+            options = dict(steps=STEPS, lr=LR, progress=False)
+            if mode == "resume":
+                original = heal_module.tqdm
+                heal_module.tqdm = lambda steps, **_: CrashAfterTwoSteps(steps)
+                try:
+                    heal_module.heal(student, teacher, windows, checkpoint_dir=ckpt, checkpoint_every=2, **options)
+                    raise AssertionError("the interrupted run did not stop")
+                except RuntimeError as err:
+                    assert "simulated crash" in str(err)
+                finally:
+                    heal_module.tqdm = original
+                student = AutoModelForCausalLM.from_pretrained(student_dir).to(dtype)
+                result = heal_module.heal(student, teacher, windows, checkpoint_dir=ckpt, resume=True, **options)
+                assert len(result.losses) == STEPS - 2  # steps 3..4 only
+            else:
+                heal_module.heal(student, teacher, windows, **options)
+            if rank == 0:
+                out.mkdir(parents=True, exist_ok=True)
+                trained = {n: p.detach().contiguous() for n, p in student.named_parameters() if "self_attn" in n}
+                save_file(trained, str(out / f"{mode}_{dtype_name}.safetensors"))
+
+
+if __name__ == "__main__":
+    _run(*sys.argv[1:])
