@@ -63,6 +63,11 @@ def test_a_sharded_step_equals_a_data_parallel_step_and_resumes_exactly(student_
         ddp = load_file(tmp_path / "ddp" / f"straight_{dtype}.safetensors")
         fsdp = load_file(tmp_path / "fsdp" / f"straight_{dtype}.safetensors")
         resumed = load_file(tmp_path / "fsdp" / f"resume_{dtype}.safetensors")
+        curves = {run: json.loads((tmp_path / run).read_text()) for run in
+                  (f"ddp/straight_{dtype}.json", f"fsdp/straight_{dtype}.json", f"fsdp/resume_{dtype}.json")}
+        # the held-in KL of every step: the resumed run's first two are the interrupted run's, from the checkpoint
+        assert [s for s, _ in curves[f"fsdp/resume_{dtype}.json"]] == list(range(STEPS + 1))
+        assert curves[f"fsdp/resume_{dtype}.json"] == curves[f"fsdp/straight_{dtype}.json"]
         assert ddp.keys() == fsdp.keys() == resumed.keys() and any("self_attn" in k for k in ddp)
         for name, weight in ddp.items():
             # resumed = straight: the same ops on the same shards, and the saved state (the fp32 sharded weights,
@@ -134,7 +139,9 @@ def _run(student_dir: str, out: str, *modes: str) -> None:
 
     source, tokenizer = load_default()
     windows = calibration_windows(read_calibration_text(None)[:20_000], tokenizer, 8, 64)
+    windows, held_in = windows[:-2], windows[-2:]
     out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ["RANK"])
 
     class CrashAfterTwoSteps(list):  # stands in for the progress bar: the run dies after step 2's checkpoint
@@ -150,7 +157,8 @@ def _run(student_dir: str, out: str, *modes: str) -> None:
         for mode in modes:
             student = AutoModelForCausalLM.from_pretrained(student_dir).to(dtype)
             ckpt = out / f"ckpt_{dtype_name}"
-            options = dict(steps=STEPS, lr=LR, progress=False)
+            # held-in windows checked every step: the best state is tracked, checkpointed and resumed too
+            options = dict(steps=STEPS, lr=LR, held_in=held_in, eval_every=1, progress=False)
             if mode == "resume":
                 original = heal_module.tqdm
                 heal_module.tqdm = lambda steps, **_: CrashAfterTwoSteps(steps)
@@ -163,11 +171,12 @@ def _run(student_dir: str, out: str, *modes: str) -> None:
                     heal_module.tqdm = original
                 student = AutoModelForCausalLM.from_pretrained(student_dir).to(dtype)
                 result = heal_module.heal(student, teacher, windows, checkpoint_dir=ckpt, resume=True, **options)
-                assert len(result.losses) == STEPS - 2  # steps 3..4 only
+                assert len(result.losses) == STEPS - 2 and len(result.held_in) == STEPS + 1  # steps 3..4 only
             else:
-                heal_module.heal(student, teacher, windows, **options)
+                result = heal_module.heal(student, teacher, windows, **options)
             if rank == 0:
-                out.mkdir(parents=True, exist_ok=True)
+                (out / f"{mode}_{dtype_name}.json").write_text(json.dumps(result.held_in))
+            if rank == 0:
                 trained = {n: p.detach().contiguous() for n, p in student.named_parameters() if "self_attn" in n}
                 save_file(trained, str(out / f"{mode}_{dtype_name}.safetensors"))
 
