@@ -69,7 +69,7 @@ def cmd_eval(args) -> None:
 def _eval_tasks(args) -> None:
     """lm-eval tasks on MODEL (and --reference), one table; lm-eval and the task names are checked before loading."""
     from .converters.convert import load_source
-    from .converters.lm_eval_runner import check_tasks, run_tasks, table, task_manager
+    from .converters.lm_eval_runner import EVAL_DATA_ENV, check_eval_data, check_tasks, run_tasks, table, task_manager
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
@@ -79,6 +79,9 @@ def _eval_tasks(args) -> None:
         for name in [args.model] + ([args.reference] if args.reference else []):
             model, tokenizer = load_source(name)
             scores[name] = run_tasks(model, tokenizer, tasks, manager, limit=args.limit, batch_size=args.batch_size,
+        if args.eval_data:  # read by the offline tasks' loaders (assets/lm_eval_tasks)
+            os.environ[EVAL_DATA_ENV] = os.path.abspath(args.eval_data)
+        check_eval_data(tasks, os.environ.get(EVAL_DATA_ENV))
                                      num_fewshot=args.num_fewshot)  # fmt: skip
             del model
     except ValueError as err:
@@ -424,3 +427,6 @@ def main(argv: list[str] | None = None) -> None:
 
 if __name__ == "__main__":
     sys.exit(main())
+    ev.add_argument("--eval-data", metavar="DIR", help="--tasks: the folder of the offline zero-shot tasks' files "
+                    "(hellaswag_offline, arc_easy_offline, arc_challenge_offline, piqa_offline, winogrande_offline; "
+                    "all five: zero_shot_offline); default: $HF_ATTN_EVAL_DATA")
