@@ -12,7 +12,8 @@ prompt logprobs); the grammar rows are masked with one bitmask; all sampling req
 free their blocks at once (full blocks stay cached for prefix hits until evicted).
 
 Finish reasons: "stop" (EOS, a stop token, a stop string: cut from the text, or a grammar that can only end: the
-EOS it forces is not emitted), "length" (max_tokens; also max_tokens=0, which only computes the prompt), "abort".
+EOS it forces is not emitted), "length" (max_tokens; also max_tokens=0, which only computes the prompt), "abort",
+"check_failed" (an exact JSON Schema check left no valid continuation: the text is not a valid answer).
 """
 
 from __future__ import annotations
@@ -326,6 +327,9 @@ class Engine:
                 reason = "length"
             elif request.grammar is not None and request.grammar.is_terminated():
                 reason = "stop"
+            if reason == "stop" and request.grammar is not None and (request.grammar.dead_reason or "").startswith(
+                    "check_failed"):
+                reason = "check_failed"  # a JSON Schema check failed with no valid continuation: not an answer
             if reason is not None:
                 out.detok.flush()
             if params.stop and (cut := _find_stop(out.detok.text, params.stop, len(out.text))) is not None:

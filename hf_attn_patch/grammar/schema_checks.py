@@ -26,6 +26,7 @@ import re
 from functools import lru_cache
 
 import numpy as np
+import torch
 
 from .errors import GrammarError
 from .schema_relax import walk
@@ -260,7 +261,8 @@ class SchemaChecks:
         for name, chars in (("quote", b'"'), ("close", b'"]},' + b" \t\n\r"), ("any", None)):
             self._has[name] = np.array([bool(t) and (chars is None or any(c in t for c in chars))
                                         for t in token_bytes], dtype=bool) & (lengths > 0)
-        self._all_ids = np.arange(len(token_bytes))
+        self._first_number = np.array([bool(t) and t[0] in _NUMBER_BYTES for t in token_bytes], dtype=bool)
+        self._last_number = np.array([bool(t) and t[-1] in _NUMBER_BYTES for t in token_bytes], dtype=bool)
 
     # ------------------------------------------------------------------ schema locations
     def _resolve(self, ref: str):
@@ -433,6 +435,7 @@ class CheckedMatcher:
     def __init__(self, inner, checks: SchemaChecks):
         self.m = inner
         self.checks = checks
+        self.words = (len(checks.token_bytes) + 31) // 32
         self.text = bytearray()
         self.hist = [(INITIAL, 0)]  # scanner state and text length after each consumed token
         self.attempts = 0
@@ -450,16 +453,44 @@ class CheckedMatcher:
             return new, None
         full = text + data
         for path, start, end, parent in closes:
-            path = self._concrete(path, full)
-            checks, _ = self.checks.roots_at(path)
-            for sub in checks:
-                fail = self.checks.failure(sub, full[start:end])
-                if fail:
-                    return new, fail
-            if path and isinstance(path[-1], int) and path[-1] > 0 and parent is not None:
-                if self.checks.roots_at(path[:-1])[1] and self.checks.duplicate(full[parent:end] + b"]"):
-                    return new, f"'uniqueItems' at the array {_pointer(path[:-1])} (item {path[-1]} repeats one)"
+            fail = self._close_failure(self._concrete(path, full), start, end, parent, full)
+            if fail:
+                return new, fail
         return new, None
+
+    def _close_failure(self, path: tuple, start: int, end: int, parent, full: bytes) -> str | None:
+        """Failure of the value full[start:end] closing at instance `path` (its container starts at `parent`)."""
+        checks, _ = self.checks.roots_at(path)
+        for sub in checks:
+            fail = self.checks.failure(sub, full[start:end])
+            if fail:
+                return fail
+        if path and isinstance(path[-1], int) and path[-1] > 0 and parent is not None:
+            if self.checks.roots_at(path[:-1])[1] and self.checks.duplicate(full[parent:end] + b"]"):
+                return f"'uniqueItems' at the array {_pointer(path[:-1])} (item {path[-1]} repeats one)"
+        return None
+
+    def _final_number_failure(self, new_state, text: bytes, token: int) -> str | None:
+        """A governed number left open by `token` that the grammar cannot extend (``"6"`` under ``maximum: 9``) is
+        complete: its failure, checked now so that the token is masked (else only a dead end would follow)."""
+        stack, scalar, _ = new_state
+        if scalar is None or scalar[0] != "n":
+            return None
+        full = text + self.checks.token_bytes[token]
+        path = self._concrete(_value_path(stack), full)
+        governed = self.checks.roots_at(path)[0] or (
+            path and isinstance(path[-1], int) and path[-1] > 0 and self.checks.roots_at(path[:-1])[1])
+        if not governed:
+            return None
+        probe = self.m.clone()
+        if probe.consume([token]) != 1:
+            return None
+        mask = torch.full((1, self.words), -1, dtype=torch.int32)
+        probe.fill(mask, 0)
+        nxt = np.unpackbits(mask[0].numpy().view(np.uint8), bitorder="little")[: len(self.checks.token_bytes)]
+        if (nxt.astype(bool) & self.checks._first_number).any():
+            return None
+        return self._close_failure(path, scalar[1], len(full), _parent(stack), full)
 
     @staticmethod
     def _concrete(path, full: bytes) -> tuple:
@@ -545,11 +576,15 @@ class CheckedMatcher:
         scalar = state[1]
         cls = "quote" if scalar is not None and scalar[0] == "s" else ("close" if scalar is not None and scalar[0] == "n"
                                                                      else "any")
-        candidates = np.flatnonzero(allowed & self.checks._has[cls])
+        candidates = allowed & self.checks._has[cls]
+        if scalar is None or scalar[0] == "n":  # numbers the grammar will have to close
+            candidates |= allowed & self.checks._last_number
         text = bytes(self.text)
         forbidden = []
-        for t in candidates.tolist():
-            _, fail = self._check_token(state, text, t)
+        for t in np.flatnonzero(candidates).tolist():
+            new, fail = self._check_token(state, text, t)
+            if not fail and new is not None and self.checks._last_number[t]:
+                fail = self._final_number_failure(new, text, t)
             if fail:
                 forbidden.append(t)
                 self.last_failure = fail
@@ -557,8 +592,9 @@ class CheckedMatcher:
             for t in forbidden:
                 words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
             self.attempts += 1
-            if self.attempts >= self.checks.max_attempts:
-                self.failed = self.last_failure
+            if self.attempts >= self.checks.max_attempts or not (
+                    words.any() or self.m.is_accepting() and self._gate_failure() is None):
+                self.failed = self.last_failure  # out of attempts, or no continuation left: the row fails
                 bitmask[index].zero_()
 
     def _gate_failure(self) -> str | None:

@@ -109,7 +109,8 @@ class _Relaxer:
                         out.notes.append(note)
             mult = sub.get("multipleOf")
             if isinstance(mult, float) and not mult.is_integer():
-                changed.append("multipleOf")  # kept in the grammar (floats: approximate), checked exactly
+                del sub["multipleOf"]  # llguidance 1.9 rejects valid multiples of non-integers (0.5 for 0.25)
+                changed.append("multipleOf")
             if self.drop_patterns and "pattern" in sub:
                 del sub["pattern"]
                 changed.append("pattern")
