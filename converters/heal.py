@@ -91,8 +91,9 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
     ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
     sharded_launch = launch_mode(accelerator) == "fsdp"
     if resume and sharded_launch != (ckpt / FSDP_DIR).exists() and (ckpt / "step.txt").exists():
-        raise ValueError(f"checkpoint_dir={str(ckpt)!r} holds a {'data-parallel' if sharded_launch else 'sharded (FSDP)'}"
-                         " healing state: resume it with the launch that wrote it")  # fmt: skip
+        kind = "a data-parallel" if sharded_launch else "a sharded (FSDP)"
+        raise ValueError(f"checkpoint_dir={str(ckpt)!r} holds {kind} healing state: resume it with the launch that "
+                         "wrote it")  # fmt: skip
     params = _trainable(student, train)
     if not params:
         raise ValueError("the student has no attention layers to train (train='attention')")
@@ -122,8 +123,8 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         teacher = teacher.to(accelerator.device).eval()
     teacher.eval()
     start_step, saved, best_state = 0, None, None
-    if resume and sharded is not None and (ckpt / FSDP_DIR).exists():
-        start_step, saved, best_state = sharded.load(ckpt / FSDP_DIR, optimizer, schedule, masters.tensors)
+    if resume and sharded is not None and (ckpt / "step.txt").exists():
+        start_step, saved, best_state = sharded.load(ckpt, optimizer, schedule, masters.tensors)
     elif resume and (ckpt / "step.txt").exists():
         accelerator.load_state(str(ckpt))
         start_step = int((ckpt / "step.txt").read_text())
@@ -179,15 +180,15 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         if ckpt is not None and checkpoint_every and result.steps % checkpoint_every == 0:
             meta = None if best_state is None else {"best_kl": best_kl, "best_step": result.best_step, "lr": lr,
                                                     "held_in": result.held_in, "range_test": result.range_test}
-            if sharded is not None:
-                sharded.save(ckpt / FSDP_DIR, optimizer, result.steps, schedule, best_state, meta)
-            else:
-                accelerator.save_state(str(ckpt))
-                if masters.separate and accelerator.is_main_process:
-                    _save_tensors(masters.tensors, ckpt / MASTERS_FILE)
-                if best_state is not None and accelerator.is_main_process:
-                    _save_tensors(best_state, ckpt / BEST_FILE)
-                    (ckpt / BEST_META).write_text(json.dumps(meta))
+            if sharded is not None:  # step.txt too
+                sharded.save(ckpt, optimizer, result.steps, schedule, best_state, meta)
+                continue
+            accelerator.save_state(str(ckpt))
+            if masters.separate and accelerator.is_main_process:
+                _save_tensors(masters.tensors, ckpt / MASTERS_FILE)
+            if best_state is not None and accelerator.is_main_process:
+                _save_tensors(best_state, ckpt / BEST_FILE)
+                (ckpt / BEST_META).write_text(json.dumps(meta))
             (ckpt / "step.txt").write_text(str(result.steps))
     accelerator.wait_for_everyone()
     student.eval()

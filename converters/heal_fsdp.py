@@ -33,8 +33,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-FSDP_DIR = "heal_fsdp"  # the sharded checkpoint, inside checkpoint_dir
-STATE_FILE = "heal_state.json"  # step, schedule and best-state bookkeeping, inside FSDP_DIR
+FSDP_DIR = "heal_fsdp"  # the sharded checkpoints (step_<n> folders), inside checkpoint_dir
+STATE_FILE = "heal_state.json"  # step, schedule and best-state bookkeeping, in each step_<n> folder
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -119,35 +119,42 @@ class Sharded:
             target = student.get_parameter(name)
             target.copy_(full.to(target.device))
 
-    def save(self, folder: Path, optimizer, step: int, schedule, best: list | None, meta: dict | None) -> None:
-        """The sharded state as one torch.distributed.checkpoint folder, replaced whole (written beside it, then
-        renamed by rank 0): the trainable weights, the optimizer state, the best state, and STATE_FILE."""
-        import torch.distributed.checkpoint as dcp
+    def _state(self, optimizer) -> dict:
+        """The sharded trainable weights and optimizer state (DTensors, by name), as DCP saves and loads them."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
+        optim = get_optimizer_state_dict(self.student, optimizer)
+        return {"params": dict(zip(self.names, self.params)), "optim": optim}
+
+    def save(self, ckpt: Path, optimizer, step: int, schedule, best: list | None, meta: dict | None) -> None:
+        """The sharded state of `step` as a torch.distributed.checkpoint folder, FSDP_DIR/step_<step>: the trainable
+        weights, the optimizer state, the best state, and STATE_FILE; then step.txt names it, and older ones go."""
+        import torch.distributed.checkpoint as dcp
+
         accelerator = self.accelerator
-        partial = folder.with_name(folder.name + ".partial")
-        if accelerator.is_main_process:
-            shutil.rmtree(partial, ignore_errors=True)
-        accelerator.wait_for_everyone()
-        state = {"params": dict(zip(self.names, self.params)), "optim": get_optimizer_state_dict(self.student, optimizer)}
+        folder = ckpt / FSDP_DIR / f"step_{step}"
+        state = self._state(optimizer)
         if best is not None:
             state["best"] = {f"p{i}": t for i, t in enumerate(best)}
-        dcp.save(state, checkpoint_id=str(partial))
+        dcp.save(state, checkpoint_id=str(folder))
         if accelerator.is_main_process:
-            (partial / STATE_FILE).write_text(json.dumps({"step": step, "schedule": schedule.state_dict(),
-                                                          "best": meta}))  # fmt: skip
-            shutil.rmtree(folder, ignore_errors=True)
-            partial.rename(folder)
+            (folder / STATE_FILE).write_text(json.dumps({"step": step, "schedule": schedule.state_dict(),
+                                                         "best": meta}))  # fmt: skip
+            (ckpt / "step.txt.partial").write_text(str(step))
+            (ckpt / "step.txt.partial").replace(ckpt / "step.txt")  # the switch to the new state: one rename
+            for old in (ckpt / FSDP_DIR).glob("step_*"):
+                if old != folder:
+                    shutil.rmtree(old)
         accelerator.wait_for_everyone()
 
-    def load(self, folder: Path, optimizer, schedule, best_template: list | None) -> tuple[int, dict | None, list | None]:
-        """Restore what save() wrote (the weights in place); (step, best-state bookkeeping, best state)."""
+    def load(self, ckpt: Path, optimizer, schedule, best_template: list) -> tuple[int, dict | None, list | None]:
+        """Restore what save() wrote last (the weights in place); (step, best-state bookkeeping, best state)."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
+        folder = ckpt / FSDP_DIR / f"step_{int((ckpt / 'step.txt').read_text())}"
         saved = json.loads((folder / STATE_FILE).read_text())
-        state = {"params": dict(zip(self.names, self.params)), "optim": get_optimizer_state_dict(self.student, optimizer)}
+        state = self._state(optimizer)
         if saved["best"] is not None:
             state["best"] = {f"p{i}": t.detach().clone() for i, t in enumerate(best_template)}
         dcp.load(state, checkpoint_id=str(folder))
