@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # CPU build of torch from the local wheel; GPU users install their own torch first.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test install clean test-llamacpp
+.PHONY: demo test install clean test-llamacpp test-install
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -23,6 +23,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q tests -m "not llamacpp"
+
+# The package as users install it: its wheel in a fresh venv without extras, then with [serve] (scripts/check_install.sh)
+test-install: install
+	bash scripts/check_install.sh
 
 # Our exports in llama.cpp (tests/test_llamacpp.py): llama-cpp-python is a C++ build (about 6-9 minutes on 2 cores,
 # once: the wheel is cached under build/llamacpp/wheels, so later runs install it in seconds) plus the converter

@@ -7,6 +7,10 @@ import os
 import sys
 import time
 
+from .extras import MissingExtraError, require
+
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # as vLLM: the rest is left to the CUDA context, other processes and fragmentation
+
 
 def _load_config(source: str):
     """A config from a model folder, a config.json file, 'default' (the embedded model) or a Hub id."""
@@ -75,13 +79,13 @@ def _eval_tasks(args) -> None:
     try:
         manager = task_manager(args.include_path)
         check_tasks(tasks, manager)
+        if args.eval_data:  # read by the offline tasks' loaders (assets/lm_eval_tasks)
+            os.environ[EVAL_DATA_ENV] = os.path.abspath(args.eval_data)
+        check_eval_data(tasks, os.environ.get(EVAL_DATA_ENV))
         scores = {}
         for name in [args.model] + ([args.reference] if args.reference else []):
             model, tokenizer = load_source(name)
             scores[name] = run_tasks(model, tokenizer, tasks, manager, limit=args.limit, batch_size=args.batch_size,
-        if args.eval_data:  # read by the offline tasks' loaders (assets/lm_eval_tasks)
-            os.environ[EVAL_DATA_ENV] = os.path.abspath(args.eval_data)
-        check_eval_data(tasks, os.environ.get(EVAL_DATA_ENV))
                                      num_fewshot=args.num_fewshot)  # fmt: skip
             del model
     except ValueError as err:
@@ -95,9 +99,8 @@ def cmd_convert(args) -> None:
 
     from .converters.convert import convert
 
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "source", "out") and v is not None}
     try:
-        report = convert(args.source, args.out, **options)
+        report = convert(args.source, args.out, **convert_options(args))
     except (ValueError, FileExistsError) as err:
         raise SystemExit(f"error: {err}")
     if os.environ.get("RANK", "0") != "0":
@@ -105,6 +108,11 @@ def cmd_convert(args) -> None:
     summary = {k: report[k] for k in ("format", "kv_bytes_per_token_fp16", "kv_ratio", "wall_time_s", "peak_rss_mb")}
     print(f"wrote {args.out}")
     print(json.dumps(summary, indent=2))
+
+
+def convert_options(args) -> dict:
+    """The options given on the command line; every other one keeps convert()'s default (one set of defaults)."""
+    return {k: v for k, v in vars(args).items() if k not in ("command", "func", "source", "out") and v is not None}
 
 
 def _positive_int(text: str) -> int:
@@ -125,6 +133,13 @@ def _or_auto(parse, noun: str):
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is neither {noun} nor 'auto'") from None
 
+    return value
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text} is not a fraction in (0, 1]")
     return value
 
 
@@ -150,19 +165,33 @@ def cmd_kv_report(args) -> None:
 
 
 def cmd_serve(args) -> None:
+    require("serve", "hf-attn serve")  # before the model loads
     from .converters.convert import load_source
+    from .devices import resolve_device
     from .engine import Engine
+    from .engine.memory import DEFAULT_KV_MEMORY
     from .engine.server import serve
 
+    if args.gpu_memory_utilization is not None and args.kv_memory is not None:
+        raise SystemExit("error: give one of --gpu-memory-utilization and --kv-memory")
     try:
+        device = resolve_device(args.device, "--device")
+        memory = {"max_memory": args.kv_memory}
+        if args.gpu_memory_utilization is not None or (args.kv_memory is None and device.type == "cuda"):
+            memory = {"memory_utilization": args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION}
+        elif args.kv_memory is None:
+            memory = {"max_memory": DEFAULT_KV_MEMORY}
         model, tokenizer = load_source(args.model)
         engine = Engine(model, tokenizer, max_batch_tokens=args.max_batch_tokens, block_size=args.block_size,
-                        max_memory=args.max_memory)  # fmt: skip
+                        device=str(device), dtype=args.dtype, **memory)  # fmt: skip
     except ValueError as err:
         raise SystemExit(f"error: {err}")
-    blocks = sum(pool.num_blocks for pool in engine.kv.pools.values())
-    print(f"serving {args.model} at http://{args.host}:{args.port}/v1 ({blocks} KV blocks, context "
-          f"{engine.max_model_len}; SIGTERM drains for {args.drain_timeout:g} s)")
+    pool = engine.kv_stats()
+    weight = next(engine.model.parameters())
+    print(f"serving {args.model} at http://{args.host}:{args.port}/v1 on {weight.device} in "
+          f"{str(weight.dtype).removeprefix('torch.')} ({pool['blocks_total']} KV blocks of {pool['block_size']} "
+          f"tokens, {pool['bytes_total'] / 2**20:.0f} MiB; context {engine.max_model_len}; SIGTERM drains for "
+          f"{args.drain_timeout:g} s)")  # fmt: skip
     serve(engine, args.model, args.host, args.port, args.max_queue, args.drain_timeout, args.max_body_bytes)
 
 
@@ -215,15 +244,17 @@ def _demo_conversion() -> None:
 
     source, tokenizer = load_default()
     held_out = windows_of(read_calibration_text(DEFAULT_CORPUS)[-60_000:], tokenizer, ctx=256, max_tokens=1024)
-    print("\n== hf-attn convert default OUT --to mla --kv-budget 0.5 (zero-shot: no healing)")
+    print("\n== hf-attn convert default OUT --to mla --kv-budget 0.5 --reconstruct-steps 0 (closed forms only: no "
+          "reconstruction, no healing)")  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
-        report = convert("default", Path(tmp) / "mla", to="mla", kv_budget=0.5)
+        report = convert("default", Path(tmp) / "mla", to="mla", kv_budget=0.5, reconstruct_steps=0)
         converted = AutoModelForCausalLM.from_pretrained(Path(tmp) / "mla").eval()
     kv = report["kv_bytes_per_token_fp16"]
     before, after = evaluate(source, held_out, progress=False), evaluate(converted, held_out, source, progress=False)
     print(f"   KV bytes per token (fp16, all layers): {kv['before']} -> {kv['after']} ({report['kv_ratio']:.0%})")
     print(f"   perplexity on held-out TinyStories: {before.perplexity:.2f} -> {after.perplexity:.2f} "
-          f"(KL {after.kl_to_reference:.2f} per token; --heal-steps distills from the source to close the gap)")  # fmt: skip
+          f"(KL {after.kl_to_reference:.2f} per token; reconstruction, on by default, and --heal-steps close the "
+          f"gap)")  # fmt: skip
 
 
 def _demo_speculative(model, tokenizer, max_new_tokens: int) -> None:
@@ -303,7 +334,7 @@ def _demo_paged_cache(model, tokenizer, max_new_tokens: int) -> None:
 
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-attn", description="GQA / MQA / MLA attention for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -322,10 +353,8 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--kv-lora-rank", type=_positive_int, help="mla: latent dims")
     cv.add_argument("--rope-dim", type=int, help="mla: dims of the shared RoPE key (even; default: one head's d_h, at most a third of --kv-budget)")
     cv.add_argument("--kv-budget", type=float, help="mla: fraction of the source's KV bytes (instead of --kv-lora-rank)")
-    cv.add_argument("--method", help="gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla. "
-                    "Defaults are the best measured zero-shot (BENCHMARKS.md): SmolLM2-135M MQA perplexity pca 521 vs "
-                    "aligned 1956 vs mean 41854; stories260k MQA pca 21.4 vs aligned 24.3 vs mean 227 (GQA 4->2: "
-                    "aligned 9.90 vs pca 10.84 vs mean 126); MLA 50%%: calibrated 56.1 vs mha2mla 9176 (SmolLM2)")
+    cv.add_argument("--method", help="gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla "
+                    "(defaults: the best measured, docs/conversion.md)")
     cv.add_argument("--no-regroup", dest="regroup", action="store_false", default=None,
                     help="gqa aligned/pca: merge KV heads by index instead of grouping them by similarity")
     cv.add_argument("--rank-allocation", choices=["uniform", "energy", "sensitivity"],
@@ -336,21 +365,20 @@ def main(argv: list[str] | None = None) -> None:
                     "folder, a .json/.jsonl/.parquet/.csv file or a dataset name[:config] (default: the package's corpus)")
     cv.add_argument("--calib-split", help="datasets: the split to read (default train)")
     cv.add_argument("--calib-column", help="datasets: the text column (default text)")
-    cv.add_argument("--calib-source", choices=["text", "teacher"], default="teacher",
+    cv.add_argument("--calib-source", choices=["text", "teacher"],
                     help="calibration windows: samples of the source model itself (default; prompted by each "
                     "calibration-text window's first 4 tokens, temperature 1, top-p 0.95, --seed), or the calibration "
-                    "text. SmolLM2-135M MLA 50%% closed form, WikiText-2: teacher 42.2 vs text 56.1 (BENCHMARKS.md)")
+                    "text")
     cv.add_argument("--calib-samples", type=_positive_int, help="calibration windows (default 32)")
     cv.add_argument("--calib-len", type=_positive_int)
     cv.add_argument("--heal-steps", type=int, help="distillation steps from the source after conversion (default 0)")
     cv.add_argument("--propagate", action="store_true", default=None,
                     help="recompute each layer's closed form from the statistics of the converted layers before it "
                     "(kept per layer where it lowers the held-in error; measured no better than plain: off by default)")
-    cv.add_argument("--reconstruct-steps", type=_or_auto(int, "an integer"), default="auto",
+    cv.add_argument("--reconstruct-steps", type=_or_auto(int, "an integer"),
                     help="Adam steps fitting each converted attention layer's output to the source's, layer by layer "
                     "(default auto: 60 when the conversion keeps at least half the source's KV values, 150 below; 0: "
-                    "closed form only; convert() in Python defaults to 0). SmolLM2-135M MLA 50%% with teacher "
-                    "calibration, WikiText-2: 42.2 -> 33.5, about 3-4 CPU-minutes (BENCHMARKS.md)")
+                    "closed form only)")
     cv.add_argument("--reconstruct-lr", type=float, help="reconstruction step, a fraction of each weight's RMS (default 0.01)")
     cv.add_argument("--reconstruct-target", choices=["source", "local"],
                     help="fit to the source layer on the source's inputs (default) or on the converted prefix's")
@@ -364,13 +392,15 @@ def main(argv: list[str] | None = None) -> None:
     cv.add_argument("--heal-train", choices=["attention", "all"], help="what healing updates (default attention)")
     cv.add_argument("--heal-layerwise-steps", type=int,
                     help="healing's first stage: Adam steps per decoder layer matching its output to the source's on "
-                    "the calibration windows, layer by layer (default 40; 0: none). SmolLM2-135M MLA 50%%: held-in "
-                    "teacher KL 0.150 -> 0.142 in 300 CPU s, as far as 100 KL healing steps reach in 800 (BENCHMARKS.md)")
+                    "the calibration windows, layer by layer (default 40; 0: none)")
     cv.add_argument("--checkpoint-dir", help="save the healing state here (with --checkpoint-every N)")
     cv.add_argument("--checkpoint-every", type=_positive_int, help="healing steps between saved states")
     cv.add_argument("--resume", action="store_true", default=None, help="continue healing from --checkpoint-dir")
     cv.add_argument("--format", choices=["auto", "native", "stock", "deepseek_v3"],
                     help="auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock DeepseekV3ForCausalLM (MLA)")
+    cv.add_argument("--engine", choices=["vllm", "sglang", "flashmla", "llama.cpp", "transformers"],
+                    help="--format deepseek_v3: the engine whose MLA kernels the shapes fit (default llama.cpp, any "
+                    "shape, with the query LoRA llama.cpp needs; vllm / sglang: 512+64 or 256+64; flashmla: 512+64)")
     cv.add_argument("--dtype", help="dtype of the saved weights (default: the source's)")
     cv.add_argument("--device", help="where the model passes run (teacher samples, statistics, sensitivity, "
                     "reconstruction): auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, cuda:N")
@@ -397,6 +427,9 @@ def main(argv: list[str] | None = None) -> None:
     ev.add_argument("--num-fewshot", type=int, help="--tasks: few-shot examples (default: each task's own)")
     ev.add_argument("--batch-size", type=_positive_int, default=1, help="--tasks: lm-eval batch size (default 1)")
     ev.add_argument("--include-path", metavar="DIR", help="--tasks: a folder of extra lm-eval task YAMLs")
+    ev.add_argument("--eval-data", metavar="DIR", help="--tasks: the folder of the offline zero-shot tasks' files "
+                    "(hellaswag_offline, arc_easy_offline, arc_challenge_offline, piqa_offline, winogrande_offline; "
+                    "all five: zero_shot_offline); default: $HF_ATTN_EVAL_DATA")
     ev.add_argument("--ctx", type=_positive_int, default=512, help="tokens per window (default 512)")
     ev.add_argument("--max-tokens", type=_positive_int, default=4096, help="tokens evaluated at most (default 4096)")
     ev.add_argument("--reference", metavar="SRC", help="reference model: KL(reference || model) with --text, a "
@@ -409,7 +442,17 @@ def main(argv: list[str] | None = None) -> None:
     sv.add_argument("--port", type=_positive_int, default=8000)
     sv.add_argument("--max-batch-tokens", type=_positive_int, default=512, help="tokens per engine step")
     sv.add_argument("--block-size", type=_positive_int, default=16)
-    sv.add_argument("--max-memory", type=_positive_int, default=512 * 1024 * 1024, help="KV cache bytes")
+    sv.add_argument("--device", default="auto", help="auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, "
+                    "cuda:N")
+    sv.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                    help="auto (default): the checkpoint's dtype; float32 checkpoints run in bfloat16 on a GPU, "
+                    "half-precision ones in float32 on the CPU")
+    sv.add_argument("--gpu-memory-utilization", type=_fraction, metavar="F",
+                    help=f"size the KV cache to fill this share of the device's memory (the machine's RAM on the CPU), "
+                    f"after the weights and a profiling step at --max-batch-tokens (default on a GPU: "
+                    f"{DEFAULT_GPU_MEMORY_UTILIZATION})")
+    sv.add_argument("--kv-memory", "--max-memory", type=_positive_int, metavar="BYTES",
+                    help="KV cache bytes instead (default on the CPU: 512 MiB)")
     sv.add_argument("--max-queue", type=_positive_int, default=256, help="requests in flight before 429")
     sv.add_argument("--drain-timeout", type=_non_negative_float, default=10.0,
                     help="seconds in-flight requests may run after SIGTERM before they are aborted (default 10)")
@@ -421,12 +464,16 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--max-new-tokens", type=_positive_int, default=60)
     demo.set_defaults(func=cmd_demo)
 
-    args = parser.parse_args(argv)
-    args.func(args)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except MissingExtraError as err:  # one line naming the extra, no traceback
+        raise SystemExit(f"error: {err}") from None
 
 
 if __name__ == "__main__":
     sys.exit(main())
-    ev.add_argument("--eval-data", metavar="DIR", help="--tasks: the folder of the offline zero-shot tasks' files "
-                    "(hellaswag_offline, arc_easy_offline, arc_challenge_offline, piqa_offline, winogrande_offline; "
-                    "all five: zero_shot_offline); default: $HF_ATTN_EVAL_DATA")

@@ -1,7 +1,8 @@
 """The engine's paged path on the GPU: greedy Engine outputs equal generate() alone, with the kernels called at
 block granularity (prefill: paged_prefill_attention, decode: paged_decode_attention / mla_decode); and paged
 generate() of a left-padded batch (cache_implementation="paged_kv": rows laid out and read as strided views under
-sdpa, pages read by the kernels under the "paged_kv" attention) equal to generate() with DynamicCache.
+sdpa, pages read by the kernels under the "paged_kv" attention) equal to generate() with DynamicCache; and the
+serving set-up (device, dtype, a KV pool sized by a share of the device's memory) answering one request.
 
     python scripts/gpu_engine_check.py            # used by scripts/gpu_check.sh; CPU: the torch reference runs
 """
@@ -62,7 +63,53 @@ def main() -> int:
         print(f"{label:16s} {device}: {same}/{len(prompts)} token-identical to generate(); kernel calls {dict(calls)}"
               f" -> {'ok' if ok else 'FAIL'}")
         failures += not paged_generate_matches(label, model, device, calls)
+    failures += not serve_check(device)
     return 1 if failures else 0
+
+
+def serve_check(device: str) -> bool:
+    """The serving path as `hf-attn serve --device cuda --dtype auto --gpu-memory-utilization 0.2` sets it up: the
+    model moved and cast by the Engine, the KV pool sized by the profiled share of the device's memory, and one
+    request served over HTTP when fastapi / uvicorn are importable (else through the engine)."""
+    model, tokenizer = load_default()
+    memory = dict(memory_utilization=0.2) if device == "cuda" else dict(max_memory=1 << 24)  # CPU: tests size it
+    engine = Engine(model, tokenizer, device=device, dtype="auto", **memory)
+    pool = engine.kv_stats()
+    weight = next(engine.model.parameters())
+    print(f"serve {device}: weights on {weight.device} in {weight.dtype}; KV pool {pool['blocks_total']} blocks, "
+          f"{pool['bytes_total'] / 2**30:.2f} GiB; sizing {pool['sizing']}")  # fmt: skip
+    try:
+        import urllib.request
+
+        from hf_attn_patch.engine.server import create_app, make_server
+    except ImportError as error:
+        [out] = engine.generate(["Once upon a time"], SamplingParams(max_tokens=16, temperature=0))
+        text, how = out.text, f"engine.generate (no HTTP: {error})"
+    else:
+        import json
+        import socket
+        import threading
+        import time
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = make_server(create_app(engine, "stories260k"), "127.0.0.1", port, log_level="warning")
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started:
+            time.sleep(0.05)
+        body = json.dumps({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=60) as reply:
+            text = json.loads(reply.read())["choices"][0]["text"]
+        server.should_exit = True
+        thread.join(timeout=30)
+        how = "HTTP /v1/completions"
+    ok = bool(text) and weight.device.type == device
+    print(f"serve {device}: {how}: {text!r} -> {'ok' if ok else 'FAIL'}")
+    return ok
 
 
 def paged_generate_matches(label: str, model, device: str, calls) -> bool:
