@@ -55,8 +55,19 @@ def student_dir(tmp_path_factory):
 
 
 def test_a_sharded_step_equals_a_data_parallel_step_and_resumes_exactly(student_dir, tmp_path):
-    _launch(False, __file__, str(student_dir), str(tmp_path / "ddp"), "straight")
-    _launch(True, __file__, str(student_dir), str(tmp_path / "fsdp"), "straight", "resume")
+    _launch(False, __file__, str(student_dir), str(tmp_path / "ddp"), "straight", "auto")
+    _launch(True, __file__, str(student_dir), str(tmp_path / "fsdp"), "shards", "straight", "resume", "auto")
+    for dtype, low in DTYPES.items():
+        ranks = [json.loads((tmp_path / "fsdp" / f"shards_{dtype}_{rank}.json").read_text()) for rank in (0, 1)]
+        for model in ("student", "teacher"):  # each process holds its half of every weight, nothing else
+            assert ranks[0][model][0] + ranks[1][model][0] == ranks[0][model][2]
+            assert all(held[model][0] <= held[model][1] for held in ranks), ranks
+        for held in ranks:
+            assert held["untouched"]  # the sharded copies alias the caller's weights and never write them
+            assert held["trainable"] == ["torch.float32"] and held["frozen"] == [str(low)]  # fp32 sharded masters
+            assert held["layers"] == 1 + 5  # the root and one unit per decoder layer
+    ddp_lr, fsdp_lr = (json.loads((tmp_path / run / "auto_lr.json").read_text()) for run in ("ddp", "fsdp"))
+    assert fsdp_lr[0] == ddp_lr[0] and dict(fsdp_lr[1]) == pytest.approx(dict(ddp_lr[1]), rel=1e-5)  # its pick
     saved = tmp_path / "fsdp" / "ckpt_fp32"
     assert (saved / "step.txt").read_text() == "2" and [p.name for p in (saved / "heal_fsdp").iterdir()] == ["step_2"]
     shards = {p.name for p in (saved / "heal_fsdp" / "step_2").iterdir()}
@@ -78,6 +89,10 @@ def test_sharded_healing_on_cuda(student_dir, tmp_path):
 def _compare(runs: Path, deterministic: bool) -> None:
     """The runs of _run: sharded = data parallel, resumed = straight. deterministic: the CPU, where two runs of the
     same ops give the same bits; on a GPU some backward kernels (attention) add in a varying order."""
+    if (runs / "ddp" / "auto_fp32.safetensors").exists():  # lr="auto": the same pick, the same weights
+        ddp, fsdp = (load_file(runs / run / "auto_fp32.safetensors") for run in ("ddp", "fsdp"))
+        for name, weight in ddp.items():
+            torch.testing.assert_close(fsdp[name], weight, atol=1e-5, rtol=0, msg=name)  # as for fp32 below
     for dtype in DTYPES:
         ddp = load_file(runs / "ddp" / f"straight_{dtype}.safetensors")
         fsdp = load_file(runs / "fsdp" / f"straight_{dtype}.safetensors")
@@ -197,6 +212,13 @@ def _run(student_dir: str, out: str, *modes: str) -> None:
             ckpt = out / f"ckpt_{dtype_name}"
             # held-in windows checked every step: the best state is tracked, checkpointed and resumed too
             options = dict(steps=STEPS, lr=LR, held_in=held_in, eval_every=1, progress=False)
+            if mode == "shards":
+                (out / f"shards_{dtype_name}_{rank}.json").write_text(json.dumps(_shards(student, teacher)))
+                continue
+            if mode == "auto":  # the range test (fp32: its pick must not hang on a rounding difference)
+                if dtype != torch.float32:
+                    continue
+                options.update(steps=2, lr="auto", probe=1)
             if mode == "resume":
                 original = heal_module.tqdm
                 heal_module.tqdm = lambda steps, **_: CrashAfterTwoSteps(steps)
@@ -214,10 +236,37 @@ def _run(student_dir: str, out: str, *modes: str) -> None:
                 result = heal_module.heal(student, teacher, windows, **options)
             if rank == 0:
                 (out / f"{mode}_{dtype_name}.json").write_text(json.dumps(result.held_in))
-            if rank == 0:
+                if mode == "auto":
+                    (out / "auto_lr.json").write_text(json.dumps([result.lr, list(result.range_test.items())]))
                 trained = {n: p.detach().cpu().contiguous() for n, p in student.named_parameters()
                            if "self_attn" in n}  # fmt: skip
                 save_file(trained, str(out / f"{mode}_{dtype_name}.safetensors"))
+
+
+def _shards(student, teacher) -> dict:
+    """What one process holds of the sharded copies (heal_fsdp.Sharded), and that the caller's models are untouched."""
+    from accelerate import Accelerator
+
+    from hf_attn_patch.converters.heal import _trainable
+    from hf_attn_patch.converters.heal_fsdp import Sharded
+
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in student.named_parameters()}
+    for p in student.parameters():
+        p.requires_grad_(False)
+    for p in _trainable(student, "attention"):
+        p.requires_grad_(True)
+    sharded = Sharded(student, teacher, Accelerator(cpu=True))
+    local = lambda model: sum(p.to_local().numel() for p in model.parameters())  # noqa: E731
+    # FSDP2 cuts dim 0 in 2: a process holds at most ceil(rows / 2) rows of each weight
+    most = lambda model: sum(-(-p.shape[0] // 2) * p[0].numel() for p in model.parameters())  # noqa: E731
+    untouched = all(p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]) and p.dtype == student.dtype
+                    for n, p in student.named_parameters())  # fmt: skip
+    return {"student": [local(sharded.student), most(sharded.student), sum(p.numel() for p in student.parameters())],
+            "teacher": [local(sharded.teacher), most(sharded.teacher), sum(p.numel() for p in teacher.parameters())],
+            "untouched": untouched,
+            "trainable": sorted({str(p.dtype) for p in sharded.params}),
+            "frozen": sorted({str(p.dtype) for p in sharded.student.parameters() if not p.requires_grad}),
+            "layers": sum(type(m).__name__.startswith("FSDP") for m in sharded.student.modules())}
 
 
 if __name__ == "__main__":
