@@ -27,7 +27,7 @@ from ..models.architectures import architecture_of, head_dim, rotary_dim
 from ..models.pretrained import DEFAULT_MODEL_DIR
 from .calibration import (CALIB_SOURCES, TEACHER_PROMPT, calibration_windows, collect_stats, read_calibration_text,
                           teacher_windows)
-from .deepseek_export import check_source, stock_frequencies, to_deepseek_v3
+from .deepseek_export import ENGINES, check_source, engine_shape, stock_frequencies, to_deepseek_v3
 from .budgets import allocate, candidate_grid
 from .exact import rebuild, stock_attention_layers
 from .hub import check_repo_id, engines, model_card, push
@@ -86,6 +86,7 @@ class ConvertOptions:
     checkpoint_every: int = 0
     resume: bool = False  # continue healing from the last state in checkpoint_dir
     format: str = "auto"  # native: our config fields; stock: plain config (llama-family GQA); deepseek_v3 (MLA)
+    engine: str | None = None  # deepseek_v3: the engine whose MLA shapes the export takes (default llama.cpp)
     dtype: str | None = None  # of the saved weights; default: the source's
     device: str = "auto"  # where the model passes run (sampling, statistics, sensitivity, fits); auto: cuda if any
     seed: int = 0
@@ -127,6 +128,12 @@ class ConvertOptions:
             raise ValueError("format='stock' exists for GQA/MQA only; an MLA export is 'native' or 'deepseek_v3'")
         if self.format == "deepseek_v3" and self.to != "mla":
             raise ValueError(f"format='deepseek_v3' is an MLA export, not one for to={self.to!r}")
+        if self.engine is not None and self.format != "deepseek_v3":
+            raise ValueError(f"engine={self.engine!r} applies to format='deepseek_v3' only, not format={self.format!r}")
+        if self.format == "deepseek_v3":
+            self.engine = self.engine or "llama.cpp"
+            if self.engine not in ENGINES:
+                raise ValueError(f"engine={self.engine!r} is not one of {ENGINES}")
         if self.to == "mla":
             if (self.kv_lora_rank is None) == (self.kv_budget is None):
                 raise ValueError(
@@ -280,9 +287,18 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
 
             _layerwise(model, new, windows, relift if opts.propagate and opts.method != "mean" else None, opts, report)
     else:
-        rope_dim, kv_lora_rank = _mla_sizes(opts, config, source_kv, d_h)
-        _resolve_reconstruct_steps(opts, report, (rope_dim + kv_lora_rank) / (2 * source_kv * d_h))
         deepseek = opts.format == "deepseek_v3"
+        shape = None
+        if deepseek:  # before any work: the source, then the engine's shapes
+            check_source(config)
+            shape = engine_shape(opts.engine, config, opts.kv_budget, opts.kv_lora_rank, opts.rope_dim)
+        if shape is None:
+            rope_dim, kv_lora_rank = _mla_sizes(opts, config, source_kv, d_h)
+            export_rope = rope_dim
+        else:  # the conversion keeps at most the source's frequencies; the export pads with zero RoPE pairs
+            kv_lora_rank, export_rope = shape
+            rope_dim = min(export_rope, rotary_dim(config))
+        _resolve_reconstruct_steps(opts, report, (export_rope + kv_lora_rank) / (2 * source_kv * d_h))
         if deepseek:
             check_source(config, rope_dim)
         sensitivity = opts.rank_allocation == "sensitivity"
@@ -340,11 +356,14 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
         if windows is None:
             windows = calibration_windows(text(), tokenizer, opts.calib_samples, opts.calib_len)
         report["heal_layerwise"] = heal_layerwise(model, new, windows, opts.heal_layerwise_steps)
-    if opts.format == "deepseek_v3":  # after the layer-wise stage: the latent-norm fit sees its weights
-        new, report["deepseek_v3"] = to_deepseek_v3(new, windows, stride)
     if opts.heal_steps:
         report["heal"] = _heal(new, model, tokenizer, text(), opts,
                                windows if opts.calib_source == "teacher" else None)  # fmt: skip
+    if opts.format == "deepseek_v3":  # after healing, on the native form: the export's scaled latent rows (~1e-8)
+        # would not survive optimizer steps sized for the other weights
+        final_dtype = dtype_of(opts.dtype) if opts.dtype is not None else next(model.parameters()).dtype
+        new, report["deepseek_v3"] = to_deepseek_v3(new, windows, stride, config, opts.engine, export_rope,
+                                                    "fit" if final_dtype == torch.float16 else "linear")  # fmt: skip
 
     if stock_format:
         del new.config.attention_variant  # a plain config: our module's weight names are the stock ones

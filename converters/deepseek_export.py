@@ -4,28 +4,43 @@ What a stock DeepSeek-V3 config cannot say, and how the export handles it:
 - RoPE frequencies. Stock pair j of the d_r-dim key turns at theta'^(-2j/d_r); a llama source's pair i at
   theta^(-2i/d_rot). With theta' = theta^(s d_r / d_rot) stock pair j is source pair j*s exactly, so the shared key
   keeps one component at each of the frequencies 0, s, 2s, ... (the stride s with the most RoPE score over all
-  layers). Same weights, no approximation.
+  layers). Same weights, no approximation. An engine shape with more RoPE dims than the source has frequencies
+  (d_r 64, d_rot 48) gets zero rows for the pairs beyond them, and queries times sqrt(qk_head_dim ratio) (the
+  softmax scale counts the zero dims). A llama3-scaled source (rope_type "llama3") is exact
+  when every kept frequency lies in the band the scaling leaves unchanged; otherwise theta' is the least-squares fit
+  of the kept log-frequencies, and the largest relative frequency error is reported.
 - Interleaved RoPE. vLLM and SGLang rotate DeepSeek's rope dims as interleaved pairs (x0, x1), (x2, x3), ...
   (`rope_interleave=True`); our rotate_half rows are permuted into that order. Exact.
-- The latent norm. Stock DeepSeek always computes kv_a_layernorm(c) = g * c / rms(c), which a linear conversion
-  cannot reproduce: 1/rms(c_t) changes from token to token. The export keeps the norm and fits what follows it by
-  least squares on the calibration tokens (next item). This is approximate: the report gives KL(native ||
-  deepseek_v3) per token, and healing (--heal-steps) trains with the norm in place.
-- The latent map: rather than a per-dim norm weight, the norm weight is 1 and kv_b_proj absorbs the least-squares map
-  M = E[c c^T / r] E[c c^T / r^2]^-1, so kv_b(c / r) ~ kv_b_native(c) (a full d_c x d_c fit, not only a scale).
-- The latent scale: the latent rows of kv_a_proj are multiplied by a power of two s that brings rms(c) to about
-  LATENT_RMS, so the norm's eps (1e-6 in transformers, rms_norm_eps in llama.cpp and vLLM) is below fp32 noise
-  there (eps / (s^2 ms(c)) < 1e-8): every engine then computes the same c / rms(c), the map M is fitted to.
-- The query LoRA. llama.cpp reads deepseek2.attention.q_lora_rank from every DeepSeek GGUF whose layer count is
-  not a known "lite" one (26, 27), and its converter writes that key only for a non-null q_lora_rank; so the
-  export has one of rank hidden_size: input_layernorm's weight g moves into kv_a_proj (columns) and
-  q_a_layernorm, and q_a_proj = Q_SCALE * I. The query is then q_b(g * u / rms(u)) with u = h / rms_eps(h) the
-  normalized residual, rms(u)^2 = ms(h) / (ms(h) + eps): W_q x up to a factor sqrt(1 + eps / ms(h)) per token
-  (near-exact; its KL and its extra parameters, hidden^2 + hidden per layer, are in the report).
+- The norms' eps. transformers hard-codes eps 1e-6 in kv_a_layernorm and q_a_layernorm, llama.cpp and vLLM read
+  rms_norm_eps for every norm: the export's rms_norm_eps is EXPORT_EPS = 1e-6 so all engines agree. The source's
+  other norms had eps e: the residual stream is scaled by k = sqrt(1e-6 / e) (embeddings, o_proj and down_proj
+  times k), and RMSNorm(k h; k^2 e) = RMSNorm(h; e), so the eps change is exact (the final norm hides k from lm_head).
+- The latent norm ("linear", fp32 / bf16). Stock DeepSeek always computes kv_a_layernorm(c) = g c / sqrt(ms(c) + eps).
+  The latent rows of kv_a_proj are scaled by a power of two s so that ms(s c) <= LINEAR_MARGIN eps on every
+  calibration token; then the norm is linear, g s c / sqrt(eps) (1 + ms(s c) / eps)^(-1/2), and g = sqrt(eps) / s
+  gives back c up to a relative 2^-31 (the cache holds the normalized latent, at its usual scale). fp32 and bf16
+  have the range for s c (~1e-8 to 1e-12); fp16 does not (subnormal below 6e-5), nor GGUF f16 weights or quantizations with
+  fp16 block scales: convert to GGUF with --outtype f32 or bf16.
+- The latent norm ("fit", fp16 exports). The latent is scaled to rms ~LATENT_RMS (eps negligible) and kv_b_proj
+  absorbs the least-squares map M = E[c c^T / r] E[c c^T / r^2]^-1, so kv_b(c / r) ~ kv_b_native(c): approximate,
+  the report gives KL(native || deepseek_v3) per token.
+- The query LoRA (llama.cpp exports only). llama.cpp reads deepseek2.attention.q_lora_rank from every DeepSeek GGUF
+  whose layer count is not a known "lite" one (26, 27); so an export for llama.cpp has one of rank hidden_size:
+  input_layernorm's weight g moves into kv_a_proj (columns) and q_a_layernorm, and q_a_proj = t I with t a power
+  of two, t^2 <= LINEAR_MARGIN eps: q_a_layernorm sees t u with u = h / rms_eps(h), ms(u) < 1, so it is linear too,
+  and its weight g sqrt(eps) / t gives back g u, the source's normalized input (exact up to 2^-31). In fp16 ("fit")
+  t = Q_SCALE and the norm renormalizes: W_q x up to a factor sqrt(1 + eps / ms(h)) per token. The report gives
+  its KL and its extra parameters, hidden^2 + hidden per layer. Other engines get a plain q_proj (q_lora_rank null).
+- Engine shapes (ENGINE_SHAPES): vLLM's and SGLang's MLA backends take kv_lora_rank + qk_rope_head_dim = 512 + 64 or
+  256 + 64 only, FlashMLA 512 + 64; other shapes fall back to expanded attention (no KV memory saved).
 - No MoE: first_k_dense_replace = number of layers builds a dense MLP (gate/up/down, as llama's) in every layer;
   n_routed_experts stays an integer (1) because transformers 5.23 rejects null, and n_group / topk_group are null
   (llama.cpp asserts n_expert_groups < n_expert, and a dense model has no expert groups). num_key_value_heads =
   heads.
+- Sources: llama-family layers without attention / MLP biases (vLLM and llama.cpp build DeepSeek's projections
+  without biases; a query bias adds q-dependent terms no stock weight can hold), without sliding windows and
+  without per-head q/k norms (the norm sits between W_k and RoPE, on every head's key: one shared RoPE key cannot
+  carry it).
 """
 
 from __future__ import annotations
@@ -39,36 +54,102 @@ from ..models.architectures import head_dim, rotary_dim
 
 logger = logging.getLogger(__name__)
 
-SOURCE_TYPES = ("llama", "mistral")  # llama-family layers: RMSNorm, gated MLP, no attention biases
-LATENT_RMS = 32.0  # target rms of the scaled latent (module docstring); fp16-safe, eps / 32^2 ~ 1e-8
+SOURCE_TYPES = ("llama", "mistral", "qwen2")  # llama-family layers: RMSNorm, gated MLP (qwen2: without biases only)
+QK_NORM_TYPES = ("qwen3", "gemma3", "gemma3_text", "olmo2")  # refused with the reason (check_source)
+ROPE_TYPES = ("default", "llama3")
+EXPORT_EPS = 1e-6  # transformers' hard-coded kv_a_layernorm / q_a_layernorm eps: the export's rms_norm_eps
+LINEAR_MARGIN = 2.0**-30  # linear latent norm: ms(s c) <= LINEAR_MARGIN * eps on every calibration token; tokens
+# unlike them (ms(c) 10^4 x larger) still see a relative deviation < 1e-5
+LATENT_NORMS = ("linear", "fit")
+LATENT_RMS = 32.0  # "fit": target rms of the scaled latent; fp16-safe, eps / 32^2 ~ 1e-9
 Q_SCALE = 32.0  # q_a_proj = Q_SCALE * I: rms(u) ~ 1, so the query latent's rms is ~32 too
-# vLLM's FlashMLA decode kernel (the fast MLA path) takes only these latent / RoPE sizes (DeepSeek-V2/V3's).
-FLASHMLA_KV_LORA_RANK, FLASHMLA_ROPE_DIM = 512, 64
+ENGINES = ("llama.cpp", "transformers", "vllm", "sglang", "flashmla")
+# (kv_lora_rank, qk_rope_head_dim) each engine's MLA kernels take, largest first; None: any shape. Read from the
+# engines' sources (vLLM's MLA backends: 576 or 320 in all; FlashMLA: 512 + 64, SM90); not runnable on this machine.
+ENGINE_SHAPES = {"vllm": ((512, 64), (256, 64)), "sglang": ((512, 64), (256, 64)), "flashmla": ((512, 64),),
+                 "llama.cpp": None, "transformers": None}  # fmt: skip
+RUN_HERE = ("llama.cpp", "transformers")  # engines the test suite runs exports in
 
 
-def flashmla_fit(kv_lora_rank: int, rope_dim: int) -> dict:
-    """Whether an export's ranks fit vLLM's FlashMLA kernel (kv_lora_rank 512 and qk_rope_head_dim 64 only)."""
-    fits = kv_lora_rank == FLASHMLA_KV_LORA_RANK and rope_dim == FLASHMLA_ROPE_DIM
-    return {"fits": fits, "kv_lora_rank": kv_lora_rank, "qk_rope_head_dim": rope_dim,
-            "needs": {"kv_lora_rank": FLASHMLA_KV_LORA_RANK, "qk_rope_head_dim": FLASHMLA_ROPE_DIM}}  # fmt: skip
-
-
-def check_source(config, rope_dim: int) -> None:
-    """Raise (naming the field) unless the source's non-attention layers map 1:1 onto stock DeepSeek-V3 ones and
-    rope_dim gives one component to each of 1 .. d_rot/2 distinct frequencies."""
+def check_source(config, rope_dim: int | None = None) -> None:
+    """Raise (naming the field) unless the source's layers map 1:1 onto stock DeepSeek-V3 ones and rope_dim gives
+    one component to each of 1 .. d_rot/2 distinct frequencies (None: the sizes are not known yet)."""
+    if config.model_type in QK_NORM_TYPES:
+        raise ValueError(f"format='deepseek_v3': model_type {config.model_type!r} has per-head q/k norms (QK-norm); "
+                         "each head's key is normalized after W_k and before RoPE, a per-token, per-head division "
+                         "that one shared latent and one shared RoPE key cannot carry: use format='native'")  # fmt: skip
     if config.model_type not in SOURCE_TYPES:
         raise ValueError(f"format='deepseek_v3' needs a llama-family source {SOURCE_TYPES}, not {config.model_type!r}")
+    if config.model_type == "qwen2":  # q/k/v biases always: the query bias has no place in a stock layer
+        raise ValueError("format='deepseek_v3': model_type 'qwen2' has q/k/v biases; a query bias adds q-dependent "
+                         "terms to every score that no bias-free stock DeepSeek-V3 weight can hold (vLLM and "
+                         "llama.cpp build its projections without biases): use format='native'")  # fmt: skip
     for field in ("attention_bias", "mlp_bias"):
         if getattr(config, field, False):
             raise ValueError(f"format='deepseek_v3': {field}=True has no place in a stock DeepSeek-V3 layer")
     if getattr(config, "sliding_window", None) is not None:
         raise ValueError(f"format='deepseek_v3': sliding_window={config.sliding_window} is not in DeepSeek-V3")
     rope_type = (config.rope_parameters or {}).get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"format='deepseek_v3' needs plain RoPE; the source has rope_type={rope_type!r}")
-    half = rotary_dim(config) // 2
-    if not 1 <= rope_dim // 2 <= half:
-        raise ValueError(f"rope_dim={rope_dim}: format='deepseek_v3' keeps one component per frequency, 1..{half} of them")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"format='deepseek_v3' takes rope_type {ROPE_TYPES}; the source has rope_type={rope_type!r}")
+    if rope_dim is not None:
+        half = rotary_dim(config) // 2
+        if not 1 <= rope_dim // 2 <= half:
+            raise ValueError(f"rope_dim={rope_dim}: format='deepseek_v3' keeps one component per frequency, "
+                             f"1..{half} of them")  # fmt: skip
+
+
+def engine_shape(engine: str, config, kv_budget: float | None, kv_lora_rank: int | None,
+                 rope_dim: int | None) -> tuple[int, int] | None:  # fmt: skip
+    """(kv_lora_rank, qk_rope_head_dim) of `engine`'s MLA kernels for this source and budget (the largest that
+    fits), or None when the engine takes any shape. Raises, naming the budgets that would fit, when none does."""
+    shapes = ENGINE_SHAPES[engine]
+    if shapes is None:
+        return None
+    d_h = head_dim(config)
+    values = 2 * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * d_h
+    rank_cap = min(values, config.hidden_size)  # a latent spans at most the stacked [K; V] rows and the input dims
+    usable = [(c, r) for c, r in shapes if c + r <= values and c <= rank_cap]
+    names = " or ".join(f"{c} + {r}" for c, r in shapes)
+    if not usable:
+        raise ValueError(f"engine={engine!r} runs MLA only with kv_lora_rank + qk_rope_head_dim = {names}; the "
+                         f"source has {values} KV values per token per layer (hidden_size {config.hidden_size}), too "
+                         f"few for any of them: use engine='llama.cpp' or 'transformers' (any shape)")  # fmt: skip
+    fits = ", ".join(f"kv_budget >= {math.ceil((c + r) / values * 1000) / 1000} ({c} + {r})" for c, r in usable)
+    if rope_dim is not None and rope_dim not in {r for _, r in usable}:
+        raise ValueError(f"rope_dim={rope_dim}: engine={engine!r} runs MLA only with {names}")
+    if kv_lora_rank is not None:
+        if kv_lora_rank not in {c for c, _ in usable}:
+            raise ValueError(f"kv_lora_rank={kv_lora_rank}: engine={engine!r} runs MLA only with {names}; for this "
+                             f"source: {fits}")  # fmt: skip
+        return next((c, r) for c, r in usable if c == kv_lora_rank)
+    budget = int(round(kv_budget * values))
+    for c, r in usable:
+        if c + r <= budget:
+            return c, r
+    raise ValueError(f"kv_budget={kv_budget} gives {budget} of {values} KV values per token per layer: engine="
+                     f"{engine!r} runs MLA only with {names}; this source fits {fits}")  # fmt: skip
+
+
+def engine_support(kv_lora_rank: int, rope_dim: int, q_lora: bool, num_layers: int) -> dict[str, dict]:
+    """Per engine: whether an export of this shape runs on its MLA kernels (a latent cache) or falls back to full
+    attention, and whether that was run here or read from the engine's constraints."""
+    out = {}
+    for engine in ENGINES:
+        shapes = ENGINE_SHAPES[engine]
+        if engine == "llama.cpp" and not q_lora and num_layers not in (26, 27):
+            status = "refuses to load: llama.cpp needs q_lora_rank for this layer count (export with engine='llama.cpp')"
+        elif engine == "transformers":
+            status = "runs (stock DeepseekV3ForCausalLM caches the latent, re-expanded every step; with " \
+                     "hf_attn_patch imported, absorbed MLA decode)"  # fmt: skip
+        elif shapes is None or (kv_lora_rank, rope_dim) in shapes:
+            status = "MLA kernels (latent cache)"
+        else:
+            status = (f"falls back to expanded attention (no KV memory saved): its MLA kernels take "
+                      f"{' or '.join(f'{c} + {r}' for c, r in shapes)}, not {kv_lora_rank} + {rope_dim}")  # fmt: skip
+        out[engine] = {"status": status, "evidence": "run here (tests/test_llamacpp.py, tests/test_deepseek_export.py)"
+                       if engine in RUN_HERE else "read from the engine's constraints (not installable here)"}  # fmt: skip
+    return out
 
 
 def stock_frequencies(ranked_per_layer: list[list], half: int, n: int) -> tuple[list[int], int]:
@@ -86,86 +167,172 @@ def stock_frequencies(ranked_per_layer: list[list], half: int, n: int) -> tuple[
     return [j * best for j in range(n)], best
 
 
-def to_deepseek_v3(native, windows: torch.Tensor, stride: int) -> tuple[torch.nn.Module, dict]:
+def stock_rope_theta(config, frequencies: list[int], n_out: int) -> tuple[float, dict]:
+    """(theta', report) with theta'^(-2j/(2 n_out)) = the source's inverse frequency of pair frequencies[j].
+
+    Plain RoPE: exact (theta' = theta^(s d_r / d_rot)). llama3 scaling: exact when every kept frequency is in the
+    unchanged band, else theta' fits the kept log inverse frequencies by least squares; the report says which."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    params = config.rope_parameters or {}
+    theta, rope_type = params["rope_theta"], params.get("rope_type", "default")
+    d_rot = rotary_dim(config)
+    stride = frequencies[1] - frequencies[0] if len(frequencies) > 1 else 1
+    exact_theta = theta ** (stride * 2 * n_out / d_rot)
+    if rope_type == "default":
+        return exact_theta, {"rope_type": "default", "exact": True}
+    inv, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    inv = inv.double()
+    plain = 1.0 / (theta ** (torch.arange(0, d_rot, 2, dtype=torch.float64) / d_rot))
+    kept = torch.tensor(frequencies)
+    unchanged = torch.isclose(inv[kept], plain[kept], rtol=1e-6, atol=0).all().item()  # transformers: fp32
+    j = torch.arange(len(frequencies), dtype=torch.float64)
+    if unchanged:
+        fitted = exact_theta
+    else:  # log inv_j = -(2j / d_r) log theta': least squares through the origin over j >= 1
+        x, y = 2 * j[1:] / (2 * n_out), -torch.log(inv[kept][1:])
+        fitted = math.exp(float((x @ y) / (x @ x))) if len(x) else exact_theta
+    got = fitted ** (-2 * j / (2 * n_out))
+    err = float(((got - inv[kept]).abs() / inv[kept]).max())
+    return fitted, {"rope_type": rope_type, "exact": bool(unchanged), "max_relative_frequency_error": err,
+                    "why": "every kept frequency lies in the band the scaling leaves unchanged" if unchanged else
+                    "kept frequencies in the scaled band: theta' fitted to their log inverse frequencies"}  # fmt: skip
+
+
+def to_deepseek_v3(native, windows: torch.Tensor, stride: int, source_config=None, engine: str = "llama.cpp",
+                   rope_dim: int | None = None, latent_norm: str = "linear") -> tuple[torch.nn.Module, dict]:  # fmt: skip
     """(stock DeepseekV3ForCausalLM, report) from a native MLA model whose every layer keeps frequencies 0, s, ...
 
-    windows: calibration token windows [n, L] for the latent-norm fit and the KL to the native model."""
+    windows: calibration token windows [n, L] for the latent scale / fit and the KL to the native model.
+    source_config: the source's config (its rope parameters; default native.config). rope_dim: the export's RoPE
+    dims (>= the native one: zero pairs beyond it). latent_norm: "linear" (fp32 / bf16) or "fit" (module docstring)."""
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
     from .evaluate import evaluate
 
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} is not one of {ENGINES}")
+    if latent_norm not in LATENT_NORMS:
+        raise ValueError(f"latent_norm={latent_norm!r} is not one of {LATENT_NORMS}")
     src = native.config
+    source_config = source_config or src
     d_r, d_c, d_h = src.qk_rope_head_dim, src.kv_lora_rank, head_dim(src)
+    d_out = rope_dim or d_r
     if src.qk_nope_head_dim != d_h:
         raise ValueError("format='deepseek_v3' needs a latent basis (qk_nope_head_dim = head_dim)")
+    if d_out < d_r or d_out % 2:
+        raise ValueError(f"rope_dim={d_out}: the export's RoPE dims must be even and >= the conversion's {d_r}")
+    q_lora = engine == "llama.cpp"
+    n, n_out = d_r // 2, d_out // 2
+    theta, rope_report = stock_rope_theta(source_config, [j * stride for j in range(n)], n_out)
     config = DeepseekV3Config(
         vocab_size=src.vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
         moe_intermediate_size=src.intermediate_size, num_hidden_layers=src.num_hidden_layers,
         num_attention_heads=src.num_attention_heads, num_key_value_heads=src.num_attention_heads,
         n_shared_experts=1, n_routed_experts=1, num_experts_per_tok=1, n_group=None, topk_group=None,
         first_k_dense_replace=src.num_hidden_layers, routed_scaling_factor=1.0,
-        kv_lora_rank=d_c, q_lora_rank=src.hidden_size, qk_rope_head_dim=d_r, qk_nope_head_dim=d_h, v_head_dim=d_h,
+        kv_lora_rank=d_c, q_lora_rank=src.hidden_size if q_lora else None, qk_rope_head_dim=d_out,
+        qk_nope_head_dim=d_h, v_head_dim=d_h,
         hidden_act=src.hidden_act, max_position_embeddings=src.max_position_embeddings,
-        initializer_range=src.initializer_range, rms_norm_eps=src.rms_norm_eps,
+        initializer_range=src.initializer_range, rms_norm_eps=EXPORT_EPS,
         pad_token_id=src.pad_token_id, bos_token_id=src.bos_token_id, eos_token_id=src.eos_token_id,
         tie_word_embeddings=False,  # an lm_head of its own: engines differ on tied DeepSeek heads
         rope_interleave=True, attention_bias=False, num_mtp_layers=0,
-        rope_parameters={"rope_type": "default",
-                         "rope_theta": src.rope_parameters["rope_theta"] ** (stride * d_r / rotary_dim(src))},
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config, dtype=next(native.parameters()).dtype)
     state = {k: v.cpu() for k, v in native.state_dict().items()}  # the export is built on the CPU
-    heads, n = src.num_attention_heads, d_r // 2
-    interleave = [i for j in range(n) for i in (j, j + n)]  # rotate_half order -> (x0, x1), (x2, x3), ...
-    per_head = list(range(d_h)) + [d_h + i for i in interleave]  # [q_nope | q_rope] of each head
-    q_order = torch.tensor([h * (d_h + d_r) + i for h in range(heads) for i in per_head])
-    kv_order = torch.tensor(list(range(d_c)) + [d_c + i for i in interleave])
-    maps, scales = latent_norm_maps(native, windows)
+    heads = src.num_attention_heads
+    # rotate_half order (first halves, then second halves) -> interleaved pairs; -1: a zero row (pair beyond d_r)
+    interleave = [i for j in range(n_out) for i in ((j, j + n) if j < n else (-1, -1))]
+    per_head = list(range(d_h)) + [d_h + i if i >= 0 else -1 for i in interleave]  # [q_nope | q_rope] of a head
+    q_index = [h * (d_h + d_r) + i if i >= 0 else -1 for h in range(heads) for i in per_head]
+    kv_index = list(range(d_c)) + [d_c + i if i >= 0 else -1 for i in interleave]
+    q_rescale = math.sqrt((d_h + d_out) / (d_h + d_r))  # scores are divided by sqrt(qk_head_dim): zero pairs count
+    k = math.sqrt(EXPORT_EPS / src.rms_norm_eps)  # residual scale: the eps change made exact (module docstring)
+    scales, maps, deviation = latent_scales(native, windows, latent_norm)
+    # query LoRA: linear as the latent norm (ms(u) < 1 for every token, so q_in^2 <= LINEAR_MARGIN eps bounds it),
+    # or renormalizing at Q_SCALE ("fit": fp16)
+    q_in = Q_SCALE if latent_norm == "fit" else 2.0 ** math.floor(0.5 * math.log2(LINEAR_MARGIN * EXPORT_EPS))
+    q_gain = 1.0 if latent_norm == "fit" else math.sqrt(EXPORT_EPS) / q_in
     q_proj_state = {}  # the same export with a plain q_proj, to measure what the query LoRA costs
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * k
+    state["lm_head.weight"] = state["lm_head.weight"].clone()
     for layer in range(src.num_hidden_layers):
         prefix = f"model.layers.{layer}."
         attn = prefix + "self_attn."
         dtype = state[attn + "q_proj.weight"].dtype
+        state[attn + "o_proj.weight"] = state[attn + "o_proj.weight"] * k
+        state[prefix + "mlp.down_proj.weight"] = state[prefix + "mlp.down_proj.weight"] * k
         g = state[prefix + "input_layernorm.weight"].double()
-        w_q = state.pop(attn + "q_proj.weight")[q_order]
+        w_q = _rows(state.pop(attn + "q_proj.weight"), q_index) * q_rescale
+        kv_a = _rows(state[attn + "kv_a_proj_with_mqa.weight"], kv_index).double()
+        kv_a[:d_c] *= scales[layer]
+        if latent_norm == "linear":  # g s c / sqrt(eps) = c: the native up-projection unchanged
+            state[attn + "kv_a_layernorm.weight"] = torch.full((d_c,), math.sqrt(EXPORT_EPS) / scales[layer],
+                                                               dtype=dtype)  # fmt: skip
+        else:  # c / rms(c) through the fitted map
+            state[attn + "kv_a_layernorm.weight"] = torch.ones(d_c, dtype=dtype)
+            state[attn + "kv_b_proj.weight"] = (state[attn + "kv_b_proj.weight"].double() @ maps[layer]).to(dtype)
+        if not q_lora:
+            state[attn + "q_proj.weight"] = w_q
+            state[attn + "kv_a_proj_with_mqa.weight"] = kv_a.to(dtype)
+            continue
         q_proj_state[attn + "q_proj.weight"] = w_q
-        kv_a = state[attn + "kv_a_proj_with_mqa.weight"][kv_order].double()
-        kv_a[:d_c] *= scales[layer]  # rms(c) ~ LATENT_RMS: the norm's eps no longer matters
         q_proj_state[attn + "kv_a_proj_with_mqa.weight"] = kv_a.to(dtype)
+        q_proj_state[prefix + "input_layernorm.weight"] = g.to(dtype)
         state[attn + "kv_a_proj_with_mqa.weight"] = (kv_a * g).to(dtype)  # input_layernorm's weight moved in
         state[prefix + "input_layernorm.weight"] = torch.ones_like(state[prefix + "input_layernorm.weight"])
-        state[attn + "q_a_proj.weight"] = (Q_SCALE * torch.eye(src.hidden_size)).to(dtype)
-        state[attn + "q_a_layernorm.weight"] = g.to(dtype)
+        state[attn + "q_a_proj.weight"] = (q_in * torch.eye(src.hidden_size)).to(dtype)
+        state[attn + "q_a_layernorm.weight"] = (g * q_gain).to(dtype)
         state[attn + "q_b_proj.weight"] = w_q
-        state[attn + "kv_a_layernorm.weight"] = torch.ones(d_c, dtype=dtype)
-        state[attn + "kv_b_proj.weight"] = (state[attn + "kv_b_proj.weight"].double() @ maps[layer]).to(dtype)
     model.load_state_dict(state, strict=True)
     model.generation_config = native.generation_config
     model.eval()
     check = windows[: min(4, len(windows))]
     kl = evaluate(model, check, reference=native, progress=False).kl_to_reference
-    q_lora_kl = evaluate(model, check, reference=_with_q_proj(model, state, q_proj_state),
-                         progress=False).kl_to_reference  # fmt: skip
-    extra = src.num_hidden_layers * (src.hidden_size**2 + src.hidden_size)  # q_a_proj + q_a_layernorm per layer
     report = {
-        "exact": False,
-        "why": "stock DeepSeek-V3 applies kv_a_layernorm to the latent; what follows it is fitted by least squares",
+        "exact": latent_norm == "linear" and rope_report["exact"],
+        "latent_norm": {
+            "mode": latent_norm,
+            "why": ("the latent scaled so that kv_a_layernorm is linear (fp32 / bf16 only: the scaled latent is "
+                    "subnormal in fp16; GGUF: --outtype f32 or bf16)" if latent_norm == "linear" else
+                    "fp16: what follows kv_a_layernorm fitted by least squares (approximate)"),
+            "scale_per_layer": scales,
+            "max_relative_deviation_calibration": deviation,
+        },  # fmt: skip
+        "eps": {"source": src.rms_norm_eps, "export": EXPORT_EPS, "residual_scale": k},
         "kl_to_native_per_token": kl,
         "kl_windows": len(check),
+        "engine": engine,
+        "shape": {"kv_lora_rank": d_c, "qk_rope_head_dim": d_out, "rope_pairs_used": n},
+        "engines": engine_support(d_c, d_out, q_lora, src.num_hidden_layers),
         "rope_frequencies": [j * stride for j in range(n)],
-        "rope_theta": config.rope_parameters["rope_theta"],
-        "latent_scale_per_layer": scales,
-        "q_lora": {
+        "rope_theta": theta,
+        "rope": rope_report,
+    }
+    if q_lora:
+        q_lora_kl = evaluate(model, check, reference=_with_q_proj(model, state, q_proj_state),
+                             progress=False).kl_to_reference  # fmt: skip
+        extra = src.num_hidden_layers * (src.hidden_size**2 + src.hidden_size)  # q_a_proj + q_a_layernorm per layer
+        report["q_lora"] = {
             "rank": src.hidden_size,
             "why": "llama.cpp needs deepseek2.attention.q_lora_rank for non-lite layer counts",
             "extra_parameters": extra,
             "extra_fraction_of_model": extra / sum(p.numel() for p in native.parameters()),
             "kl_to_q_proj_per_token": q_lora_kl,
-        },
-        "flashmla": flashmla_fit(d_c, d_r),
-    }
-    logger.info("deepseek_v3 export: KL to the native conversion %.4f per token", kl)
+        }
+    logger.info("deepseek_v3 export (%s, latent norm %s): KL to the native conversion %.3g per token",
+                engine, latent_norm, kl)  # fmt: skip
     return model, report
+
+
+def _rows(weight: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """weight[index] with zero rows where index is -1."""
+    out = weight.new_zeros(len(index), *weight.shape[1:])
+    keep = torch.tensor([i >= 0 for i in index])
+    out[keep] = weight[torch.tensor([i for i in index if i >= 0], dtype=torch.long)]
+    return out
 
 
 def _with_q_proj(model, state: dict, q_proj_state: dict):
@@ -177,27 +344,31 @@ def _with_q_proj(model, state: dict, q_proj_state: dict):
     plain = AutoModelForCausalLM.from_config(type(model.config).from_dict(config), dtype=model.dtype)
     plain_state = {k: v for k, v in state.items() if ".q_a_" not in k and ".q_b_" not in k}
     plain_state.update(q_proj_state)
-    for key in [k for k in state if k.endswith("q_a_layernorm.weight")]:
-        plain_state[key.replace("self_attn.q_a_layernorm", "input_layernorm")] = state[key]
     plain.load_state_dict(plain_state, strict=True)
     return plain.eval()
 
 
 @torch.no_grad()
-def latent_norm_maps(native, windows: torch.Tensor) -> tuple[list[torch.Tensor], list[float]]:
-    """Per layer (M [d_c, d_c], s): M minimizes sum_t ||c_t - M c_t / r_t||^2 over the calibration tokens with
-    r = rms(c) (no eps: the scaled latent s c makes eps negligible), M = E[c c^T / r] E[c c^T / r^2]^-1; s is the power
-    of two closest to LATENT_RMS / rms of c over the tokens (module docstring)."""
+def latent_scales(native, windows: torch.Tensor, mode: str) -> tuple[list[float], list, float]:
+    """(s per layer, M per layer or None, largest relative deviation of the norm from linear on the calibration
+    tokens). linear: s the largest power of two with max_t ms(s c_t) <= LINEAR_MARGIN * EXPORT_EPS; deviation
+    1 - (1 + ms / eps)^(-1/2). fit: s the power of two nearest LATENT_RMS / rms(c), M minimizes
+    sum_t ||c_t - M c_t / r_t||^2 (r = rms(c), no eps), M = E[c c^T / r] E[c c^T / r^2]^-1; deviation None."""
     d_c = native.config.kv_lora_rank
-    sums: dict[int, tuple[torch.Tensor, torch.Tensor, float, int]] = {}
+    sums: dict[int, list] = {}
 
     def hook(layer):
         def record(module, args, output):
             c = output[..., :d_c].reshape(-1, d_c).double().cpu()
             ms = c.pow(2).mean(-1, keepdim=True)
-            normed = c / ms.sqrt().clamp_min(1e-30)
-            cross, gram, total, count = sums.get(layer, (0.0, 0.0, 0.0, 0))
-            sums[layer] = (cross + c.t() @ normed, gram + normed.t() @ normed, total + float(ms.sum()), count + len(c))
+            acc = sums.setdefault(layer, [0.0, 0.0, 0.0, 0, 0.0])
+            acc[2] += float(ms.sum())
+            acc[3] += len(c)
+            acc[4] = max(acc[4], float(ms.max()))
+            if mode == "fit":
+                normed = c / ms.sqrt().clamp_min(1e-30)
+                acc[0] = acc[0] + c.t() @ normed
+                acc[1] = acc[1] + normed.t() @ normed
 
         return record
 
@@ -209,11 +380,17 @@ def latent_norm_maps(native, windows: torch.Tensor) -> tuple[list[torch.Tensor],
     finally:
         for h in handles:
             h.remove()
-    maps, scales = [], []
+    scales, maps, deviation = [], [], 0.0
     for i in range(len(layers)):
-        cross, gram, total, count = sums[i]
+        cross, gram, total, count, ms_max = sums[i]
+        if mode == "linear":
+            s = 2.0 ** math.floor(0.5 * math.log2(LINEAR_MARGIN * EXPORT_EPS / max(ms_max, 1e-300)))
+            scales.append(s)
+            deviation = max(deviation, 1 - (1 + s * s * ms_max / EXPORT_EPS) ** -0.5)
+            maps.append(None)
+            continue
         ridge = 1e-9 * torch.trace(gram) / d_c * torch.eye(d_c, dtype=torch.float64)
         maps.append(torch.linalg.solve(gram + ridge, cross.t()).t())
         rms = max(total / count, 1e-30) ** 0.5
         scales.append(float(2.0 ** round(math.log2(LATENT_RMS / rms))))
-    return maps, scales
+    return scales, maps, deviation if mode == "linear" else None

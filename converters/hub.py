@@ -27,15 +27,13 @@ def engines(report: dict) -> dict[str, str]:
                             f"in theory: llama.cpp's converter takes {model_type}; only llama sources are tested here")  # fmt: skip
         out["vLLM / SGLang"] = f"{theory} (a stock {model_type} config)"
         return out
-    out["llama.cpp"] = (LLAMA_CPP_TESTED + " through llama.cpp's own convert_hf_to_gguf.py. Its DeepSeek converter takes "
-                        "only byte-level BPE tokenizers (SmolLM2's: no manual step); a sentencepiece-style one "
-                        "(stories260k, Llama-2) is refused there and needs the vocab step of its Llama converter")  # fmt: skip
-    fm = report["deepseek_v3"]["flashmla"]
-    fit = (f"its ranks fit vLLM's FlashMLA kernel (kv_lora_rank {fm['kv_lora_rank']}, qk_rope_head_dim "
-           f"{fm['qk_rope_head_dim']})" if fm["fits"] else
-           f"its ranks do not fit vLLM's FlashMLA kernel (kv_lora_rank {fm['kv_lora_rank']} + qk_rope_head_dim "
-           f"{fm['qk_rope_head_dim']}; FlashMLA takes only 512 + 64): vLLM would need another MLA backend")  # fmt: skip
-    out["vLLM / SGLang"] = f"{theory} (they serve DeepseekV3ForCausalLM); {fit}"
+    ds = report["deepseek_v3"]
+    for name, e in ds["engines"].items():  # deepseek_export.engine_support: MLA kernels or fallback, and the evidence
+        out[name] = f"{e['status']}; {e['evidence']}"
+    if "q_lora" in ds:
+        out["llama.cpp"] += (". " + LLAMA_CPP_TESTED + " through llama.cpp's own convert_hf_to_gguf.py; its DeepSeek "
+                             "converter takes only byte-level BPE tokenizers (SmolLM2's: no manual step), a "
+                             "sentencepiece-style one (stories, Llama-2) needs the vocab step of its Llama converter")  # fmt: skip
     return out
 
 
@@ -71,15 +69,26 @@ def model_card(report: dict) -> str:
                   for c in b["layers"]] + [""]  # fmt: skip
     if fmt == "deepseek_v3":
         ds = report["deepseek_v3"]
-        q = ds["q_lora"]
+        shape = ds["shape"]
+        exact = ("exact up to rounding: the latent is scaled so that kv_a_layernorm is linear (fp32 / bf16 weights; "
+                 "not fp16, nor GGUF f16 or quantizations with fp16 block scales: use --outtype f32 or bf16)"
+                 if ds["latent_norm"]["mode"] == "linear" else
+                 "approximate: what follows kv_a_layernorm is fitted by least squares (fp16)")  # fmt: skip
         lines += [
-            "A stock `DeepseekV3ForCausalLM` (dense layers, no MoE): transformers loads it without custom code. The",
-            "export is approximate: stock DeepSeek normalizes the latent (kv_a_layernorm); KL to the exact conversion",
-            f"before healing: {ds['kl_to_native_per_token']:.4f} per token. Its query LoRA of rank {q['rank']} (llama.cpp",
-            f"needs one) adds {q['extra_parameters']:,} parameters ({q['extra_fraction_of_model']:.1%}) at KL "
-            f"{q['kl_to_q_proj_per_token']:.1e} per token.",
+            f"A stock `DeepseekV3ForCausalLM` (dense layers, no MoE) shaped for {ds['engine']}: kv_lora_rank "
+            f"{shape['kv_lora_rank']} + qk_rope_head_dim {shape['qk_rope_head_dim']}; transformers loads it without "
+            f"custom code. The export of the conversion is {exact}; KL to it: {ds['kl_to_native_per_token']:.2g} per "
+            f"token before healing.",
             "",
         ]
+        if not ds["rope"]["exact"]:
+            lines += [f"RoPE ({ds['rope']['rope_type']}): nearest stock frequencies, largest relative error "
+                      f"{ds['rope']['max_relative_frequency_error']:.2g}.", ""]  # fmt: skip
+        if "q_lora" in ds:
+            q = ds["q_lora"]
+            lines += [f"Its query LoRA of rank {q['rank']} (llama.cpp needs one) adds {q['extra_parameters']:,} "
+                      f"parameters ({q['extra_fraction_of_model']:.1%}) at KL {q['kl_to_q_proj_per_token']:.1e} per "
+                      f"token.", ""]  # fmt: skip
     lines += ["## Engines", "", "| engine | status |", "|---|---|"]
     lines += [f"| {name} | {status} |" for name, status in report.get("engines", engines(report)).items()]
     lines += ["", "```python", load + 'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")', "```", "",
