@@ -1,12 +1,15 @@
-"""Decode latency of MLA: transformers' DeepseekV3Attention (re-expands K/V for every cached token each step) vs
-our MultiHeadLatentAttention, naive path and absorbed path (DynamicCache), and absorbed over PagedKVCache; same
-weights, in one process.
+"""Decode latency of MLA: transformers' DeepseekV3Attention (attends over the expanded K/V it caches for every
+token) vs our MultiHeadLatentAttention, naive path and absorbed path (DynamicCache), and absorbed over PagedKVCache;
+same weights, in one process.
 
-    .venv/bin/python scripts/bench_mla_decode.py [--contexts 256 1024 4096] [--steps 20] [--threads 2]
+    .venv/bin/python scripts/bench_mla_decode.py [--contexts 1024 4096 16384] [--steps 30] [--threads 2]
 
 Model: DeepSeek-V3 layout, 2 layers, hidden 512, 8 heads, kv_lora_rank 128, rope 32, nope 64, v 64 (RESEARCH.md's
-configuration), fp32 on CPU, batch 1. Each step decodes one token on a prefilled cache, then crops the cache back,
-so every step sees the same context. Prints ms per decoded token (median of steps) and speed-ups.
+configuration), fp32 on CPU, batch 1. Each cache is prefilled once, in chunks of 512 tokens (our model with
+absorb="auto", which expands K/V for such chunks). Then every round decodes one token with each column in turn and
+crops the cache back, so every step sees the same context and a change in the machine's load hits all columns alike.
+Prints ms per decoded token (median over rounds) and the speed-up of the faster absorbed column over stock: the
+median of the per-round ratios, with their interquartile range.
 """
 
 from __future__ import annotations
@@ -23,53 +26,80 @@ from hf_attn_patch import PagedKVCache
 from hf_attn_patch.attention import MultiHeadLatentAttention
 from hf_attn_patch.converters.exact import to_variant
 
+PREFILL_CHUNK = 512
+COLUMNS = {  # column: (model, cache, absorb mode of our layers)
+    "stock": ("stock", "dynamic", None),
+    "ours naive": ("ours", "dynamic", "never"),
+    "ours absorbed": ("ours", "dynamic", "always"),
+    "absorbed+paged": ("ours", "paged", "always"),
+}
 
-def decode_ms(model, context: int, steps: int, paged: bool = False) -> float:
+
+def decode_rounds(models: dict, layers: list, context: int, steps: int) -> dict[str, list[float]]:
+    """ms per decoded token of every column, one list entry per round (two warm-up rounds dropped)."""
     torch.manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (1, context + 1))
-    cache = PagedKVCache(model.config) if paged else DynamicCache(config=model.config)
+    ids = torch.randint(0, models["stock"].config.vocab_size, (1, context + 1))
+    caches = {}
     with torch.no_grad():
-        model(ids[:, :context], past_key_values=cache)
-        times = []
-        for _ in range(steps + 2):
-            start = time.perf_counter()
-            model(ids[:, context:], past_key_values=cache)
-            times.append(time.perf_counter() - start)
-            cache.crop(-1)  # drop the decoded token: every step sees the same context
-    return statistics.median(times[2:]) * 1e3  # first two steps are warm-up
+        for layer in layers:
+            layer.absorb = "auto"
+        for model_name, kind, _ in COLUMNS.values():
+            if (model_name, kind) not in caches:
+                model = models[model_name]
+                cache = PagedKVCache(model.config) if kind == "paged" else DynamicCache(config=model.config)
+                for start in range(0, context, PREFILL_CHUNK):  # chunks: a 16K prompt's attention fits in memory
+                    model(ids[:, start : min(start + PREFILL_CHUNK, context)], past_key_values=cache)
+                caches[model_name, kind] = cache
+        times = {column: [] for column in COLUMNS}
+        for step in range(steps + 2):
+            for column, (model_name, kind, absorb) in COLUMNS.items():
+                for layer in layers if absorb else ():
+                    layer.absorb = absorb
+                cache = caches[model_name, kind]
+                start = time.perf_counter()
+                models[model_name](ids[:, context:], past_key_values=cache)
+                elapsed = time.perf_counter() - start
+                cache.crop(-1)  # drop the decoded token: every step sees the same context
+                if step >= 2:
+                    times[column].append(elapsed * 1e3)
+    return times
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--contexts", type=int, nargs="+", default=[256, 1024, 4096])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--steps", type=int, default=30, help="measured rounds per context (after 2 warm-up)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+    for name in ("steps", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if min(args.contexts) < 1:
+        parser.error(f"--contexts must be >= 1, got {min(args.contexts)}")
     torch.set_num_threads(args.threads)
     config = AutoConfig.for_model(
         "deepseek_v3", vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=8, kv_lora_rank=128, q_lora_rank=None, qk_rope_head_dim=32,
         qk_nope_head_dim=64, v_head_dim=64, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
-        n_group=1, topk_group=1, max_position_embeddings=8192,
+        n_group=1, topk_group=1, max_position_embeddings=max(8192, max(args.contexts) + 1),
     )  # fmt: skip
     with hf_attn_patch.unpatched():  # transformers' own DeepseekV3Attention
         stock = AutoModelForCausalLM.from_config(config).eval()
     ours = to_variant(stock, "mla")
     layers = [m for m in ours.modules() if isinstance(m, MultiHeadLatentAttention)]
-    print(f"torch {torch.__version__}, {args.threads} threads, fp32, batch 1, ms per decoded token (median)")
-    print(f"{'context':>8}{'stock':>10}{'ours naive':>12}{'ours absorbed':>15}{'absorbed+paged':>16}{'x stock':>9}")
+    print(f"torch {torch.__version__}, {args.threads} threads, fp32, batch 1, ms per decoded token (median of "
+          f"{args.steps} rounds)")  # fmt: skip
+    print(f"{'context':>8}" + "".join(f"{column:>16}" for column in COLUMNS) + f"{'x stock':>9}{'(IQR)':>14}")
     for context in args.contexts:
-        results = {"stock": decode_ms(stock, context, args.steps)}
-        for mode in ("never", "always"):
-            for layer in layers:
-                layer.absorb = mode
-            results[mode] = decode_ms(ours, context, args.steps)
-        results["paged"] = decode_ms(ours, context, args.steps, paged=True)
-        best = min(results["always"], results["paged"])
-        print(
-            f"{context:>8}{results['stock']:>10.2f}{results['never']:>12.2f}{results['always']:>15.2f}"
-            f"{results['paged']:>16.2f}{results['stock'] / best:>8.1f}x"
+        times = decode_rounds({"stock": stock, "ours": ours}, layers, context, args.steps)
+        ratios = sorted(
+            s / min(a, p) for s, a, p in zip(times["stock"], times["ours absorbed"], times["absorbed+paged"])
         )
+        q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else ratios * 3
+        print(
+            f"{context:>8}" + "".join(f"{statistics.median(times[column]):>16.2f}" for column in COLUMNS)
+            + f"{median:>8.1f}x{f'({q1:.1f}-{q3:.1f})':>14}", flush=True,
+        )  # fmt: skip
 
 
 if __name__ == "__main__":

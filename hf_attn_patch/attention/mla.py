@@ -174,42 +174,57 @@ class MultiHeadLatentAttention(nn.Module):
         )
 
     def _absorbed(self, q_nope, q_rope, c, k_rope, attention_mask):
-        """Attention over the latent. q [B, H, T, *], c [B, 1, S, d_c], k_rope [B, 1, S, d_r] -> [B, T, H, d_v]."""
+        """Attention over the latent: all H*T query rows share one latent key/value "head" (MQA-like).
+
+        q_nope [B, H, T, d_n], q_rope [B, H, T, d_r], c [B, 1, S, d_c], k_rope [B, 1, S, d_r] -> ([B, T, H, d_v], None)
+            q_latent = q_nope W_UK[h]                                            [B, H*T, d_c]
+            bias     = scaling * q_rope . k_rope, plus 0 / finfo.min for the mask   [B, H*T, S]
+            out_h    = W_UV[h] (softmax(scaling * q_latent . c + bias) c)
+        The middle line is one SDPA call (scores and weighted sum in one pass over c, no [H*T, S] intermediates and
+        no probabilities returned, whatever the model's attention implementation).
+        """
         w_uk, w_uv = self._up_weights()
         batch, heads, length, _ = q_nope.shape
-        seq = c.shape[2]
-        q_latent = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # W_UK^T folded into the query
-        # Heads and queries share the one latent "head": fold them into the row dim of a batched matmul.
-        scores = torch.bmm(q_latent.reshape(batch, heads * length, -1), c.squeeze(1).transpose(1, 2))
+        seq, rows = c.shape[2], heads * length
+        q_latent = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk).reshape(batch, 1, rows, -1)  # W_UK^T folded in
+        bias = None
         if self.qk_rope_head_dim:
-            scores = scores + torch.bmm(q_rope.reshape(batch, heads * length, -1), k_rope.squeeze(1).transpose(1, 2))
-        scores = scores.view(batch, heads, length, seq) * self.scaling
-        scores = _apply_mask(scores, attention_mask, self.spec.sliding_window)
-        probs = nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(q_nope.dtype)
-        probs = nn.functional.dropout(probs, p=self.spec.dropout, training=self.training)
-        out_latent = torch.bmm(probs.view(batch, heads * length, seq), c.squeeze(1))  # sum_s p_s c_s
+            bias = torch.bmm(q_rope.reshape(batch, rows, -1) * self.scaling, k_rope.squeeze(1).transpose(1, 2))
+        bias = _mask_bias(bias, attention_mask, self.spec.sliding_window, (batch, heads, length, seq), q_latent)
+        out_latent = nn.functional.scaled_dot_product_attention(
+            q_latent, c, c, attn_mask=None if bias is None else bias[:, None], scale=self.scaling,
+            dropout_p=self.spec.dropout if self.training else 0.0,
+        )  # fmt: skip
         out = torch.einsum("bhtc,hvc->bthv", out_latent.view(batch, heads, length, -1), w_uv)  # W_UV folded out
-        return out, probs
+        return out, None
 
 
-def _apply_mask(scores: torch.Tensor, mask: torch.Tensor | None, sliding_window: int | None) -> torch.Tensor:
-    """Apply whatever mask the model built for its attention implementation to scores [B, H, T, S].
+def _mask_bias(bias, mask, sliding_window, shape, like) -> torch.Tensor | None:
+    """Add whatever mask the model built for its attention implementation to the additive score bias.
 
-    4D bool (sdpa: True = attend) or float (eager: additive); 2D [B, S] padding mask (flash: 1 = token);
-    None means plain causal, queries aligned to the last T keys (sdpa and flash drop all-ones masks).
+    bias: [B, H*T, S] or None; shape: (B, H, T, S). mask: 4D bool (sdpa: True = attend) or float (eager: additive);
+    2D [B, S] padding mask (flash: 1 = token); None means plain causal, queries aligned to the last T keys (sdpa and
+    flash drop all-ones masks). Returns [B, H*T, S], or None when nothing is added and nothing is masked (a decode
+    step of one query with no padding sees every key). `like` gives the bias's dtype and device.
     """
-    length, seq = scores.shape[-2:]
+    batch, heads, length, seq = shape
     if mask is not None and mask.dim() == 4:
         mask = mask[..., :seq]
-        if mask.dtype == torch.bool:
-            return scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-        return scores + mask
-    query_pos = torch.arange(seq - length, seq, device=scores.device)[:, None]
-    key_pos = torch.arange(seq, device=scores.device)[None, :]
-    allowed = key_pos <= query_pos
-    if sliding_window is not None:
-        allowed = allowed & (key_pos > query_pos - sliding_window)
-    allowed = allowed[None, None]
-    if mask is not None:  # 2D padding mask
-        allowed = allowed & mask[:, None, None, -seq:].bool()
-    return scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+        if mask.dtype != torch.bool:  # additive, [B or 1, 1, T, S]
+            mask = mask.to(like.dtype)
+            return (mask if bias is None else bias.view(shape) + mask).expand(shape).reshape(batch, -1, seq)
+        allowed = mask
+    elif mask is None and length == 1 and (sliding_window is None or seq <= sliding_window):
+        return bias
+    else:
+        query_pos = torch.arange(seq - length, seq, device=like.device)[:, None]
+        key_pos = torch.arange(seq, device=like.device)[None, :]
+        allowed = key_pos <= query_pos
+        if sliding_window is not None:
+            allowed = allowed & (key_pos > query_pos - sliding_window)
+        allowed = allowed[None, None]
+        if mask is not None:  # 2D padding mask
+            allowed = allowed & mask[:, None, None, -seq:].bool()
+    if bias is None:
+        bias = like.new_zeros(batch, heads * length, seq)
+    return bias.view(shape).masked_fill(~allowed, torch.finfo(bias.dtype).min).view(batch, -1, seq)
