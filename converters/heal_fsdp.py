@@ -15,7 +15,8 @@ Checkpoints are torch.distributed.checkpoint folders: each process writes its ow
 of the optimizer state and of the best state; nothing is gathered.
 
 The accelerate config is read for fsdp_auto_wrap_policy (default here: each decoder layer, `_no_split_modules`),
-fsdp_transformer_layer_cls_to_wrap, fsdp_reshard_after_forward and fsdp_offload_params; the compute dtype is the
+fsdp_transformer_layer_cls_to_wrap, fsdp_reshard_after_forward and fsdp_offload_params (GPU launches: the shards,
+their gradients and the optimizer state on the CPU; on CPU processes they are there already); the compute dtype is the
 models' own (and accelerate's autocast on a GPU), as in the data-parallel path. FSDP1 (fsdp_version 1, accelerate's
 default) and DeepSpeed are refused (launch_mode).
 """
@@ -84,7 +85,7 @@ class Sharded:
     def _shard(self, model, low: torch.dtype | None):
         """fully_shard every unit the config's wrap policy picks (default: the decoder layers), then the root."""
         from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy, get_module_children_bottom_up
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
         if self.plugin.auto_wrap_policy is None and os.environ.get("FSDP_AUTO_WRAP_POLICY") is None:
             from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
@@ -92,7 +93,7 @@ class Sharded:
             self.plugin.auto_wrap_policy = transformer_auto_wrap_policy  # not set: one unit per decoder layer
         policy = fsdp2_prepare_auto_wrap_policy(self.plugin, model)
         kwargs = {"mesh": self.mesh, "reshard_after_forward": self.plugin.reshard_after_forward,
-                  "offload_policy": self.plugin.cpu_offload,
+                  "offload_policy": self.plugin.cpu_offload if self.mesh.device_type != "cpu" else OffloadPolicy(),
                   "mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)}
         units = [m for m in get_module_children_bottom_up(model)[:-1] if policy is not None and policy(m)]
         for module in units:

@@ -110,15 +110,15 @@ cat "$RESULTS"
 echo "results written to $RESULTS"
 
 # Sharded healing on the GPUs (FSDP2 over NCCL, one process per GPU, at most 2): tests/test_heal_fsdp.py's CUDA run.
-# Appended after the results above were printed; it takes what is left of the 600 s (at most 120 s, none under 45 s).
-LEFT=$((590 - SECONDS)); [ "$LEFT" -gt 120 ] && LEFT=120
+# Appended after the results above were printed; it takes what is left of the 600 s (at most 180 s, none under 60 s).
+LEFT=$((590 - SECONDS)); [ "$LEFT" -gt 180 ] && LEFT=180
 {
     echo
     echo "## Sharded healing on the GPU: tests/test_heal_fsdp.py -k cuda (FSDP2 = data parallel, exact resume)"
     echo '```'
     if [ "$MODE" != full ] || ! "$PYTHON" -c "import pytest, accelerate" 2>/dev/null; then
         echo "skipped: the full package, pytest or accelerate is not importable here"
-    elif [ "$LEFT" -lt 45 ]; then
+    elif [ "$LEFT" -lt 60 ]; then
         echo "skipped: ${LEFT} s left of the 600 s bound"
     else
         timeout "$LEFT" "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_heal_fsdp.py -k cuda 2>&1 | tail -8

@@ -29,15 +29,15 @@ def _port() -> str:
         return str(probe.getsockname()[1])
 
 
-def _launch(sharded: bool, *args: str, processes: int = 2, timeout: int = 300) -> subprocess.CompletedProcess:
-    """`processes` processes (CPU ones over gloo without a GPU): `accelerate launch` with the FSDP config, or
-    torchrun (data parallel)."""
+def _launch(sharded: bool, *args: str, processes: int = 2, timeout: int = 300, options: tuple = ()):
+    """`processes` processes (CPU ones over gloo without a GPU): `accelerate launch` with the FSDP config (and its
+    `options`, e.g. --fsdp_offload_params true), or torchrun (data parallel)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     for name in [k for k in env if k.startswith(("ACCELERATE_", "FSDP_"))]:
         del env[name]  # only the launcher decides
     if sharded:
         head = ["-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--num_processes", str(processes),
-                "--main_process_port", _port()]  # fmt: skip
+                "--main_process_port", _port(), *options]  # fmt: skip
     else:
         head = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", _port()]
     result = subprocess.run([sys.executable, *head, *args], capture_output=True, text=True, env=env, timeout=timeout)
@@ -84,6 +84,14 @@ def test_sharded_healing_on_cuda(student_dir, tmp_path):
     _launch(True, __file__, str(student_dir), str(tmp_path / "fsdp"), "straight", "resume", processes=processes,
             timeout=120)  # fmt: skip
     _compare(tmp_path, deterministic=False)
+    # fsdp_offload_params: the shards, their gradients and Adam on the CPU; the same elementwise fp32 arithmetic
+    _launch(True, __file__, str(student_dir), str(tmp_path / "offload"), "straight", processes=processes,
+            timeout=120, options=("--fsdp_offload_params", "true"))  # fmt: skip
+    for dtype in DTYPES:
+        offload, fsdp = (load_file(tmp_path / run / f"straight_{dtype}.safetensors") for run in ("offload", "fsdp"))
+        for name, weight in fsdp.items():  # the bounds of _compare's sharded / data-parallel comparison
+            ulp = 2.0 ** (torch.log2(weight.float().abs().max()).floor().item() - 7)
+            torch.testing.assert_close(offload[name], weight, atol=1e-5 if dtype == "fp32" else ulp, rtol=0, msg=name)
 
 
 def _compare(runs: Path, deterministic: bool) -> None:
