@@ -120,7 +120,7 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         student, optimizer = accelerator.prepare(student, optimizer)
         # Not prepared: accelerate's scheduler wrapper steps once per process per step. Saved with the checkpoints.
         accelerator.register_for_checkpointing(schedule)
-        teacher = teacher.to(accelerator.device).eval()
+        teacher = teacher.to(accelerator.device)
     teacher.eval()
     start_step, saved, best_state = 0, None, None
     if resume and sharded is not None and (ckpt / "step.txt").exists():
