@@ -7,7 +7,9 @@ The mirror is a git directory of github.com/guidance-ai/jsonschemabench (read wi
 schemas and their valid / invalid test instances come from maskbench/data/*.json. Figures:
 - refused: schemas whose compilation raises GrammarError;
 - completeness: valid instances replayed token by token stay allowed by the mask, and EOS is allowed at the end
-  (a refused schema counts its instances as not complete);
+  (a refused schema counts its instances as not complete). llguidance generates object keys in the order the schema
+  lists them; an instance whose keys come in another order is replayed again with its keys in the schema's order
+  (the same JSON value); the figure with the keys as given is reported too;
 - soundness: invalid instances hit a masked token (EOS included) before their end;
 - generation: a random-weight llama over the tokenizer's vocabulary samples under the processor, with +4 added to
   the logits of EOS and of the tokens holding '"', ']' or '}' (else the nearly uniform random model writes strings
@@ -31,7 +33,7 @@ import torch
 from hf_attn_patch.grammar import GrammarError, GrammarSpec, GrammarState, compile_grammar
 from hf_attn_patch.grammar import bitmask as bm
 from hf_attn_patch.grammar.backends import LLGuidanceBackend
-from hf_attn_patch.grammar.schema_checks import format_checker
+from hf_attn_patch.grammar.schema_checks import SchemaChecks, format_checker
 from hf_attn_patch.grammar.vocab import get_adapter
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -57,6 +59,34 @@ def load_sample(git_dir: str, n: int, seed: int) -> list[tuple[str, dict]]:
 def encode(adapter, text: str) -> list[int]:
     """Token ids of `text` as the grammar sees the vocabulary (no SentencePiece prefix space)."""
     return adapter.llguidance_tokenizer().tokenize_str(text)
+
+
+def schema_order(data, locator, path=()):
+    """`data` with the keys of every object in the order the schema lists its properties (the order llguidance
+    generates them in: its documented "stable property order"); keys the schema does not list keep their order, last.
+    The JSON value is unchanged."""
+    if isinstance(data, list):
+        return [schema_order(v, locator, path + (i,)) for i, v in enumerate(data)]
+    if not isinstance(data, dict):
+        return data
+    order: list = []
+
+    def collect(s, depth=0):
+        if not isinstance(s, dict) or depth > 4:
+            return
+        props = s.get("properties")
+        if isinstance(props, dict):
+            order.extend(k for k in props if k not in order)
+        for key in ("anyOf", "oneOf", "allOf"):
+            for sub in s.get(key) or [] if isinstance(s.get(key), list) else []:
+                for node in locator._expand([sub]):
+                    collect(node, depth + 1)
+
+    for node in locator.nodes_at(path):
+        collect(node)
+    rank = {k: i for i, k in enumerate(order)}
+    keys = sorted(data, key=lambda k: (rank.get(k, len(rank)), list(data).index(k)))
+    return {k: schema_order(data[k], locator, path + (k,)) for k in keys}
 
 
 def replay(state: GrammarState, ids: list[int]) -> tuple[bool, float, int]:
@@ -99,6 +129,8 @@ def main():
                     help="tokenizer folder (default: stories260k)")
     ap.add_argument("--generate", type=int, default=200, help="schemas of the sample to generate for (default 200)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--smollm2", type=int, default=0,
+                    help="also generate with SmolLM2-135M-Instruct (greedy, chat prompt) on this many schemas")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     logging.getLogger("hf_attn_patch").setLevel(logging.ERROR)
@@ -109,7 +141,7 @@ def main():
     sample = load_sample(args.mirror, args.n, args.seed)
     llg = LLGuidanceBackend()
     stats = {k: 0 for k in ("schemas", "refused", "refused_llg", "valid", "complete", "complete_llg", "invalid",
-                            "caught", "caught_llg", "with_checks")}
+                            "caught", "caught_llg", "with_checks", "reordered", "complete_given_order")}
     times = {"plain_nocheck": 0.0, "ours_nocheck": 0.0, "plain_check": 0.0, "ours_check": 0.0}
     steps = {"nocheck": 0, "check": 0}
     refusals, compiled_ok = [], []
@@ -131,15 +163,28 @@ def main():
         if ours is not None:
             compiled_ok.append((name, schema, ours))
             stats["with_checks"] += ours.checks is not None
+        locator = None
         for test in tests:
             ids = encode(adapter, json.dumps(test["data"], ensure_ascii=False))
+            if test["valid"] and isinstance(test["data"], (dict, list)):  # also try the schema's property order
+                try:
+                    locator = locator or SchemaChecks(schema, set(), [])
+                    ordered = encode(adapter, json.dumps(schema_order(test["data"], locator), ensure_ascii=False))
+                except Exception:  # noqa: BLE001  (a schema jsonschema cannot load: keep the given order)
+                    ordered = ids
+            else:
+                ordered = ids
             key = "nocheck" if ours is None or ours.checks is None else "check"
             if test["valid"]:
                 stats["valid"] += 1
                 if ours is not None:
-                    replay(ours.new_state(), ids)  # warm-up: the backend's lexer cache is shared by the copies
+                    ok_given = replay(ours.new_state(), ids)[0]  # also warms up the backend's shared lexer cache
+                    if not ok_given and ordered != ids:
+                        ids = ordered
+                        stats["reordered"] += 1
                     ok, sec, n = replay(ours.new_state(), ids)
                     stats["complete"] += ok
+                    stats["complete_given_order"] += ok_given
                     _, sec_plain, n_plain = replay(plain_state(ours, adapter), ids)
                     sec = min(sec, replay(ours.new_state(), ids)[1])  # twice each, alternating: the lower time
                     sec_plain = min(sec_plain, replay(plain_state(ours, adapter), ids)[1])
@@ -148,8 +193,9 @@ def main():
                         times[f"plain_{key}"] += sec_plain
                         steps[key] += n
                 if alone is not None:
-                    stats["complete_llg"] += replay(GrammarState(llg.matcher(alone), adapter.eos_token_ids,
-                                                                 adapter.vocab_size), ids)[0]
+                    stats["complete_llg"] += any(replay(GrammarState(llg.matcher(alone), adapter.eos_token_ids,
+                                                                     adapter.vocab_size), x)[0] for x in {
+                        tuple(ids), tuple(ordered)})
             else:
                 stats["invalid"] += 1
                 if ours is not None:
@@ -160,6 +206,7 @@ def main():
     replay_seconds = time.perf_counter() - t_start
 
     gen = generate(compiled_ok[: args.generate], tok, args.max_new_tokens) if args.generate else {}
+    gen_smol = generate_smollm2(sample[: args.smollm2], args.max_new_tokens) if args.smollm2 else {}
     s = stats
     pct = lambda a, b: round(100.0 * a / max(b, 1), 2)  # noqa: E731
     figures = {
@@ -167,7 +214,9 @@ def main():
                    "valid_instances": s["valid"], "invalid_instances": s["invalid"],
                    "schemas_with_checks": s["with_checks"]},
         "refused_pct": {"ours": pct(s["refused"], s["schemas"]), "llguidance": pct(s["refused_llg"], s["schemas"])},
-        "completeness_pct": {"ours": pct(s["complete"], s["valid"]), "llguidance": pct(s["complete_llg"], s["valid"])},
+        "completeness_pct": {"ours": pct(s["complete"], s["valid"]), "llguidance": pct(s["complete_llg"], s["valid"]),
+                             "ours_keys_as_given": pct(s["complete_given_order"], s["valid"]),
+                             "instances_replayed_in_schema_key_order": s["reordered"]},
         "soundness_pct": {"ours": pct(s["caught"], s["invalid"]), "llguidance": pct(s["caught_llg"], s["invalid"])},
         "mask_us_per_token": {
             "no_checks": {"ours": round(1e6 * times["ours_nocheck"] / max(steps["nocheck"], 1), 1),
@@ -175,6 +224,7 @@ def main():
             "with_checks": {"ours": round(1e6 * times["ours_check"] / max(steps["check"], 1), 1),
                             "plain": round(1e6 * times["plain_check"] / max(steps["check"], 1), 1)}},
         "generation": gen,
+        "generation_smollm2": gen_smol,
         "replay_seconds": round(replay_seconds, 1),
         "refusals": refusals[:20],
     }
@@ -232,6 +282,56 @@ def generate(compiled: list, tok, max_new_tokens: int) -> dict:
                 ok = False
             counts["eos_valid"] += ok
             counts["eos_with_checks"] += grammar.checks is not None
+            if not ok:
+                bad.append((name, text[:200]))
+    counts["seconds"] = round(time.perf_counter() - t0, 1)
+    counts["eos_valid_pct"] = round(100.0 * counts["eos_valid"] / max(counts["eos"], 1), 2)
+    counts["invalid_examples"] = bad[:5]
+    return counts
+
+
+def generate_smollm2(sample: list, max_new_tokens: int) -> dict:
+    """SmolLM2-135M-Instruct, greedy, asked for a JSON answer under each schema (shown in the prompt)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from hf_attn_patch.grammar import JSONSchemaLogitsProcessor
+    from hf_attn_patch.models.pretrained import smollm2_dir
+
+    path = smollm2_dir()
+    tok = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    counts = {"schemas": 0, "refused": 0, "eos": 0, "eos_valid": 0, "check_failed": 0, "length": 0,
+              "eos_with_checks": 0, "seconds": 0.0}
+    bad = []
+    t0 = time.perf_counter()
+    for name, entry in sample:
+        schema = entry["schema"]
+        counts["schemas"] += 1
+        try:
+            proc = JSONSchemaLogitsProcessor(schema, tok)
+        except GrammarError:
+            counts["refused"] += 1
+            continue
+        chat = [{"role": "user", "content": "Answer with a JSON value valid under this schema:\n"
+                 + json.dumps(schema)[:1500]}]
+        ids = tok(tok.apply_chat_template(chat, add_generation_prompt=True, tokenize=False), return_tensors="pt",
+                  add_special_tokens=False).input_ids
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, logits_processor=[proc], eos_token_id=tok.eos_token_id,
+                                 pad_token_id=tok.eos_token_id)
+        new = out[0, ids.shape[1]:].tolist()
+        reason = proc.finish_reasons[0] or ("eos" if new and new[-1] == tok.eos_token_id else "length")
+        reason = reason.split(":")[0]
+        counts[reason if reason in counts else "length"] += 1
+        if reason == "eos":
+            text = tok.decode(new, skip_special_tokens=True)
+            try:
+                ok = validator(schema).is_valid(json.loads(text))
+            except ValueError:
+                ok = False
+            counts["eos_valid"] += ok
+            counts["eos_with_checks"] += proc.grammars[0].checks is not None
             if not ok:
                 bad.append((name, text[:200]))
     counts["seconds"] = round(time.perf_counter() - t0, 1)

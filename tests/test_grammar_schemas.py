@@ -225,3 +225,26 @@ def test_engine_response_format_validates(stories, family):
             assert _is_valid(schema, out.text), (family, out.text)
         else:
             assert out.finish_reason in ("length", "check_failed"), out.finish_reason
+
+
+# ------------------------------------------------------------------------------------- generate() retry
+@pytest.mark.parametrize("family", ["if_then_else", "format_checked_here"])
+def test_generate_retries_rows_whose_check_failed(random_llama, stories, family):
+    """generate(response_format=...) rolls a check_failed row back to the start of the failed value, forbids the
+    continuation and decodes that row again: rows the processor alone ends as check_failed come back valid."""
+    schema = FAMILIES[family][0]
+    tok = stories[1]
+    fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
+    plain = _generate(random_llama, tok, JSONSchemaLogitsProcessor(schema, tok), 6, 60, seed=11)
+    torch.manual_seed(11)
+    prompt = torch.tensor([[tok.bos_token_id]] * 6)
+    out = random_llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=60, do_sample=True,
+                                response_format=fmt, tokenizer=tok, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.eos_token_id)
+    retried = []
+    for row in out:
+        ids = row[1:].tolist()
+        assert tok.eos_token_id in ids
+        retried.append(_is_valid(schema, tok.decode(ids[: ids.index(tok.eos_token_id)])))
+    assert sum(_is_valid(schema, text) for text, _ in plain) < 6, plain  # the case arises without retries
+    assert all(retried), (family, retried)

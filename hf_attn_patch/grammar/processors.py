@@ -81,6 +81,13 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
         self.prompt_len: int | None = None
         self.matcher = BatchMatcher([])
         self._bitmask: torch.Tensor | None = None
+        self._resume: tuple[int, dict] = (0, {})
+
+    def resume(self, grammar_tokens: int, forbid: dict) -> None:
+        """The next call's last `grammar_tokens` input columns are grammar output already (a retry after a rolled
+        back check failure), and `forbid` ({text: token ids}) are continuations to mask (checked grammars only)."""
+        self.reset()
+        self._resume = (grammar_tokens, forbid)
 
     @property
     def states(self) -> list[GrammarState]:
@@ -97,9 +104,12 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
         if batch % n:
             raise ValueError(f"specs: {n} grammars (one per input row) do not divide the batch of {batch} rows")
         per = batch // n
-        self.prompt_len = input_ids.shape[1]
-        self._prompt = input_ids.clone()
+        self.prompt_len = input_ids.shape[1] - self._resume[0]
+        self._prompt = input_ids[:, : self.prompt_len].clone()
         self.matcher = BatchMatcher([self.grammars[r // per].new_state() for r in range(batch)])
+        for state in self.matcher.states:
+            if self._resume[1] and hasattr(state._m, "forbid"):
+                state._m.forbid = {k: set(v) for k, v in self._resume[1].items()}
         self._bitmask = self.matcher.allocate_bitmask()
 
     def _same_request(self, ids: torch.Tensor) -> bool:

@@ -28,6 +28,7 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from . import bitmask as bm
 from .errors import GrammarError
 from .schema_relax import walk
 
@@ -441,6 +442,8 @@ class CheckedMatcher:
         self.attempts = 0
         self.failed: str | None = None
         self.last_failure: str | None = None
+        self.fail_start = 0  # text offset where the value of the last failure starts
+        self.forbid: dict = {}  # text so far -> token ids masked there (continuations that failed before)
         self._gate: dict = {}
 
     # ------------------------------------------------------------------ checking one token
@@ -464,9 +467,11 @@ class CheckedMatcher:
         for sub in checks:
             fail = self.checks.failure(sub, full[start:end])
             if fail:
+                self.fail_start = start
                 return fail
         if path and isinstance(path[-1], int) and path[-1] > 0 and parent is not None:
             if self.checks.roots_at(path[:-1])[1] and self.checks.duplicate(full[parent:end] + b"]"):
+                self.fail_start = parent
                 return f"'uniqueItems' at the array {_pointer(path[:-1])} (item {path[-1]} repeats one)"
         return None
 
@@ -540,6 +545,7 @@ class CheckedMatcher:
             for state_i, length_i, data in added:
                 self.text += data
                 self.hist.append((state_i, length_i))
+
         return len(added)
 
     def rollback(self, n):
@@ -568,6 +574,10 @@ class CheckedMatcher:
             bitmask[index].zero_()
             return
         self.m.fill(bitmask, index)
+        if self.forbid:
+            banned = self.forbid.get(bytes(self.text))
+            if banned:
+                bm.set_tokens(bitmask, index, banned, False)
         state = self.hist[-1][0]
         if state is None or not self._needs_lookahead(state):
             return
@@ -615,7 +625,7 @@ class CheckedMatcher:
             return False
         fail = self._gate_failure()
         if fail:
-            self.last_failure = fail
+            self.last_failure, self.fail_start = fail, 0
         return fail is None
 
     def is_stopped(self):
@@ -628,6 +638,15 @@ class CheckedMatcher:
             return f"check_failed: {self.last_failure}"
         return self.m.error()
 
+    def retry_point(self) -> tuple[int, bytes] | None:
+        """After a failure: (tokens to keep: those before the failing value, the text before the last token). The
+        caller rolls back to the kept tokens and forbids the last token after that text (a continuation with no
+        valid end, or abandoned when the attempts ran out). None if no token was consumed."""
+        if len(self.hist) < 2:
+            return None
+        keep = max(j for j, (_, length) in enumerate(self.hist) if length <= self.fail_start)
+        return keep, bytes(self.text[: self.hist[-2][1]])
+
     def forced_tokens(self):
         ff = self.m.forced_tokens()
         return ff[: self.validate(ff)] if ff else []
@@ -637,6 +656,7 @@ class CheckedMatcher:
         other.text = bytearray(self.text)
         other.hist = list(self.hist)
         other.attempts, other.failed, other.last_failure = self.attempts, self.failed, self.last_failure
+        other.fail_start, other.forbid = self.fail_start, self.forbid
         return other
 
 

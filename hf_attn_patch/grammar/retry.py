@@ -1,0 +1,98 @@
+"""Retry of generate() rows that ended with ``check_failed`` (schema_checks.py): roll back, forbid, decode again.
+
+generate() cannot take tokens back, so the generate(response_format=...) wrapper does it after the call: for each
+such row, keep the tokens before the value whose check failed, forbid the last token of the failed continuation
+after its text, and run generate() again for that row alone from its prompt + the kept tokens (its KV is recomputed:
+generate() keeps no cache between calls), with the same options and the tokens left of ``max_new_tokens``. At most
+MAX_RETRIES runs per row; a row still failing keeps its ``check_failed`` end (only EOS after it).
+Only plain tensor outputs of greedy / sampled decoding are retried (not beams, streamers, dict outputs or
+speculative decoding, whose rows end the same way but are returned as they are).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+MAX_RETRIES = 3
+_NOT_RETRIED = ("streamer", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+
+
+def _plain(kwargs: dict, model) -> bool:
+    config = kwargs.get("generation_config") or model.generation_config
+    if any(kwargs.get(k) is not None for k in _NOT_RETRIED) or kwargs.get("return_dict_in_generate"):
+        return False
+    if (kwargs.get("num_beams") or getattr(config, "num_beams", 1) or 1) > 1:
+        return False
+    return not getattr(config, "return_dict_in_generate", False)
+
+
+def retry_failed_rows(model, original, processor, out, args: tuple, kwargs: dict):
+    """`out` (generate()'s [B, T] tensor) with its check_failed rows decoded again (module docstring)."""
+    if not torch.is_tensor(out) or processor.prompt_len is None or not _plain(kwargs, model):
+        return out
+    failed = [r for r, why in enumerate(processor.finish_reasons) if (why or "").startswith("check_failed")]
+    if not failed:
+        return out
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    if not torch.is_tensor(inputs) or inputs.dim() != 2:
+        return out
+    mask = kwargs.get("attention_mask")
+    prompt_len = processor.prompt_len
+    per_input = out.shape[0] // inputs.shape[0]
+    per_grammar = out.shape[0] // len(processor.grammars)
+    max_new = kwargs.get("max_new_tokens") or (out.shape[1] - prompt_len)
+    eos = set(processor.eos_token_ids)
+    others = [p for p in (kwargs.get("logits_processor") or []) if p is not processor]
+    rest = {k: v for k, v in kwargs.items() if k not in (
+        "input_ids", "inputs", "attention_mask", "max_new_tokens", "max_length", "logits_processor",
+        "num_return_sequences", "min_new_tokens", "min_length")}
+    rows = {}
+    for r in failed:
+        i = r // per_input
+        prompt = inputs[i][mask[i].bool()] if mask is not None else inputs[i]
+        generated = _cut(out[r, prompt_len:].tolist(), eos)
+        state, forbid = processor.states[r], {}
+        for attempt in range(MAX_RETRIES):
+            point = state._m.retry_point() if hasattr(state._m, "retry_point") else None
+            if point is None or max_new - point[0] <= 0:
+                break
+            keep, before_last = point
+            forbid.setdefault(before_last, set()).add(state.tokens[-1])
+            sub = copy.copy(processor)
+            sub.grammars = [processor.grammars[r // per_grammar]]
+            sub.resume(keep, forbid)
+            ids = torch.cat([prompt, torch.tensor(generated[:keep], dtype=prompt.dtype)]).unsqueeze(0)
+            logger.info("grammar row %d: %s; retry %d from token %d", r, processor.finish_reasons[r], attempt + 1,
+                        keep)
+            new = original(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new - keep,
+                           logits_processor=[*others, sub], **rest)
+            generated = generated[:keep] + _cut(new[0, ids.shape[1]:].tolist(), eos)
+            state = sub.states[0]
+            if not (sub.finish_reasons[0] or "").startswith("check_failed"):
+                break
+        rows[r] = generated
+    pad = kwargs.get("pad_token_id")
+    if pad is None:
+        pad = model.generation_config.pad_token_id
+    if pad is None:
+        pad = next(iter(eos))
+    width = max(out.shape[1], *(prompt_len + len(g) for g in rows.values()))
+    result = out.new_full((out.shape[0], width), pad)
+    result[:, : out.shape[1]] = out
+    for r, generated in rows.items():
+        result[r, prompt_len:] = pad
+        result[r, prompt_len: prompt_len + len(generated)] = torch.tensor(generated, dtype=out.dtype)
+    return result
+
+
+def _cut(tokens: list[int], eos: set) -> list[int]:
+    """`tokens` up to and including the first EOS."""
+    for j, t in enumerate(tokens):
+        if t in eos:
+            return tokens[: j + 1]
+    return tokens
