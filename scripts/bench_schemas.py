@@ -10,7 +10,8 @@ schemas and their valid / invalid test instances come from maskbench/data/*.json
   (a refused schema counts its instances as not complete). llguidance generates object keys in the order the schema
   lists them; an instance whose keys come in another order is replayed again with its keys in the schema's order
   (the same JSON value); the figure with the keys as given is reported too;
-- soundness: invalid instances hit a masked token (EOS included) before their end;
+- soundness: invalid instances hit a masked token (EOS included) before their end (llguidance alone: a refused
+  schema counts its instances as neither complete nor caught; the figures on the schemas it compiles are given too);
 - generation: a random-weight llama over the tokenizer's vocabulary samples under the processor, with +4 added to
   the logits of EOS and of the tokens holding '"', ']' or '}' (else the nearly uniform random model writes strings
   far longer than the token limit); the outputs that end with EOS are validated with jsonschema (formats checked);
@@ -141,7 +142,8 @@ def main():
     sample = load_sample(args.mirror, args.n, args.seed)
     llg = LLGuidanceBackend()
     stats = {k: 0 for k in ("schemas", "refused", "refused_llg", "valid", "complete", "complete_llg", "invalid",
-                            "caught", "caught_llg", "with_checks", "reordered", "complete_given_order")}
+                            "caught", "caught_llg", "with_checks", "reordered", "complete_given_order",
+                            "valid_llg_compiled", "invalid_llg_compiled")}
     times = {"plain_nocheck": 0.0, "ours_nocheck": 0.0, "plain_check": 0.0, "ours_check": 0.0}
     steps = {"nocheck": 0, "check": 0}
     refusals, compiled_ok = [], []
@@ -193,6 +195,7 @@ def main():
                         times[f"plain_{key}"] += sec_plain
                         steps[key] += n
                 if alone is not None:
+                    stats["valid_llg_compiled"] += 1
                     stats["complete_llg"] += any(replay(GrammarState(llg.matcher(alone), adapter.eos_token_ids,
                                                                      adapter.vocab_size), x)[0] for x in {
                         tuple(ids), tuple(ordered)})
@@ -201,6 +204,7 @@ def main():
                 if ours is not None:
                     stats["caught"] += not replay(ours.new_state(), ids)[0]
                 if alone is not None:
+                    stats["invalid_llg_compiled"] += 1
                     stats["caught_llg"] += not replay(GrammarState(llg.matcher(alone), adapter.eos_token_ids,
                                                                    adapter.vocab_size), ids)[0]
     replay_seconds = time.perf_counter() - t_start
@@ -215,9 +219,11 @@ def main():
                    "schemas_with_checks": s["with_checks"]},
         "refused_pct": {"ours": pct(s["refused"], s["schemas"]), "llguidance": pct(s["refused_llg"], s["schemas"])},
         "completeness_pct": {"ours": pct(s["complete"], s["valid"]), "llguidance": pct(s["complete_llg"], s["valid"]),
+                             "llguidance_on_schemas_it_compiles": pct(s["complete_llg"], s["valid_llg_compiled"]),
                              "ours_keys_as_given": pct(s["complete_given_order"], s["valid"]),
                              "instances_replayed_in_schema_key_order": s["reordered"]},
-        "soundness_pct": {"ours": pct(s["caught"], s["invalid"]), "llguidance": pct(s["caught_llg"], s["invalid"])},
+        "soundness_pct": {"ours": pct(s["caught"], s["invalid"]), "llguidance": pct(s["caught_llg"], s["invalid"]),
+                          "llguidance_on_schemas_it_compiles": pct(s["caught_llg"], s["invalid_llg_compiled"])},
         "mask_us_per_token": {
             "no_checks": {"ours": round(1e6 * times["ours_nocheck"] / max(steps["nocheck"], 1), 1),
                           "plain": round(1e6 * times["plain_nocheck"] / max(steps["nocheck"], 1), 1)},

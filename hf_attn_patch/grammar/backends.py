@@ -149,6 +149,8 @@ class LLGuidanceBackend:
         if is_error:
             raise GrammarError(f"{spec.kind} not supported by llguidance: {'; '.join(messages)}")
         for msg in messages:
+            if (json_options or {}).get("coerce_one_of") and "falling back to anyOf" in msg:
+                continue  # asked for: oneOf exclusivity is checked exactly (schema_checks.py)
             logger.warning("llguidance: %s", msg)
         template = llg.LLMatcher(tokenizer, grammar, log_level=0)
         if template.is_error():
