@@ -46,8 +46,9 @@ def load_sample(git_dir: str, n: int, seed: int) -> list[tuple[str, dict]]:
                            capture_output=True, text=True, check=True).stdout.split()
     names = sorted(x for x in names if x.endswith(".json"))
     picked = random.Random(seed).sample(names, min(n, len(names)))
-    batch = subprocess.run(["git", "--git-dir", git_dir, "cat-file", "--batch"], input="".join(f"HEAD:{x}\n" for x in picked).encode(),
-                           capture_output=True, check=True).stdout
+    request = "".join(f"HEAD:{x}\n" for x in picked).encode()
+    batch = subprocess.run(["git", "--git-dir", git_dir, "cat-file", "--batch"], input=request, capture_output=True,
+                           check=True).stdout
     out, pos = [], 0
     for name in picked:
         header_end = batch.index(b"\n", pos)

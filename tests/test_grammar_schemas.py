@@ -12,7 +12,6 @@ import torch
 from hf_attn_patch.grammar import GrammarError, GrammarSpec, JSONSchemaLogitsProcessor, compile_grammar
 from hf_attn_patch.grammar import bitmask as bm
 from hf_attn_patch.grammar.schema_checks import format_checker
-from hf_attn_patch.grammar.vocab import get_adapter
 
 from .conftest import tiny_model
 
@@ -217,9 +216,9 @@ def test_engine_response_format_validates(stories, family):
     schema = FAMILIES[family][0]
     fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
     engine = Engine(model, tok, block_size=4)
-    outs = engine.generate(["Once upon a time", "Lily"], [SamplingParams(max_tokens=60, temperature=0, response_format=fmt),
-                                                          SamplingParams(max_tokens=60, temperature=1.0, seed=2,
-                                                                         response_format=fmt)])
+    params = [SamplingParams(max_tokens=60, temperature=0, response_format=fmt),
+              SamplingParams(max_tokens=60, temperature=1.0, seed=2, response_format=fmt)]
+    outs = engine.generate(["Once upon a time", "Lily"], params)
     for out in outs:
         if out.finish_reason == "stop":
             assert _is_valid(schema, out.text), (family, out.text)

@@ -114,7 +114,8 @@ def _value_path(stack) -> tuple:
 
 def scan(state, data: bytes, offset: int, closes: list):
     """Advance `state` over `data` (bytes starting at text offset `offset`); append (path, start, end) of every value
-    that closes, in order, to `closes` as (path, start, end, start of its container or None). Returns the new state (None if `data` is not JSON: the grammar decides)."""
+    that closes, in order, to `closes` as (path, start, end, start of its container or None). Returns the new state
+    (None if `data` is not JSON: the grammar decides)."""
     stack, scalar, top = state
     pos = offset
     for b in data:
@@ -449,6 +450,8 @@ class CheckedMatcher:
     # ------------------------------------------------------------------ checking one token
     def _check_token(self, state, text: bytes, token: int):
         """(new scanner state, failure or None) for appending `token` at scanner `state` over `text`."""
+        if state is None:  # the scanner lost track (not JSON text): only the final gate checks from here
+            return None, None
         data = self.checks.token_bytes[token] if token < len(self.checks.token_bytes) else b""
         closes: list = []
         new = scan(state, data, len(text), closes)
@@ -539,13 +542,12 @@ class CheckedMatcher:
                 break
             data = self.checks.token_bytes[int(t)] if int(t) < len(self.checks.token_bytes) else b""
             text += data
-            state = new if new is not None else state
+            state = new
             added.append((state, len(text), data))
         if commit:
             for state_i, length_i, data in added:
                 self.text += data
                 self.hist.append((state_i, length_i))
-
         return len(added)
 
     def rollback(self, n):
@@ -584,8 +586,8 @@ class CheckedMatcher:
         words = bitmask[index].numpy().view(np.uint32)
         allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: len(self.checks.token_bytes)].astype(bool)
         scalar = state[1]
-        cls = "quote" if scalar is not None and scalar[0] == "s" else ("close" if scalar is not None and scalar[0] == "n"
-                                                                     else "any")
+        kind = scalar[0] if scalar is not None else None
+        cls = "quote" if kind == "s" else ("close" if kind == "n" else "any")
         candidates = allowed & self.checks._has[cls]
         if scalar is None or scalar[0] == "n":  # numbers the grammar will have to close
             candidates |= allowed & self.checks._last_number
@@ -634,8 +636,8 @@ class CheckedMatcher:
     def error(self):
         if self.failed:
             return f"check_failed: {self.failed}"
-        if self.m.is_stopped() and not self.is_accepting():
-            return f"check_failed: {self.last_failure}"
+        if self.m.is_stopped() and self.m.is_accepting() and self._gate_failure():
+            return f"check_failed: {self._gate_failure()}"
         return self.m.error()
 
     def retry_point(self) -> tuple[int, bytes] | None:
