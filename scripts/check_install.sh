@@ -82,6 +82,8 @@ expect_hint() {  # $1: extra; the rest: the command
 }
 expect_hint serve "$HF" serve default
 expect_hint eval "$HF" eval default --tasks hellaswag
+expect_hint convert "$HF" convert default never --to mqa --calib-data wikitext:wikitext-2-raw-v1
+[ ! -e never ] || fail "convert wrote OUT although an extra was missing"
 
 step "with [serve]: a real request from the openai client"
 "$PY" -m pip install -q "$WHEEL[serve]"

@@ -104,3 +104,10 @@ def test_health_reports_the_pool(one_torch_thread):
         assert pool["blocks_used"] == 0 and pool["blocks_cached"] >= 2
         assert pool["blocks_free"] + pool["blocks_cached"] == pool["blocks_total"]
         assert json.dumps(pool)  # plain JSON
+
+
+def test_unsupported_distributed_healing_is_refused_before_any_work(monkeypatch):
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    with pytest.raises(ValueError, match="healing under DeepSpeed"):
+        ConvertOptions(to="mqa", heal_steps=1)
+    ConvertOptions(to="mqa")  # no healing: nothing to refuse
