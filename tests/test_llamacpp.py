@@ -22,6 +22,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import hf_attn_patch
 from hf_attn_patch.converters.convert import convert
 
+from ._fast import FAST
+
 ROOT = Path(__file__).resolve().parents[1]
 # `make test-llamacpp` sets LLAMACPP_SRC after installing everything: there a missing piece fails, never skips.
 REQUIRED = "LLAMACPP_SRC" in os.environ
@@ -120,20 +122,22 @@ def compare(model_dir: Path, gguf_file: Path, text: str, steps: int, atol: float
 
 
 # fp32 noise: unit roundoff 1.2e-7 x |logit| (<= 20) x matmuls a logit's error passes through (4 per layer:
-# q/k/v, o, up/gate, down) x layers x safety 10. stories (5 layers): 4.8e-4; SmolLM2 (30 layers): 2.9e-3.
+# q/k/v, o, up/gate, down) x layers x safety 10. stories (5 layers): 4.8e-4; stories15m (6): 5.8e-4; SmolLM2 (30): 2.9e-3.
 STORIES_ATOL, SMOLLM2_ATOL = 1.2e-7 * 20 * 4 * 5 * 10, 1.2e-7 * 20 * 4 * 30 * 10
+STORIES15M_ATOL = 1.2e-7 * 20 * 4 * 6 * 10
+STORIES15M = ROOT.parent / "shared" / "models" / "stories15m"  # llama2.c stories15M (MHA, 6 heads of 48, Llama-2 vocab)
 PROMPT = "Once upon a time, there was a little girl named Lily. She liked to"
 
 
 @pytest.mark.parametrize("target", [dict(to="gqa", kv_heads=2), dict(to="mqa", method="mean")])
 def test_stock_llama_export_runs_in_llama_cpp(tmp_path, target):
-    convert("default", tmp_path / "hf", calib_samples=4, **target)
+    convert("default", tmp_path / "hf", calib_samples=4, **target, **FAST)
     gguf_file = to_gguf(tmp_path / "hf", tmp_path / "model.gguf")
     compare(tmp_path / "hf", gguf_file, PROMPT, steps=24, atol=STORIES_ATOL, same_tokens=False)
 
 
 def test_deepseek_v3_export_runs_in_llama_cpp(tmp_path):
-    report = convert("default", tmp_path / "hf", to="mla", kv_budget=0.5, format="deepseek_v3", calib_samples=4)
+    report = convert("default", tmp_path / "hf", to="mla", kv_budget=0.5, format="deepseek_v3", calib_samples=4, **FAST)
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert config["n_group"] is None and config["q_lora_rank"] == config["hidden_size"]
     gguf_file = to_gguf(tmp_path / "hf", tmp_path / "model.gguf", llama_vocab=True)
@@ -146,7 +150,36 @@ def test_deepseek_v3_export_runs_in_llama_cpp(tmp_path):
 @pytest.mark.parametrize("target", [dict(to="mqa", method="mean"), dict(to="mla", kv_budget=0.5, format="deepseek_v3")])
 def test_smollm2_exports_run_in_llama_cpp(tmp_path, target):
     """SmolLM2-135M through llama.cpp's unmodified command line, both export formats."""
-    convert("smollm2", tmp_path / "hf", calib_samples=4, calib_len=128, **target)
+    convert("smollm2", tmp_path / "hf", calib_samples=4, calib_len=128, **target, **FAST)
     gguf_file = to_gguf(tmp_path / "hf", tmp_path / "model.gguf")
     print(compare(tmp_path / "hf", gguf_file, "The capital of France is Paris. The capital of Italy is", steps=16,
                   atol=SMOLLM2_ATOL))  # fmt: skip
+
+
+stories15m = pytest.mark.skipif(not STORIES15M.is_dir(), reason=f"{STORIES15M} is not there")
+
+
+@stories15m
+@pytest.mark.parametrize("target", [dict(to="gqa", kv_heads=3), dict(to="gqa", kv_heads=2), dict(to="mqa")],
+                         ids=["gqa-6to3", "gqa-6to2", "mqa"])  # fmt: skip
+def test_stories15m_stock_exports_run_in_llama_cpp(tmp_path, target):
+    """A real MHA model's GQA / MQA exports (stock llama configs) through llama.cpp's unmodified command line."""
+    convert(str(STORIES15M), tmp_path / "hf", calib_samples=4, **target, **FAST)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["num_key_value_heads"] == target.get("kv_heads", 1)
+    gguf_file = to_gguf(tmp_path / "hf", tmp_path / "model.gguf")
+    print(compare(tmp_path / "hf", gguf_file, PROMPT, steps=24, atol=STORIES15M_ATOL, same_tokens=False))
+
+
+@stories15m
+def test_stories15m_deepseek_v3_export_runs_in_llama_cpp(tmp_path):
+    """stories15M MLA 50% as stock DeepSeek-V3 (the linear latent norm: latent rows of kv_a_proj scaled to ~1e-8,
+    llama.cpp's f32 RMSNorm keeps them exact) through llama.cpp, its SentencePiece vocab by the Llama step."""
+    report = convert(str(STORIES15M), tmp_path / "hf", to="mla", kv_budget=0.5, format="deepseek_v3", calib_samples=4,
+                     **FAST)  # fmt: skip
+    ds = report["deepseek_v3"]
+    assert ds["latent_norm"]["mode"] == "linear" and ds["kl_to_native_per_token"] < 1e-8  # measured ~1e-10
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert config["rms_norm_eps"] == 1e-6 and config["q_lora_rank"] == config["hidden_size"]
+    gguf_file = to_gguf(tmp_path / "hf", tmp_path / "model.gguf", llama_vocab=True)
+    print(compare(tmp_path / "hf", gguf_file, PROMPT, steps=24, atol=STORIES15M_ATOL, same_tokens=False))
