@@ -31,9 +31,11 @@ def engines(report: dict) -> dict[str, str]:
     for name, e in ds["engines"].items():  # deepseek_export.engine_support: MLA kernels or fallback, and the evidence
         out[name] = f"{e['status']}; {e['evidence']}"
     if "q_lora" in ds:
-        out["llama.cpp"] += (". " + LLAMA_CPP_TESTED + " through llama.cpp's own convert_hf_to_gguf.py; its DeepSeek "
-                             "converter takes only byte-level BPE tokenizers (SmolLM2's: no manual step), a "
-                             "sentencepiece-style one (stories, Llama-2) needs the vocab step of its Llama converter")  # fmt: skip
+        gguf = ("GGUF --outtype f32 or bf16 (f16 and fp16-scaled quantizations cannot hold the scaled latent)"
+                if ds["latent_norm"]["mode"] == "linear" else "any GGUF type")  # fmt: skip
+        out["llama.cpp"] += (f": {LLAMA_CPP_TESTED[len('tested: '):]}, through llama.cpp's own convert_hf_to_gguf.py; "
+                             f"{gguf}. Its DeepSeek converter takes only byte-level BPE tokenizers (SmolLM2's); a "
+                             "SentencePiece one (Llama-2 style) needs the vocab step of its Llama converter")  # fmt: skip
     return out
 
 
@@ -70,15 +72,15 @@ def model_card(report: dict) -> str:
     if fmt == "deepseek_v3":
         ds = report["deepseek_v3"]
         shape = ds["shape"]
-        exact = ("exact up to rounding: the latent is scaled so that kv_a_layernorm is linear (fp32 / bf16 weights; "
-                 "not fp16, nor GGUF f16 or quantizations with fp16 block scales: use --outtype f32 or bf16)"
+        exact = ("exactly, up to rounding: the latent is scaled so that kv_a_layernorm is linear (fp32 / bf16 "
+                 "weights; not fp16, nor GGUF f16 or quantizations with fp16 block scales: use --outtype f32 or bf16)"
                  if ds["latent_norm"]["mode"] == "linear" else
-                 "approximate: what follows kv_a_layernorm is fitted by least squares (fp16)")  # fmt: skip
+                 "approximately: what follows kv_a_layernorm is fitted by least squares (fp16)")  # fmt: skip
         lines += [
             f"A stock `DeepseekV3ForCausalLM` (dense layers, no MoE) shaped for {ds['engine']}: kv_lora_rank "
             f"{shape['kv_lora_rank']} + qk_rope_head_dim {shape['qk_rope_head_dim']}; transformers loads it without "
-            f"custom code. The export of the conversion is {exact}; KL to it: {ds['kl_to_native_per_token']:.2g} per "
-            f"token before healing.",
+            f"custom code. It computes the MLA conversion {exact}; KL from that conversion: "
+            f"{ds['kl_to_native_per_token']:.2g} per token (calibration windows).",
             "",
         ]
         if not ds["rope"]["exact"]:

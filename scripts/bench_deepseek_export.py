@@ -5,7 +5,8 @@ change alone (rms_norm_eps 1e-6 without the residual rescale), and the linear ex
     python scripts/bench_deepseek_export.py smollm2 --kv-budget 0.5 --text wikitext2_test.txt --chars 200000 --ctx 512 --windows 4
     python scripts/bench_deepseek_export.py stories15m_dir --kv-budget 0.5 --text tinystories.txt --skip-chars 100000 --ctx 256 --windows 8
 
-The conversion uses the CLI's defaults (teacher calibration windows from the package corpus, reconstruction "auto");
+The conversion uses the CLI's defaults (teacher calibration windows from the package corpus, reconstruction "auto")
+unless --calib-source / --reconstruct-steps say otherwise;
 the evaluation text is never used to choose anything. Prints one JSON object.
 """
 
@@ -36,6 +37,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--no-half", action="store_true", help="skip the bf16 / fp16 evaluations")
+    ap.add_argument("--calib-source", default="teacher", help="as hf-attn convert (default teacher)")
+    ap.add_argument("--reconstruct-steps", default="auto", help="as hf-attn convert (default auto)")
     args = ap.parse_args()
 
     captured = {}
@@ -48,7 +51,9 @@ def main() -> None:
     convert_module.to_deepseek_v3 = capture
     with tempfile.TemporaryDirectory() as tmp:
         report = convert(args.source, f"{tmp}/ds", to="mla", kv_budget=args.kv_budget, format="deepseek_v3",
-                         calib_source="teacher", reconstruct_steps="auto")  # fmt: skip
+                         calib_source=args.calib_source,
+                         reconstruct_steps=args.reconstruct_steps if args.reconstruct_steps == "auto"
+                         else int(args.reconstruct_steps))  # fmt: skip
     convert_module.to_deepseek_v3 = export
     native, calib, (stride, config, engine, rope_dim, _) = captured["native"], captured["windows"], captured["rest"]
     linear, lin_report = to_deepseek_v3(native, calib, stride, config, engine, rope_dim, "linear")
