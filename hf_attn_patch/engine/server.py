@@ -506,8 +506,9 @@ def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: flo
 
 
 def _finish_reason(engine_reason: str, calls: list[dict] | None) -> str:
-    """"tool_calls" for a complete call; a call the length limit cut keeps "length", so a client never runs it."""
-    return "tool_calls" if calls and engine_reason != "length" else engine_reason
+    """"tool_calls" for a complete call; a call the length limit cut keeps "length" (one whose JSON Schema check
+    failed keeps "check_failed"), so a client never runs it."""
+    return "tool_calls" if calls and engine_reason not in ("length", "check_failed") else engine_reason
 
 
 def _resolve(future: asyncio.Future) -> None:

@@ -9,7 +9,7 @@ from collections import OrderedDict
 
 from .backends import resolve_backend
 from .errors import GrammarError
-from .schema_checks import CheckedMatcher, known_formats, schema_checks_for
+from .schema_checks import CheckedMatcher, check_schema, known_formats, schema_checks_for
 from .schema_relax import relax_and_compile
 from .spec import GrammarSpec
 from .state import GrammarState
@@ -86,6 +86,7 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
             return be.compile(GrammarSpec("json_schema", schema), adapter, separators=tuple(separators),
                               whitespace_flexible=whitespace_flexible, json_options=options)
 
+        check_schema(spec.source)
         compiled, relaxed = relax_and_compile(spec.source, compile_fn, known_formats())
         checks = schema_checks_for(spec.source, relaxed, adapter.token_bytes())
         widened = relaxed.dropped

@@ -662,6 +662,24 @@ class CheckedMatcher:
         return other
 
 
+def check_schema(schema: dict) -> None:
+    """GrammarError naming the place of the first error of `schema` against its meta-schema (formats included:
+    a ``pattern`` must be a regex)."""
+    import jsonschema
+    from jsonschema.validators import validator_for
+
+    cls = validator_for(schema, default=jsonschema.Draft202012Validator)
+    try:
+        error = jsonschema.exceptions.best_match(
+            cls(cls.META_SCHEMA, format_checker=format_checker()).iter_errors(schema))
+    except Exception as err:  # noqa: BLE001  (a meta-schema jsonschema cannot load: the backend decides)
+        logger.debug("meta-schema check skipped: %s", err)
+        return
+    if error is not None:
+        where = "#" + "".join(f"/{p}" for p in error.absolute_path)
+        raise GrammarError(f"json_schema: invalid at {where} ({error.validator!r}): {error.message}")
+
+
 def _pointer(path) -> str:
     """Instance path -> JSON pointer text."""
     return "/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in path) if path else "(root)"

@@ -91,6 +91,10 @@ class _Relaxer:
         for path, sub in walk(relaxed):
             orig = originals.get(path)
             changed = []
+            if sub.get("not") in ({}, True):  # admits no value: said exactly (llguidance knows an empty enum)
+                sub.clear()
+                sub["enum"] = []
+                continue
             for key in list(sub):
                 if key in self.drop and not (key == "uniqueItems" and sub[key] is False):
                     changed.append(key)
@@ -189,6 +193,8 @@ def relax_and_compile(schema: dict, compile_fn, known_formats) -> tuple[object, 
             compiled = compile_fn(relaxed, options)
         except GrammarError as err:
             last = str(err)
+            if "Unsatisfiable schema" in last:  # the widened schema admits no value: neither does the schema
+                raise GrammarError(f"json_schema: the schema admits no value ({last})") from None
             if relaxer.widen_from_error(last):
                 continue
             break
