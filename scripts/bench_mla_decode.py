@@ -1,15 +1,18 @@
-"""Decode latency of MLA: transformers' DeepseekV3Attention (attends over the expanded K/V it caches for every
-token) vs our MultiHeadLatentAttention, naive path and absorbed path (DynamicCache), and absorbed over PagedKVCache;
-same weights, in one process.
+"""Decode latency of MLA: transformers' DeepseekV3Attention (re-expands K/V from the cached latent for every cached
+token each step) vs our MultiHeadLatentAttention, naive path and absorbed path (DynamicCache), and absorbed over
+PagedKVCache; same weights, in one process.
 
     .venv/bin/python scripts/bench_mla_decode.py [--contexts 1024 4096 16384] [--steps 30] [--threads 2]
+        [--clock wall|thread]
 
 Model: DeepSeek-V3 layout, 2 layers, hidden 512, 8 heads, kv_lora_rank 128, rope 32, nope 64, v 64 (RESEARCH.md's
 configuration), fp32 on CPU, batch 1. Each cache is prefilled once, in chunks of 512 tokens (our model with
 absorb="auto", which expands K/V for such chunks). Then every round decodes one token with each column in turn and
 crops the cache back, so every step sees the same context and a change in the machine's load hits all columns alike.
 Prints ms per decoded token (median over rounds) and the speed-up of the faster absorbed column over stock: the
-median of the per-round ratios, with their interquartile range.
+median of the per-round ratios, with their interquartile range. `--clock thread` (with `--threads 1`) times the CPU
+time of the one thread that runs every op instead of the wall clock: on a machine shared with other work, the time
+spent waiting for a core drops out.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ COLUMNS = {  # column: (model, cache, absorb mode of our layers)
 }
 
 
-def decode_rounds(models: dict, layers: list, context: int, steps: int) -> dict[str, list[float]]:
+def decode_rounds(models: dict, layers: list, context: int, steps: int, clock) -> dict[str, list[float]]:
     """ms per decoded token of every column, one list entry per round (two warm-up rounds dropped)."""
     torch.manual_seed(0)
     ids = torch.randint(0, models["stock"].config.vocab_size, (1, context + 1))
@@ -56,9 +59,9 @@ def decode_rounds(models: dict, layers: list, context: int, steps: int) -> dict[
                 for layer in layers if absorb else ():
                     layer.absorb = absorb
                 cache = caches[model_name, kind]
-                start = time.perf_counter()
+                start = clock()
                 models[model_name](ids[:, context:], past_key_values=cache)
-                elapsed = time.perf_counter() - start
+                elapsed = clock() - start
                 cache.crop(-1)  # drop the decoded token: every step sees the same context
                 if step >= 2:
                     times[column].append(elapsed * 1e3)
@@ -70,12 +73,17 @@ def main() -> None:
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
     parser.add_argument("--steps", type=int, default=30, help="measured rounds per context (after 2 warm-up)")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
+                        help="thread: CPU time of the calling thread (needs --threads 1)")
     args = parser.parse_args()
     for name in ("steps", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
     if min(args.contexts) < 1:
         parser.error(f"--contexts must be >= 1, got {min(args.contexts)}")
+    if args.clock == "thread" and args.threads != 1:
+        parser.error(f"--clock thread times one thread: it needs --threads 1, got --threads {args.threads}")
+    clock = time.thread_time if args.clock == "thread" else time.perf_counter
     torch.set_num_threads(args.threads)
     config = AutoConfig.for_model(
         "deepseek_v3", vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
@@ -87,11 +95,11 @@ def main() -> None:
         stock = AutoModelForCausalLM.from_config(config).eval()
     ours = to_variant(stock, "mla")
     layers = [m for m in ours.modules() if isinstance(m, MultiHeadLatentAttention)]
-    print(f"torch {torch.__version__}, {args.threads} threads, fp32, batch 1, ms per decoded token (median of "
-          f"{args.steps} rounds)")  # fmt: skip
+    print(f"torch {torch.__version__}, {args.threads} threads, fp32, batch 1, {args.clock} clock, ms per decoded token "
+          f"(median of {args.steps} rounds)")  # fmt: skip
     print(f"{'context':>8}" + "".join(f"{column:>16}" for column in COLUMNS) + f"{'x stock':>9}{'(IQR)':>14}")
     for context in args.contexts:
-        times = decode_rounds({"stock": stock, "ours": ours}, layers, context, args.steps)
+        times = decode_rounds({"stock": stock, "ours": ours}, layers, context, args.steps, clock)
         ratios = sorted(
             s / min(a, p) for s, a, p in zip(times["stock"], times["ours absorbed"], times["absorbed+paged"])
         )
