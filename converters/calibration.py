@@ -51,9 +51,7 @@ def read_calibration_text(source: str | Path | None, split: str = "train", colum
       `split` joined by blank lines.
     """
     path = DEFAULT_CORPUS if source is None else Path(source)
-    if path.is_dir() and any((path / marker).exists() for marker in ("state.json", "dataset_dict.json")):
-        text = _dataset_text(str(path), split, column)
-    elif path.is_file() and path.suffix in DATA_FILE_BUILDERS:
+    if is_dataset_source(path):
         text = _dataset_text(str(path), split, column)
     elif path.is_dir():
         files = sorted(path.glob("*.txt"))
@@ -62,8 +60,6 @@ def read_calibration_text(source: str | Path | None, split: str = "train", colum
         text = "\n\n".join(f.read_text(encoding="utf-8", errors="replace") for f in files)
     elif path.is_file():
         text = path.read_text(encoding="utf-8", errors="replace")
-    elif not Path(str(source)).is_absolute() and not str(source).startswith("."):
-        text = _dataset_text(str(source), split, column)
     else:
         raise ValueError(f"calib_data={str(path)!r} is neither a file, a folder nor a dataset name")
     if not text.strip():
@@ -71,12 +67,23 @@ def read_calibration_text(source: str | Path | None, split: str = "train", colum
     return text
 
 
+def is_dataset_source(source: str | Path) -> bool:
+    """Whether read_calibration_text reads `source` with `datasets`: a save_to_disk folder, a data file
+    (.json/.jsonl/.parquet/.csv) or a name that is no local path."""
+    path = Path(source)
+    if path.is_dir():
+        return any((path / marker).exists() for marker in ("state.json", "dataset_dict.json"))
+    if path.is_file():
+        return path.suffix in DATA_FILE_BUILDERS
+    return not path.is_absolute() and not str(source).startswith(".")
+
+
 def _dataset_text(source: str, split: str, column: str) -> str:
     """Rows of `column` of a `datasets` dataset (see read_calibration_text), joined by blank lines."""
     try:
         import datasets
     except ImportError as err:
-        raise ValueError(f"calib_data={source!r} needs the `datasets` package (pip install datasets)") from err
+        raise ValueError(f"calib_data={source!r} needs the `datasets` package: pip install 'hf-attn-patch[convert]'") from err
     try:
         if Path(source).is_dir():
             loaded = datasets.load_from_disk(source)

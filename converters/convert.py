@@ -22,17 +22,20 @@ from pathlib import Path
 import torch
 from transformers.utils.hub import convert_file_size_to_int
 
+from ..devices import resolve_device
+from ..extras import available, require
 from ..kv_memory import dtype_of, kv_cache_bytes
 from ..models.architectures import architecture_of, head_dim, rotary_dim
 from ..models.pretrained import DEFAULT_MODEL_DIR
-from .calibration import (CALIB_SOURCES, TEACHER_PROMPT, calibration_windows, collect_stats, read_calibration_text,
-                          teacher_windows)
+from .calibration import (CALIB_SOURCES, TEACHER_PROMPT, calibration_windows, collect_stats, is_dataset_source,
+                          read_calibration_text, teacher_windows)
 from .deepseek_export import ENGINES, check_source, engine_shape, stock_frequencies, to_deepseek_v3
 from .budgets import allocate, candidate_grid
 from .exact import rebuild, stock_attention_layers
 from .hub import check_repo_id, engines, model_card, push
 from .gqa_merge import GQA_METHODS, gqa_layer
 from .heal import plot_curve
+from .heal_fsdp import launch_mode
 from .reconstruct import TARGETS as RECONSTRUCT_TARGETS
 from .reconstruct import LAYERWISE_LR, sequential, summary
 from .methods import MLA_METHODS, allocate_ranks, lift_plan, plan_layer, ranked_components
@@ -68,10 +71,10 @@ class ConvertOptions:
     calib_column: str = "text"  # datasets only
     calib_samples: int = 32  # SmolLM2 MLA 50%: 32 vs 16 lowers the held-in teacher KL after reconstruction (BENCHMARKS)
     calib_len: int = 256
-    calib_source: str = "text"  # text: windows of calib_data; teacher: the source's own samples, prompted from them
+    calib_source: str = "teacher"  # teacher: the source's own samples, prompted from calib_data; text: its windows
     propagate: bool = False  # each layer's closed form recomputed from the converted prefix's statistics (kept if better)
-    reconstruct_steps: int | str = 0  # Adam steps fitting each converted layer's output; "auto" (the CLI's default):
-    # by the KV share kept (auto_reconstruct_steps)
+    reconstruct_steps: int | str = "auto"  # Adam steps fitting each converted layer's output; "auto": by the KV share
+    # kept (auto_reconstruct_steps); 0: the closed form only
     reconstruct_lr: float = 1e-2  # reconstruction step, as a fraction of each weight tensor's RMS (SmolLM2: best held-in)
     reconstruct_target: str = "source"  # source: the source layer on its own inputs; local: on the converted ones
     heal_steps: int = 0  # distillation steps from the source after conversion (0: zero-shot)
@@ -169,6 +172,13 @@ class ConvertOptions:
                 raise ValueError(f"{name}={value!r} must be a positive integer")
         if self.rope_dim is not None and (not isinstance(self.rope_dim, int) or self.rope_dim < 0 or self.rope_dim % 2):
             raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")
+        if self.calib_data is not None and is_dataset_source(self.calib_data):
+            require("convert", f"calib_data={self.calib_data!r} (a datasets dataset)")
+        if self.heal_steps:
+            launch_mode()  # a distributed launch healing cannot use (DeepSpeed, FSDP1) is refused before any work
+        if self.heal_steps and not available("plot"):
+            logger.warning("matplotlib is not installed: the healed model is written without heal_curve.png "
+                           "(pip install 'hf-attn-patch[plot]')")  # fmt: skip
         if self.dtype is not None:
             dtype_of(self.dtype)  # raises naming the value
         resolve_device(self.device)  # raises naming the value
@@ -387,24 +397,6 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     return report
 
 
-def resolve_device(device: str) -> torch.device:
-    """The device of `device` ("auto": a CUDA GPU if there is one, else the CPU; under torchrun / accelerate launch
-    each process takes the GPU of its LOCAL_RANK, as accelerate does for healing); raises, naming the value, for a
-    name torch does not know or a device this machine lacks."""
-    if device == "auto":
-        return torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}" if torch.cuda.is_available() else "cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device={device!r} is not a torch device ('auto', 'cpu', 'cuda', 'cuda:1', ...)") from err
-    if resolved.type == "cuda" and (not torch.cuda.is_available()
-                                    or (resolved.index or 0) >= torch.cuda.device_count()):  # fmt: skip
-        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if resolved.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: the converter runs on 'cpu' or 'cuda' devices")
-    return resolved
-
-
 def auto_reconstruct_steps(kv_share: float) -> int:
     """reconstruct_steps="auto": AUTO_RECONSTRUCT_STEPS[0] when the conversion keeps at least half the source's KV
     values per token (kv_share >= 0.5), AUTO_RECONSTRUCT_STEPS[1] below."""
@@ -578,7 +570,7 @@ def _write_atomically(model, tokenizer, report: dict, out: Path, max_shard_size:
         model.save_pretrained(staging, max_shard_size=max_shard_size)
         tokenizer.save_pretrained(staging)
         (staging / "conversion_report.json").write_text(json.dumps(report, indent=2, default=str))
-        if "heal" in report:  # the held-in curve of healing
+        if "heal" in report and available("plot"):  # the held-in curve of healing (matplotlib: optional)
             h = report["heal"]
             plot_curve(h["losses"], h["held_in_kl"], h["best_step"], h["lr"], staging / "heal_curve.png")
         (staging / "README.md").write_text(model_card(report))
