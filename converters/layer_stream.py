@@ -1,0 +1,189 @@
+"""A forward pass over calibration windows that holds one decoder layer at a time.
+
+The windows' hidden states [N, T, D] are carried from layer to layer: layer i is read from the checkpoint, run over the
+carried states in chunks of windows, and freed. The carried states need two buffers (a layer's input and its output),
+2 * N * T * D * itemsize bytes; they are kept on the device when that fits its budget, else in CPU memory, else in a
+temporary file on disk mapped into memory. Peak memory: the resident parts + one layer + the two buffers (when in
+memory) + one chunk's intermediates, whatever the depth.
+
+The ops and their order are the base model's forward (embed -> layers with the same masks and rotary cos/sin ->
+norm -> lm_head), so the logits equal the whole model's.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from .layer_source import LayerSource
+
+logger = logging.getLogger(__name__)
+
+PLACEMENTS = ("device", "cpu", "disk")
+
+
+def available_cpu_bytes() -> int:
+    """MemAvailable from /proc/meminfo (Linux), else the physical memory size."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def choose_placement(nbytes: int, device, device_budget: int | None = None, cpu_budget: int | None = None) -> str:
+    """Where two activation buffers of `nbytes` each go: 'device' (an accelerator), 'cpu' or 'disk'.
+
+    Budgets are bytes for both buffers together; None: half the device's free memory / half the CPU's available memory.
+    On a CPU device the first choice is 'cpu' (the device budget is then ignored)."""
+    device = torch.device(device)
+    need = 2 * nbytes
+    if device.type != "cpu":
+        if device_budget is None:
+            device_budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 0
+        if need <= device_budget:
+            return "device"
+    if cpu_budget is None:
+        cpu_budget = available_cpu_bytes() // 2
+    return "cpu" if need <= cpu_budget else "disk"
+
+
+@dataclass
+class Activations:
+    """Two buffers [N, T, D] (`current`: the next layer's input; `spare`: its output), swapped after each layer.
+
+    placement 'device' / 'cpu': tensors in memory; 'disk': tensors memory-mapped from files in `tmpdir` (removed by
+    close())."""
+
+    current: torch.Tensor
+    spare: torch.Tensor
+    placement: str
+    tmpdir: Path | None = None
+
+    @classmethod
+    def allocate(cls, shape, dtype, placement: str, device, tmp_root=None) -> "Activations":
+        if placement not in PLACEMENTS:
+            raise ValueError(f"placement={placement!r} is not one of {PLACEMENTS}")
+        if placement != "disk":
+            where = torch.device(device) if placement == "device" else torch.device("cpu")
+            return cls(torch.empty(shape, dtype=dtype, device=where), torch.empty(shape, dtype=dtype, device=where),
+                       placement)  # fmt: skip
+        tmpdir = Path(tempfile.mkdtemp(prefix="hf-attn-activations-", dir=tmp_root))
+        numel = int(torch.Size(shape).numel())
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        buffers = []
+        for name in ("a", "b"):
+            path = tmpdir / f"{name}.bin"
+            with open(path, "wb") as f:
+                f.truncate(nbytes)
+            buffers.append(torch.from_file(str(path), shared=True, size=numel, dtype=dtype).view(shape))
+        return cls(buffers[0], buffers[1], placement, tmpdir)
+
+    def swap(self) -> None:
+        self.current, self.spare = self.spare, self.current
+
+    def close(self) -> None:
+        """Drop the buffers (and their files, on disk)."""
+        self.current = self.spare = None
+        if self.tmpdir is not None:
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            self.tmpdir = None
+
+
+@dataclass
+class StreamResult:
+    """hidden: the last decoder layer's output [N, T, D] (before the final norm), where `placement` says.
+    activation_bytes: bytes of one buffer (N * T * D * itemsize). Close it (or use `with`) to free a disk placement."""
+
+    hidden: torch.Tensor
+    placement: str
+    activation_bytes: int
+    store: Activations = field(repr=False)
+
+    def close(self) -> None:
+        self.hidden = None
+        self.store.close()
+
+    def __enter__(self) -> "StreamResult":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _masks(src: LayerSource, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, object]:
+    """{'full_attention': mask, 'sliding_attention': mask} for a chunk hidden [B, T, D], as the base model builds them
+    (None where the attention implementation needs none, e.g. sdpa with is_causal)."""
+    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+    kwargs = dict(config=src.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+                  position_ids=position_ids)  # fmt: skip
+    masks = {"full_attention": create_causal_mask(**kwargs)}
+    if "sliding_attention" in src.layer_types():
+        masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+    return masks
+
+
+LayerHook = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor], None]
+
+
+@torch.no_grad()
+def stream_forward(src: LayerSource, input_ids: torch.Tensor, *, chunk_size: int = 8, placement: str | None = None,
+                   device_budget: int | None = None, cpu_budget: int | None = None, tmp_root=None,
+                   on_layer: LayerHook | None = None) -> StreamResult:  # fmt: skip
+    """Run the windows input_ids [N, T] through the source's decoder layers, one layer resident at a time.
+
+    chunk_size: windows per layer call. placement: force 'device' / 'cpu' / 'disk', else chosen by `choose_placement`
+    from the budgets. on_layer(i, layer, inputs, outputs): called after layer i ran over all windows, before it is
+    freed (inputs / outputs [N, T, D], wherever placed). Returns the last layer's output; `src.head` makes logits."""
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [N, T] windows, got shape {tuple(input_ids.shape)}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+    n, t = input_ids.shape
+    d = src.config.hidden_size
+    nbytes = n * t * d * torch.empty((), dtype=src.dtype).element_size()
+    placement = placement or choose_placement(nbytes, src.device, device_budget, cpu_budget)
+    store = Activations.allocate((n, t, d), src.dtype, placement, src.device, tmp_root)
+    logger.info("carrying activations [%d, %d, %d] (2 x %.1f MB) on %s", n, t, d, nbytes / 2**20, placement)
+    position_ids = torch.arange(t, device=src.device).unsqueeze(0)  # [1, T]: every window starts at position 0
+    try:
+        for lo in range(0, n, chunk_size):
+            store.current[lo : lo + chunk_size] = src.embed(input_ids[lo : lo + chunk_size]).to(store.current.device)
+        probe = store.current[:1].to(src.device)
+        position_embeddings = src.model.model.rotary_emb(probe, position_ids)  # (cos, sin) [1, T, d_rot]
+        types = src.layer_types()
+        masks: dict[int, dict] = {}  # by chunk batch size
+        for i in range(src.num_layers):
+            layer = src.layer(i)
+            for lo in range(0, n, chunk_size):
+                x = store.current[lo : lo + chunk_size].to(src.device)
+                if x.shape[0] not in masks:
+                    masks[x.shape[0]] = _masks(src, x, position_ids)
+                y = layer(x, attention_mask=masks[x.shape[0]][types[i]], position_embeddings=position_embeddings,
+                          position_ids=position_ids)  # fmt: skip
+                store.spare[lo : lo + chunk_size] = y.to(store.spare.device)
+            if on_layer is not None:
+                on_layer(i, layer, store.current, store.spare)
+            del layer, x, y
+            store.swap()
+    except BaseException:
+        store.close()
+        raise
+    return StreamResult(store.current, placement, nbytes, store)
+
+
+@torch.no_grad()
+def stream_logits(src: LayerSource, result: StreamResult, chunk_size: int = 8) -> torch.Tensor:
+    """Logits [N, T, V] on the CPU from a StreamResult: lm_head(norm(hidden)), chunk by chunk."""
+    hidden = result.hidden
+    return torch.cat([src.head(hidden[lo : lo + chunk_size]).cpu() for lo in range(0, hidden.shape[0], chunk_size)])

@@ -1,0 +1,139 @@
+"""Layer-streamed reading, forward and writing of models: equal to the whole model's forward and save_pretrained."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from transformers import AutoModelForCausalLM
+
+from converters.layer_source import LayerSource, resolve_folder
+from converters.layer_stream import choose_placement, stream_forward, stream_logits
+
+STORIES15M = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories15m"
+
+
+def tiny_qwen2(folder: Path, shard: str | None = None) -> Path:
+    """A random 3-layer Qwen2 (q/k/v biases, untied head, GQA 4:2) saved as safetensors, sharded if `shard`."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=False)  # fmt: skip
+    model = Qwen2ForCausalLM(config)
+    with torch.no_grad():  # biases start at zero: make them count
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.normal_(0, 0.5)
+    model.save_pretrained(folder, max_shard_size=shard) if shard else model.save_pretrained(folder)
+    return folder
+
+
+def tiny_mistral_sliding(folder: Path) -> Path:
+    """A random 2-layer Mistral whose sliding window (5) is shorter than the windows tested."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(1)
+    config = MistralConfig(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=1, sliding_window=5)  # fmt: skip
+    MistralForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
+def whole_logits(folder, ids, attn="sdpa"):
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def streamed_logits(folder, ids, **kw):
+    src = LayerSource.open(folder, attn_implementation=kw.pop("attn", "sdpa"))
+    with stream_forward(src, ids, **kw) as result:
+        return stream_logits(src, result), result.placement
+
+
+def sources(tmp_path):
+    out = {"default": "default", "qwen2-sharded": tiny_qwen2(tmp_path / "qwen2", shard="20KB")}
+    assert (out["qwen2-sharded"] / "model.safetensors.index.json").exists()
+    if STORIES15M.exists():
+        out["stories15m"] = STORIES15M
+    return out
+
+
+def test_source_refuses_pickled_and_missing(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "pytorch_model.bin").write_bytes(b"not read")
+    with pytest.raises(ValueError, match="pytorch_model.bin"):
+        resolve_folder(tmp_path)
+    with pytest.raises(ValueError, match="not 'default' or a local model folder"):
+        resolve_folder(tmp_path / "absent")
+
+
+def test_layer_is_transformers_own_and_reads_only_its_weights(tmp_path):
+    folder = tiny_qwen2(tmp_path / "q")
+    src = LayerSource.open(folder)
+    ref = AutoModelForCausalLM.from_pretrained(folder).eval()
+    layer = src.layer(1)
+    assert type(layer).__name__ == "Qwen2DecoderLayer"
+    want = ref.model.layers[1].state_dict()
+    assert layer.state_dict().keys() == want.keys()
+    assert all(torch.equal(layer.state_dict()[k], want[k]) for k in want)
+    assert all(p.device.type == "meta" for p in src.model.model.layers.parameters())  # no layer kept resident
+    assert not torch.equal(src.model.lm_head.weight, src.model.model.embed_tokens.weight)  # untied head read
+    with pytest.raises(ValueError, match="layer index 3"):
+        src.layer(3)
+
+
+def test_tied_head_is_the_embedding():
+    src = LayerSource.open("default")
+    assert src.tied and src.model.lm_head.weight is src.model.model.embed_tokens.weight
+
+
+@pytest.mark.parametrize("name", ["default", "stories15m", "qwen2-sharded"])
+def test_streamed_logits_equal_whole_model(tmp_path, name):
+    folder = sources(tmp_path).get(name)
+    if folder is None:
+        pytest.skip("stories15m is not present")
+    config = LayerSource.open(folder).config
+    ids = torch.randint(0, config.vocab_size, (5, 24), generator=torch.Generator().manual_seed(0))
+    want = whole_logits(resolve_folder(folder), ids)
+    # One chunk of all windows: the same ops on the same shapes as the whole model's forward, so bitwise equal.
+    got, placement = streamed_logits(folder, ids, chunk_size=5)
+    assert placement == "cpu" and torch.equal(got, want)
+    # Chunks of 2 windows: each window's rows go through the same kernels; GEMM row blocking may depend on the row
+    # count, so allow fp32 reordering noise: |err| <= a few ulp(|logit|) ~ 4 * 2**-23 * max|logit| (max|logit| < 20).
+    got, _ = streamed_logits(folder, ids, chunk_size=2)
+    torch.testing.assert_close(got, want, rtol=0, atol=4 * 2**-23 * want.abs().max().item())
+
+
+def test_sliding_window_masks_follow_the_model(tmp_path):
+    folder = tiny_mistral_sliding(tmp_path / "m")
+    ids = torch.randint(0, 61, (3, 12), generator=torch.Generator().manual_seed(2))
+    for attn in ("sdpa", "eager"):
+        want = whole_logits(folder, ids, attn)
+        got, _ = streamed_logits(folder, ids, chunk_size=3, attn=attn)
+        assert torch.equal(got, want), attn
+
+
+def test_disk_placement_is_memory_mapped_and_equal(tmp_path):
+    ids = torch.randint(0, 512, (4, 16), generator=torch.Generator().manual_seed(3))
+    want = whole_logits(resolve_folder("default"), ids)
+    src = LayerSource.open("default")
+    seen = []
+    with stream_forward(src, ids, chunk_size=4, cpu_budget=0, tmp_root=tmp_path,
+                        on_layer=lambda i, layer, x, y: seen.append((i, x.shape, y.shape))) as result:  # fmt: skip
+        assert result.placement == "disk"
+        assert len(list(tmp_path.glob("hf-attn-activations-*/*.bin"))) == 2
+        assert torch.equal(stream_logits(src, result), want)
+    assert not list(tmp_path.glob("hf-attn-activations-*"))  # the files are removed on close
+    assert [s[0] for s in seen] == list(range(5)) and seen[0][1] == (4, 16, 64)
+
+
+def test_choose_placement():
+    assert choose_placement(100, "cpu", cpu_budget=200) == "cpu"
+    assert choose_placement(101, "cpu", cpu_budget=200) == "disk"
+    assert choose_placement(100, "meta", device_budget=200, cpu_budget=0) == "device"
+    assert choose_placement(100, "meta", device_budget=199, cpu_budget=200) == "cpu"
