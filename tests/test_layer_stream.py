@@ -137,3 +137,61 @@ def test_choose_placement():
     assert choose_placement(101, "cpu", cpu_budget=200) == "disk"
     assert choose_placement(100, "meta", device_budget=200, cpu_budget=0) == "device"
     assert choose_placement(100, "meta", device_budget=199, cpu_budget=200) == "cpu"
+
+
+@pytest.mark.parametrize("shard", ["5GB", "20KB", 3000])
+def test_writer_equals_save_pretrained(tmp_path, shard):
+    import json
+
+    from converters.layer_writer import write_streamed
+
+    for folder in (tiny_qwen2(tmp_path / "q"), resolve_folder("default")):  # untied head with biases; tied head
+        model = AutoModelForCausalLM.from_pretrained(folder).eval()
+        ours, theirs = tmp_path / f"ours-{folder.name}", tmp_path / f"theirs-{folder.name}"
+        write_streamed(model, ours, max_shard_size=shard)
+        model.save_pretrained(theirs, max_shard_size=shard)
+        tensors = {}
+        for which in (ours, theirs):  # {name: tensor} over all shards, each shard's file metadata checked
+            tensors[which] = {}
+            for path in which.glob("model*.safetensors"):
+                with safe_open(path, "pt") as f:
+                    assert f.metadata() == {"format": "pt"}
+                    tensors[which].update({k: f.get_tensor(k) for k in f.keys()})
+        a, b = tensors[ours], tensors[theirs]
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        index, metas = "model.safetensors.index.json", []
+        for which in (ours, theirs):  # an index exactly when sharded, naming every tensor's file
+            shards = sorted(p.name for p in which.glob("model*.safetensors"))
+            assert (which / index).exists() == (len(shards) > 1)
+            if len(shards) > 1:
+                meta = json.loads((which / index).read_text())
+                assert sorted(set(meta["weight_map"].values())) == shards and meta["weight_map"].keys() == a.keys()
+                metas.append(meta["metadata"])
+        assert len(metas) in (0, 2) and metas[:1] == metas[1:]  # total_size, total_parameters as save_pretrained's
+        a = AutoModelForCausalLM.from_pretrained(ours).state_dict()
+        b = AutoModelForCausalLM.from_pretrained(theirs).state_dict()
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+        assert not list(tmp_path.glob(".*staging*"))
+
+
+def test_writer_leaves_nothing_half_written(tmp_path):
+    from converters.layer_writer import ShardedWriter
+
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="boom"):
+        with ShardedWriter(out, max_shard_size=16) as writer:
+            writer.add({"a": torch.zeros(8), "b": torch.ones(8)})
+            raise RuntimeError("boom")
+    assert not out.exists() and not list(tmp_path.iterdir())
+    out.mkdir()
+    (out / "keep").write_text("x")
+    with pytest.raises(ValueError, match="exists"):
+        ShardedWriter(out)
+    with ShardedWriter(out, overwrite=True) as writer:
+        writer.add({"a": torch.zeros(2)})
+        assert (out / "keep").exists()  # the old output stays until finish
+        writer.finish()
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    with pytest.raises(ValueError, match="max_shard_size='lots'"):
+        ShardedWriter(tmp_path / "x", max_shard_size="lots")

@@ -1,0 +1,163 @@
+"""Write a model's tensors into safetensors shards as they are produced, one layer at a time.
+
+Tensors are added in the order they are produced (embeddings, layer 0, ..., layer L-1, final norm, LM head) and
+grouped greedily into shards of at most `max_shard_size` bytes by save_pretrained's rule (a tensor larger than the limit
+gets a shard of its own). save_pretrained walks the names in lexical order (layers.10 before layers.2), which a stream
+cannot, so the shards hold other groupings, but the names, tensors, file metadata and index metadata are the same and
+`from_pretrained` loads the same model. A shard is held in CPU memory until it is full, then written: peak memory is
+one shard (choose max_shard_size about one layer's size).
+Everything is written into a staging folder next to the output, renamed onto it at `finish()`: nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+logger = logging.getLogger(__name__)
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+
+
+def parse_size(size: int | str) -> int:
+    """Bytes of '5GB' / '500MB' / '20KB' (powers of 10, as huggingface_hub reads them) or an int."""
+    if isinstance(size, int):
+        if size <= 0:
+            raise ValueError(f"max_shard_size={size} must be positive")
+        return size
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    try:
+        return parse_size_to_int(size)
+    except ValueError as err:
+        raise ValueError(f"max_shard_size={size!r} is not a size like '5GB' ({err})") from err
+
+
+class ShardedWriter:
+    """Streams tensors into `out` as safetensors shards. Use as a context manager: an exception removes the staging.
+
+    add(tensors): {full name: tensor}, in state-dict order; tensors are copied to the CPU, contiguous.
+    finish(config=..., files=...): writes the last shard, renames the shards to model-0000k-of-0000n.safetensors (or
+    model.safetensors when there is one), writes the index and the config, and renames the staging folder to `out`."""
+
+    def __init__(self, out: str | os.PathLike, max_shard_size: int | str = "5GB", overwrite: bool = False):
+        self.out = Path(out)
+        self.max_bytes = parse_size(max_shard_size)
+        if self.out.exists() and not overwrite:
+            raise ValueError(f"out={str(self.out)!r} exists; pass overwrite=True to replace it")
+        if self.out.exists() and not self.out.is_dir():
+            raise ValueError(f"out={str(self.out)!r} exists and is not a folder")
+        self.overwrite = overwrite
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        self.staging = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f".{self.out.name}.staging-"))
+        umask = os.umask(0)
+        os.umask(umask)
+        self.staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the output's mode
+        self.shards: list[list[str]] = []  # names per written shard, in order
+        self.current: dict[str, torch.Tensor] = {}
+        self.current_bytes = 0
+        self.total_bytes = 0
+        self.total_numel = 0
+        self.seen: set[str] = set()
+
+    def __enter__(self) -> "ShardedWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None:
+            self.abort()
+
+    def _part(self, k: int) -> Path:
+        return self.staging / f"shard-{k:05d}.part"
+
+    def _write(self, tensors: dict[str, torch.Tensor]) -> None:
+        save_file(tensors, str(self._part(len(self.shards))), metadata={"format": "pt"})
+        self.shards.append(list(tensors))
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Add named tensors (e.g. one converted layer's, with 'model.layers.i.' names); full shards are written."""
+        for name, tensor in tensors.items():
+            if name in self.seen:
+                raise ValueError(f"tensor {name!r} was already written")
+            self.seen.add(name)
+            t = tensor.detach().to("cpu").contiguous()
+            size = t.numel() * t.element_size()
+            self.total_bytes += size
+            self.total_numel += t.numel()
+            if size > self.max_bytes:  # its own shard, before the one being filled (as save_pretrained orders them)
+                self._write({name: t})
+                continue
+            if self.current and self.current_bytes + size > self.max_bytes:
+                self.flush()
+            self.current[name] = t
+            self.current_bytes += size
+
+    def flush(self) -> None:
+        """Write the shard being filled (if any)."""
+        if self.current:
+            self._write(self.current)
+        self.current, self.current_bytes = {}, 0
+
+    def finish(self, config=None, generation_config=None, files: dict[str, str] | None = None) -> Path:
+        """Close the output: shards renamed, index written (if sharded), config(s) and extra text `files` written,
+        the staging folder moved onto `out`. Returns `out`."""
+        self.flush()
+        if not self.shards:
+            raise ValueError("no tensor was added: nothing to write")
+        n = len(self.shards)
+        names = [WEIGHTS] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+        for k, name in enumerate(names):
+            os.replace(self._part(k), self.staging / name)
+        if n > 1:
+            weight_map = {t: names[k] for k, shard in enumerate(self.shards) for t in shard}
+            index = {"metadata": {"total_parameters": self.total_numel, "total_size": self.total_bytes},
+                     "weight_map": weight_map}  # fmt: skip
+            (self.staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        if config is not None:
+            config.save_pretrained(self.staging)
+        if generation_config is not None:
+            generation_config.save_pretrained(self.staging)
+        for name, text in (files or {}).items():
+            (self.staging / name).write_text(text, encoding="utf-8")
+        if self.out.exists():  # overwrite: swap, then drop the old folder
+            trash = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f".{self.out.name}.old-"))
+            os.replace(self.out, trash / "old")
+            os.replace(self.staging, self.out)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            os.replace(self.staging, self.out)
+        logger.info("wrote %s: %d shard(s), %.1f MB", self.out, n, self.total_bytes / 2**20)
+        return self.out
+
+    def abort(self) -> None:
+        """Remove the staging folder; `out` is left as it was."""
+        shutil.rmtree(self.staging, ignore_errors=True)
+
+
+def write_streamed(model: torch.nn.Module, out, max_shard_size: int | str = "5GB", overwrite: bool = False) -> Path:
+    """Write an in-memory causal LM layer by layer through ShardedWriter, in its state-dict order, tied weights once
+    (as save_pretrained drops them). A reference for the streamed pipeline and its tests."""
+    state = model.state_dict()
+    tied = set()
+    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in state:
+        tied.add("lm_head.weight")
+    with ShardedWriter(out, max_shard_size, overwrite) as writer:
+        groups: dict[str, dict[str, torch.Tensor]] = {}
+        for name, tensor in state.items():
+            if name in tied:
+                continue
+            parts = name.split(".")
+            key = ".".join(parts[:3]) if parts[:2] == ["model", "layers"] else name  # one group per layer
+            groups.setdefault(key, {})[name] = tensor
+        for group in groups.values():
+            writer.add(group)
+        gen = getattr(model, "generation_config", None)
+        return writer.finish(model.config, gen if gen is not None and model.can_generate() else None)
