@@ -4,8 +4,8 @@ Every change widens the set of accepted instances (a dropped ``not``, ``if`` / `
 ``uniqueItems``, ``contains``, ``propertyNames``, an unknown ``format`` or an unparseable ``pattern``; ``oneOf``
 compiled as ``anyOf``), so the grammar never masks a valid instance; what the grammar no longer enforces is checked
 exactly by :mod:`.schema_checks` at the close of the sub-value it governs. ``modified`` holds the ``id()`` of every
-subschema dict of the ORIGINAL schema whose own keywords were widened (``"#"`` pointer of the root if the whole schema
-had to be widened).
+subschema dict of the ORIGINAL schema whose own keywords were widened (the root's when the whole schema had to be
+widened). A subschema that admits no value (``not: {}``) is compiled exactly, as an empty ``enum``.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import copy
 import json
 import logging
 import re
-from urllib.parse import unquote
 from dataclasses import dataclass, field
+from urllib.parse import unquote
 
 from .errors import GrammarError
 
@@ -83,7 +83,6 @@ class _Relaxer:
         self.drop = set(DROP_KEYS)
         self.formats_dropped: set = set()
         self.drop_patterns = False
-        self.drop_min_max_props = True
 
     def build(self, out: Relaxed) -> dict:
         relaxed = copy.deepcopy(self.original)
@@ -122,7 +121,7 @@ class _Relaxer:
                 del sub["patternProperties"]  # dropping it alone would narrow additionalProperties: drop both
                 sub.pop("additionalProperties", None)
                 changed.append("patternProperties")
-            if self.drop_min_max_props and ("minProperties" in sub or "maxProperties" in sub):
+            if "minProperties" in sub or "maxProperties" in sub:  # llguidance: only with every property required
                 props = sub.get("properties") if isinstance(sub.get("properties"), dict) else {}
                 required = set(sub.get("required") or []) if isinstance(sub.get("required"), list) else set()
                 if not set(props) <= required or sub.get("additionalProperties", True) is not False:
@@ -145,7 +144,7 @@ class _Relaxer:
                 self.drop |= keys
                 return True
         m = _UNKNOWN_FORMAT.search(message)
-        if m and m.group(1) not in self.formats_dropped:
+        if m and m.group(1).strip("\"'") not in self.formats_dropped:
             self.formats_dropped.add(m.group(1).strip("\"'"))
             return True
         if "regex" in message.lower() and not self.drop_patterns:
