@@ -30,7 +30,7 @@ def resolve_folder(source: str | Path) -> Path:
     """The model folder of `source`: 'default' (the embedded stories260k) or a local folder with safetensors weights.
 
     A folder holding only pickled weights (*.bin, *.pt) is refused: they are never unpickled."""
-    from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
+    from ..models.pretrained import DEFAULT_MODEL_DIR
 
     folder = DEFAULT_MODEL_DIR if str(source) == "default" else Path(source)
     if not folder.is_dir():

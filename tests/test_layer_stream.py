@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from converters.layer_source import LayerSource, resolve_folder
-from converters.layer_stream import choose_placement, stream_forward, stream_logits
+from hf_attn_patch.converters.layer_source import LayerSource, resolve_folder
+from hf_attn_patch.converters.layer_stream import choose_placement, stream_forward, stream_logits
 
 STORIES15M = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories15m"
 
@@ -143,7 +143,7 @@ def test_choose_placement():
 def test_writer_equals_save_pretrained(tmp_path, shard):
     import json
 
-    from converters.layer_writer import write_streamed
+    from hf_attn_patch.converters.layer_writer import write_streamed
 
     for folder in (tiny_qwen2(tmp_path / "q"), resolve_folder("default")):  # untied head with biases; tied head
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -175,7 +175,7 @@ def test_writer_equals_save_pretrained(tmp_path, shard):
 
 
 def test_writer_leaves_nothing_half_written(tmp_path):
-    from converters.layer_writer import ShardedWriter
+    from hf_attn_patch.converters.layer_writer import ShardedWriter
 
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="boom"):
