@@ -79,6 +79,8 @@ def _replay(grammar, text: str) -> bool:
     return bool(bm.unpack(mask, adapter.vocab_size)[0, adapter.eos_token_ids[0]])
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # sampled rows: one float path
+
 @pytest.fixture(scope="module")
 def random_llama(stories):
     """A random-weight tiny llama over stories260k's 512-token vocabulary: it emits garbage unless constrained."""

@@ -93,6 +93,8 @@ def test_replay_sound_and_checks_never_reject_a_valid_value(stories, schema, val
         pytest.fail(f"a check rejected a valid value: {schema} {text}")
 
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # sampled rows: one float path
+
 @pytest.fixture(scope="module")
 def random_llama(stories):
     return tiny_model("llama", vocab_size=512, seed=5)
