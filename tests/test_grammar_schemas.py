@@ -249,3 +249,39 @@ def test_generate_retries_rows_whose_check_failed(random_llama, stories, family)
         retried.append(_is_valid(schema, tok.decode(ids[: ids.index(tok.eos_token_id)])))
     assert sum(_is_valid(schema, text) for text, _ in plain) < 6, plain  # the case arises without retries
     assert all(retried), (family, retried)
+
+
+@pytest.mark.parametrize("family", ["not", "uniqueItems", "oneOf", "dependentRequired"])
+def test_server_response_format_and_tools_validate(stories, family):
+    """The OpenAI server: response_format and a tool whose parameters use the keyword (tool_choice required)."""
+    from hf_attn_patch.engine import Engine
+
+    from ._server import http, running
+
+    model, tok = stories
+    schema = FAMILIES[family][0]
+    params = schema if schema.get("type") == "object" else {"type": "object", "properties": {"v": schema},
+                                                            "required": ["v"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
+    with running(Engine(model, tok, block_size=8)) as (port, _):
+        fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+        status, body = http(port, "/v1/completions", {"prompt": "Once", "max_tokens": 60, "temperature": 0.8,
+                                                      "seed": 1, "response_format": fmt, "n": 2})
+        assert status == 200, body
+        finished = 0
+        for choice in body["choices"]:
+            assert choice["finish_reason"] in ("stop", "length", "check_failed")
+            if choice["finish_reason"] == "stop":
+                assert _is_valid(schema, choice["text"]), (family, choice["text"])
+                finished += 1
+        status, body = http(port, "/v1/chat/completions", {
+            "messages": [{"role": "user", "content": "Hi"}], "tools": tools, "tool_choice": "required",
+            "max_tokens": 60, "seed": 2})
+        assert status == 200, body
+        choice = body["choices"][0]
+        if choice["finish_reason"] == "tool_calls":
+            assert _is_valid(params, choice["message"]["tool_calls"][0]["function"]["arguments"]), choice
+            finished += 1
+        else:
+            assert choice["finish_reason"] in ("length", "check_failed"), choice
+        assert finished >= 2, (family, body)
