@@ -8,7 +8,7 @@ from transformers import DynamicCache
 
 import hf_attn_patch
 from hf_attn_patch import PagedKVCache
-from hf_attn_patch.attention import MultiHeadLatentAttention
+from hf_attn_patch.attention import MultiHeadLatentAttention, mla
 from hf_attn_patch.converters.exact import to_variant
 
 from .conftest import tiny_model
@@ -64,6 +64,26 @@ def test_deepseek_cache_layout_is_shared(padded_batch):
         caches.append(cache.layers[0])
     assert torch.equal(caches[0].keys, caches[1].keys)
     assert torch.equal(caches[0].values, caches[1].values)
+
+
+def test_absorbed_decode_without_a_mask_matches_stock(monkeypatch):
+    """One unpadded row: sdpa drops the all-ones mask, so decode steps reach the absorbed path with no mask, which then
+    masks nothing (one query sees every cached key); the logits still match the stock model step by step."""
+    stock = stock_deepseek()
+    model = to_variant(stock, "mla")
+    for layer in (m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)):
+        layer.absorb = "always"
+    seen = []
+    original = mla._mask_bias
+    monkeypatch.setattr(mla, "_mask_bias", lambda bias, mask, *a: seen.append(mask is None) or original(bias, mask, *a))
+    torch.manual_seed(2)
+    ids = torch.randint(3, 97, (1, 9))
+    mask = torch.ones_like(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(
+            stepwise_logits(model, ids, mask, 4), stepwise_logits(stock, ids, mask, 4), atol=ATOL, rtol=0
+        )
+    assert seen and all(seen)
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v3", "deepseek_v2"])
