@@ -88,7 +88,8 @@ def known_vocabulary(model, tokenizer, samples: int = 8, length: int = 128, seed
     pad = next(i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id, 0, 1) if i is not None and i != start[-1])
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
-        out = model.generate(torch.tensor([start] * samples, device=device), do_sample=True, temperature=1.0, top_k=0,
+        prompt = torch.tensor([start] * samples, device=device)
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0, top_k=0,
                              top_p=1.0, max_new_tokens=length, min_new_tokens=length, pad_token_id=pad)  # fmt: skip
     seen = torch.unique(out[:, len(start) :].cpu())
     known = ordinary[torch.isin(ordinary, seen)]
