@@ -73,6 +73,8 @@ def main() -> None:
     parser.add_argument("--targets", default="MLA 50%,MLA 50% deepseek_v3,MQA,MLA 25%",
                         help=f"comma-separated, of {list(TARGETS)}")
     parser.add_argument("--items", type=int, default=8, help="retrieval items per task and distance")
+    parser.add_argument("--smallest", type=int, default=16, help="shortest retrieval distance (default 16)")
+    parser.add_argument("--tasks", default="passkey,copy,induction", help="retrieval tasks (comma-separated)")
     parser.add_argument("--largest", type=int, help="longest retrieval distance (default: the source's context)")
     parser.add_argument("--limit", type=int, default=200, help="lm-eval items per task (0: no lm-eval)")
     parser.add_argument("--eval-data", default=str(SHARED / "evals"), help="folder of the offline tasks' files")
@@ -95,7 +97,8 @@ def main() -> None:
     def measure(label, model, kv, report):
         started = time.perf_counter()
         ppl = evaluate(model, windows, progress=False).perplexity
-        ret = evaluate_retrieval(model, tokenizer, items=args.items, largest=args.largest, vocab=vocab)
+        ret = evaluate_retrieval(model, tokenizer, items=args.items, largest=args.largest, smallest=args.smallest,
+                                 vocab=vocab, tasks=tuple(args.tasks.split(",")))  # fmt: skip
         acc = accuracy(model, tokenizer, args.limit) if args.limit else None
         results[label] = ret
         row = dict(model=label, kv_bytes=kv, ppl=ppl, retrieval=ret.to_dict(), accuracy=acc, report=report,

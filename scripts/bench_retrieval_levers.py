@@ -10,7 +10,7 @@ Levers (the closed form only: text calibration, uniform ranks, no reconstruction
     rope_context  the same windows, L = the source's context (max_position_embeddings) in that score
     calib_1024    8 windows of 1024 tokens (the same 8,192 tokens), L = 1024 follows calib_len
 Held-in measure (chosen on, never the probes): mean KL(source || converted) per token on 4 samples of the source
-itself, 1024 tokens long, prompted by calibration-corpus windows after those calibrated on; split into positions
+itself, 512 tokens long, prompted by calibration-corpus windows after those calibrated on; split into positions
 < 256 and >= 256 (what a 256-token calibration never sees). Evaluation: retrieval accuracy per distance (passkey,
 copy, induction; the source's vocabulary, seed 0).
 """
@@ -51,6 +51,8 @@ def main() -> None:
     parser.add_argument("--source", default="smollm2")
     parser.add_argument("--kv-budget", type=float, default=0.5)
     parser.add_argument("--items", type=int, default=4)
+    parser.add_argument("--smallest", type=int, default=16, help="shortest retrieval distance (default 16)")
+    parser.add_argument("--tasks", default="passkey,copy,induction", help="retrieval tasks (comma-separated)")
     parser.add_argument("--largest", type=int, default=1024)
     parser.add_argument("--levers", default=",".join(LEVERS))
     parser.add_argument("--threads", type=int, default=1)
@@ -59,9 +61,15 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     source, tokenizer = load_source(args.source)
     text = read_calibration_text(None)
-    held = teacher_windows(source, calibration_windows(text, tokenizer, 12, 1024)[8:], seed=1, progress=False)
+    cache = Path(args.out).with_suffix(".held_in.pt")  # the samples take long on a CPU: reused when present
+    if cache.exists():
+        held = torch.load(cache)
+    else:
+        held = teacher_windows(source, calibration_windows(text, tokenizer, 20, 512)[16:], seed=1, progress=False)
+        torch.save(held, cache)
     vocab = known_vocabulary(source, tokenizer)
-    probe = dict(items=args.items, largest=args.largest, vocab=vocab)
+    probe = dict(items=args.items, largest=args.largest, smallest=args.smallest, vocab=vocab,
+                 tasks=tuple(args.tasks.split(",")))  # fmt: skip
     base = evaluate_retrieval(source, tokenizer, **probe)
     rows = [{"lever": "source", "retrieval": base.to_dict()}]
     print("source", base.to_dict(), flush=True)
