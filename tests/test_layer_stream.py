@@ -195,3 +195,28 @@ def test_writer_leaves_nothing_half_written(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
     with pytest.raises(ValueError, match="max_shard_size='lots'"):
         ShardedWriter(tmp_path / "x", max_shard_size="lots")
+
+
+def test_one_layer_resident_at_a_time(tmp_path):
+    """A deep synthetic source: each decoder layer is freed before the next one is read."""
+    import importlib.util
+    import weakref
+
+    spec = importlib.util.spec_from_file_location("bench", Path(__file__).resolve().parents[1] / "scripts" /
+                                                  "bench_stream_memory.py")  # fmt: skip
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    size = bench.build_source(tmp_path / "deep", depth=24, width=192, vocab=256)
+    assert 0 < size <= sum(p.stat().st_size for p in (tmp_path / "deep").glob("*.safetensors"))
+    src = LayerSource.open(tmp_path / "deep")
+    alive, read = [], src.layer
+
+    def layer(i):  # no gc.collect(): a layer must be freed by reference counting alone, before the next is read
+        assert [r() for r in alive if r() is not None] == []
+        alive.append(weakref.ref(module := read(i)))
+        return module
+
+    src.layer = layer
+    ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(4))
+    with stream_forward(src, ids, chunk_size=1) as result:
+        assert len(alive) == 24 and result.hidden.shape == (2, 8, 192) and torch.isfinite(result.hidden).all()
