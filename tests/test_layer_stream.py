@@ -32,6 +32,17 @@ def tiny_qwen2(folder: Path, shard: str | None = None) -> Path:
     return folder
 
 
+def tiny_qwen3(folder: Path) -> Path:
+    """A random 2-layer Qwen3 (per-head q/k RMSNorms, head_dim 16 != hidden / heads)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(2)
+    config = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    Qwen3ForCausalLM(config).save_pretrained(folder)
+    return folder
+
+
 def tiny_mistral_sliding(folder: Path) -> Path:
     """A random 2-layer Mistral whose sliding window (5) is shorter than the windows tested."""
     from transformers import MistralConfig, MistralForCausalLM
@@ -43,20 +54,21 @@ def tiny_mistral_sliding(folder: Path) -> Path:
     return folder
 
 
-def whole_logits(folder, ids, attn="sdpa"):
-    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn).eval()
+def whole_logits(folder, ids, attn="sdpa", dtype=torch.float32):
+    model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn, dtype=dtype).eval()
     with torch.no_grad():
         return model(ids).logits
 
 
 def streamed_logits(folder, ids, **kw):
-    src = LayerSource.open(folder, attn_implementation=kw.pop("attn", "sdpa"))
+    src = LayerSource.open(folder, attn_implementation=kw.pop("attn", "sdpa"), dtype=kw.pop("dtype", torch.float32))
     with stream_forward(src, ids, **kw) as result:
         return stream_logits(src, result), result.placement
 
 
 def sources(tmp_path):
-    out = {"default": "default", "qwen2-sharded": tiny_qwen2(tmp_path / "qwen2", shard="20KB")}
+    out = {"default": "default", "qwen2-sharded": tiny_qwen2(tmp_path / "qwen2", shard="20KB"),
+           "qwen3": tiny_qwen3(tmp_path / "qwen3")}
     assert (out["qwen2-sharded"] / "model.safetensors.index.json").exists()
     if STORIES15M.exists():
         out["stories15m"] = STORIES15M
@@ -92,7 +104,7 @@ def test_tied_head_is_the_embedding():
     assert src.tied and src.model.lm_head.weight is src.model.model.embed_tokens.weight
 
 
-@pytest.mark.parametrize("name", ["default", "stories15m", "qwen2-sharded"])
+@pytest.mark.parametrize("name", ["default", "stories15m", "qwen2-sharded", "qwen3"])
 def test_streamed_logits_equal_whole_model(tmp_path, name):
     folder = sources(tmp_path).get(name)
     if folder is None:
@@ -107,6 +119,14 @@ def test_streamed_logits_equal_whole_model(tmp_path, name):
     # count, so allow fp32 reordering noise: |err| <= a few ulp(|logit|) ~ 4 * 2**-23 * max|logit| (max|logit| < 20).
     got, _ = streamed_logits(folder, ids, chunk_size=2)
     torch.testing.assert_close(got, want, rtol=0, atol=4 * 2**-23 * want.abs().max().item())
+
+
+def test_bf16_streamed_equals_whole_bf16():
+    """In bf16 too the ops are the same (rotary cos/sin from fp32 inv_freq in both): bitwise equal."""
+    ids = torch.randint(0, 512, (3, 16), generator=torch.Generator().manual_seed(5))
+    want = whole_logits(resolve_folder("default"), ids, dtype=torch.bfloat16)
+    got, _ = streamed_logits("default", ids, chunk_size=3, dtype=torch.bfloat16)
+    assert got.dtype == torch.bfloat16 and torch.equal(got, want)
 
 
 def test_sliding_window_masks_follow_the_model(tmp_path):
