@@ -69,11 +69,12 @@ def read_tensors(names: list[str], files: dict[str, Path], device, dtype) -> dic
 
 
 def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -> nn.Module:
-    """Give the meta-device `module` the `tensors` (its state dict keys), exactly: a missing or extra key is an error."""
+    """Give the meta-device `module` the `tensors`: exactly its state dict's keys (a missing or extra one is an error)."""
     own = set(module.state_dict())
     if own != set(tensors):
-        raise ValueError(f"{what}: checkpoint keys do not match the architecture's; missing {sorted(own - set(tensors))}"
-                         f", unexpected {sorted(set(tensors) - own)}")  # fmt: skip
+        missing, unexpected = sorted(own - set(tensors)), sorted(set(tensors) - own)
+        raise ValueError(f"{what}: the checkpoint's keys are not the architecture's; missing {missing}, "
+                         f"unexpected {unexpected}")  # fmt: skip
     stray = [n for n, b in module.named_buffers() if n not in own]
     if stray:
         raise ValueError(f"{what}: non-persistent buffers {stray} cannot be read from a checkpoint")
@@ -125,8 +126,8 @@ class LayerSource:
             model.lm_head.weight = base.embed_tokens.weight  # the same Parameter, as transformers ties it
         else:
             src._check_present(["lm_head.weight"])
-            _load_into(model.lm_head, {"weight": read_tensors(["lm_head.weight"], files, device, dtype)["lm_head.weight"]},
-                       "lm_head")  # fmt: skip
+            head = read_tensors(["lm_head.weight"], files, device, dtype)["lm_head.weight"]
+            _load_into(model.lm_head, {"weight": head}, "lm_head")
         model.eval()
         logger.info("opened %s (%s, %d layers) on %s", folder, config.model_type, config.num_hidden_layers, device)
         return src

@@ -40,13 +40,16 @@ def available_cpu_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def choose_placement(nbytes: int, device, device_budget: int | None = None, cpu_budget: int | None = None) -> str:
-    """Where two activation buffers of `nbytes` each go: 'device' (an accelerator), 'cpu' or 'disk'.
+def choose_placement(nbytes: int, device, device_budget: int | None = None, cpu_budget: int | None = None,
+                     buffers: int = 2) -> str:
+    """Where `buffers` activation buffers of `nbytes` each go: 'device' (an accelerator), 'cpu' or 'disk'.
 
-    Budgets are bytes for both buffers together; None: half the device's free memory / half the CPU's available memory.
+    Two buffers per carried track (a layer's input and output; a conversion carries the source's and the converted
+    prefix's: four). Budgets are bytes for all buffers together; None: half the device's free memory / half the CPU's
+    available memory.
     On a CPU device the first choice is 'cpu' (the device budget is then ignored)."""
     device = torch.device(device)
-    need = 2 * nbytes
+    need = buffers * nbytes
     if device.type != "cpu":
         if device_budget is None:
             device_budget = torch.cuda.mem_get_info(device)[0] // 2 if device.type == "cuda" else 0
@@ -120,23 +123,57 @@ class StreamResult:
         self.close()
 
 
-def _masks(src: LayerSource, hidden: torch.Tensor, position_ids: torch.Tensor) -> dict[str, object]:
-    """{'full_attention': mask, 'sliding_attention': mask} for a chunk hidden [B, T, D], as the base model builds them
-    (None where the attention implementation needs none, e.g. sdpa with is_causal)."""
-    from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+class LayerRunner:
+    """Runs decoder layers over carried windows [N, T, D] in chunks, with the base model's masks and rotary cos/sin.
 
-    kwargs = dict(config=src.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                  position_ids=position_ids)  # fmt: skip
-    masks = {"full_attention": create_causal_mask(**kwargs)}
-    if "sliding_attention" in src.layer_types():
-        masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-    return masks
+    One runner serves every track a conversion carries (the source's hidden states and the converted prefix's):
+    `embed(input_ids, out)` fills a buffer with token embeddings, `apply(layer, i, inputs, outputs)` writes
+    layer(inputs) into outputs chunk by chunk, on the source's device, whatever the buffers' placement."""
+
+    def __init__(self, src: LayerSource, seq_len: int, chunk_size: int = 8):
+        if chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size} must be >= 1")
+        self.src, self.chunk_size = src, chunk_size
+        self.types = src.layer_types()
+        self.position_ids = torch.arange(seq_len, device=src.device).unsqueeze(0)  # [1, T]: windows start at 0
+        probe = torch.zeros(1, seq_len, src.config.hidden_size, dtype=src.dtype, device=src.device)
+        self.position_embeddings = src.model.model.rotary_emb(probe, self.position_ids)  # (cos, sin) [1, T, d_rot]
+        self._masks: dict[int, dict] = {}  # by chunk batch size
+
+    def masks(self, hidden: torch.Tensor) -> dict[str, object]:
+        """{'full_attention': mask, 'sliding_attention': mask} for a chunk hidden [B, T, D], as the base model builds
+        them (None where the attention implementation needs none, e.g. sdpa with is_causal)."""
+        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+
+        b = hidden.shape[0]
+        if b not in self._masks:
+            kwargs = dict(config=self.src.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
+                          position_ids=self.position_ids)  # fmt: skip
+            masks = {"full_attention": create_causal_mask(**kwargs)}
+            if "sliding_attention" in self.types:
+                masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
+            self._masks[b] = masks
+        return self._masks[b]
+
+    @torch.no_grad()
+    def embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> None:
+        """out [N, T, D] <- token embeddings of input_ids [N, T]."""
+        for lo in range(0, input_ids.shape[0], self.chunk_size):
+            out[lo : lo + self.chunk_size] = self.src.embed(input_ids[lo : lo + self.chunk_size]).to(out.device)
+
+    @torch.no_grad()
+    def apply(self, layer: torch.nn.Module, i: int, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
+        """outputs [N, T, D] <- decoder layer i (`layer`, on the source's device) applied to inputs [N, T, D]."""
+        for lo in range(0, inputs.shape[0], self.chunk_size):
+            x = inputs[lo : lo + self.chunk_size].to(self.src.device)
+            y = layer(x, attention_mask=self.masks(x)[self.types[i]], position_embeddings=self.position_embeddings,
+                      position_ids=self.position_ids)  # fmt: skip
+            outputs[lo : lo + self.chunk_size] = y.to(outputs.device)
 
 
 LayerHook = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor], None]
 
 
-@torch.no_grad()
 def stream_forward(src: LayerSource, input_ids: torch.Tensor, *, chunk_size: int = 8, placement: str | None = None,
                    device_budget: int | None = None, cpu_budget: int | None = None, tmp_root=None,
                    on_layer: LayerHook | None = None) -> StreamResult:  # fmt: skip
@@ -147,34 +184,20 @@ def stream_forward(src: LayerSource, input_ids: torch.Tensor, *, chunk_size: int
     freed (inputs / outputs [N, T, D], wherever placed). Returns the last layer's output; `src.head` makes logits."""
     if input_ids.dim() != 2:
         raise ValueError(f"input_ids must be [N, T] windows, got shape {tuple(input_ids.shape)}")
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size} must be >= 1")
     n, t = input_ids.shape
-    d = src.config.hidden_size
-    nbytes = n * t * d * torch.empty((), dtype=src.dtype).element_size()
+    runner = LayerRunner(src, t, chunk_size)
+    nbytes = n * t * src.config.hidden_size * torch.empty((), dtype=src.dtype).element_size()
     placement = placement or choose_placement(nbytes, src.device, device_budget, cpu_budget)
-    store = Activations.allocate((n, t, d), src.dtype, placement, src.device, tmp_root)
-    logger.info("carrying activations [%d, %d, %d] (2 x %.1f MB) on %s", n, t, d, nbytes / 2**20, placement)
-    position_ids = torch.arange(t, device=src.device).unsqueeze(0)  # [1, T]: every window starts at position 0
+    store = Activations.allocate((n, t, src.config.hidden_size), src.dtype, placement, src.device, tmp_root)
+    logger.info("carrying activations %s (2 x %.1f MB) on %s", tuple(store.current.shape), nbytes / 2**20, placement)
     try:
-        for lo in range(0, n, chunk_size):
-            store.current[lo : lo + chunk_size] = src.embed(input_ids[lo : lo + chunk_size]).to(store.current.device)
-        probe = store.current[:1].to(src.device)
-        position_embeddings = src.model.model.rotary_emb(probe, position_ids)  # (cos, sin) [1, T, d_rot]
-        types = src.layer_types()
-        masks: dict[int, dict] = {}  # by chunk batch size
+        runner.embed(input_ids, store.current)
         for i in range(src.num_layers):
             layer = src.layer(i)
-            for lo in range(0, n, chunk_size):
-                x = store.current[lo : lo + chunk_size].to(src.device)
-                if x.shape[0] not in masks:
-                    masks[x.shape[0]] = _masks(src, x, position_ids)
-                y = layer(x, attention_mask=masks[x.shape[0]][types[i]], position_embeddings=position_embeddings,
-                          position_ids=position_ids)  # fmt: skip
-                store.spare[lo : lo + chunk_size] = y.to(store.spare.device)
+            runner.apply(layer, i, store.current, store.spare)
             if on_layer is not None:
                 on_layer(i, layer, store.current, store.spare)
-            del layer, x, y
+            del layer  # freed before the next layer is read
             store.swap()
     except BaseException:
         store.close()

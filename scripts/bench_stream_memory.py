@@ -128,8 +128,9 @@ def main() -> None:
     depths = [int(d) for d in args.depths.split(",")]
     if args.width % 64 or args.width < 192:
         parser.error(f"--width={args.width} must be a multiple of 64, at least 192")
-    print(f"width {args.width}, {args.windows} windows x {args.tokens} tokens, fp32, "
-          f"activations on {args.placement}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '1')}; RSS in MB")  # fmt: skip
+    threads = os.environ.get("OMP_NUM_THREADS", "1")
+    print(f"width {args.width}, {args.windows} windows x {args.tokens} tokens, fp32, activations on {args.placement}, "
+          f"OMP_NUM_THREADS={threads}; RSS in MB")  # fmt: skip
     header = (f"{'layers':>6} {'source MB':>9} | {'floor':>6} {'streamed peak':>13} {'peak-floor':>10} {'s':>7} "
               f"{'s/layer':>7} | {'whole peak':>10} {'peak-floor':>10} {'s':>7} | {'stream/whole peak':>17} logits")
     print(header)
@@ -149,7 +150,8 @@ def main() -> None:
         whole = (f"{w['peak_mb']:>10.0f} {w['peak_mb'] - w['floor_mb']:>10.0f} {w['seconds']:>7.1f} | "
                  f"{s['peak_mb'] / w['peak_mb']:>17.2f}") if w else f"{'-':>10} {'-':>10} {'-':>7} | {'-':>17}"
         print(f"{depth:>6} {size / 2**20:>9.0f} | {s['floor_mb']:>6.0f} {s['peak_mb']:>13.0f} "
-              f"{s['peak_mb'] - s['floor_mb']:>10.0f} {s['seconds']:>7.1f} {s['seconds'] / depth:>7.3f} | {whole} {same}",
+              f"{s['peak_mb'] - s['floor_mb']:>10.0f} {s['seconds']:>7.1f} {s['seconds'] / depth:>7.3f} | "
+              f"{whole} {same}",
               flush=True)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")

@@ -10,7 +10,13 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
 from hf_attn_patch.converters.layer_source import LayerSource, resolve_folder
-from hf_attn_patch.converters.layer_stream import choose_placement, stream_forward, stream_logits
+from hf_attn_patch.converters.layer_stream import (
+    Activations,
+    LayerRunner,
+    choose_placement,
+    stream_forward,
+    stream_logits,
+)
 
 STORIES15M = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories15m"
 
@@ -157,6 +163,34 @@ def test_choose_placement():
     assert choose_placement(101, "cpu", cpu_budget=200) == "disk"
     assert choose_placement(100, "meta", device_budget=200, cpu_budget=0) == "device"
     assert choose_placement(100, "meta", device_budget=199, cpu_budget=200) == "cpu"
+    assert choose_placement(100, "cpu", cpu_budget=399, buffers=4) == "disk"  # two tracks: four buffers
+
+
+def test_runner_carries_two_tracks(tmp_path):
+    """A conversion's two tracks (source, converted prefix) through one runner: a converted layer that is the source
+    layer keeps them equal; one that differs changes only its own track. Tracks on CPU and on disk."""
+    src = LayerSource.open("default")
+    ids = torch.randint(0, 512, (3, 10), generator=torch.Generator().manual_seed(6))
+    runner = LayerRunner(src, seq_len=10, chunk_size=2)
+    tracks = [Activations.allocate((3, 10, 64), torch.float32, p, "cpu", tmp_path) for p in ("cpu", "disk")]
+    for track in tracks:
+        runner.embed(ids, track.current)
+    for i in range(src.num_layers):
+        layer = src.layer(i)
+        runner.apply(layer, i, tracks[0].current, tracks[0].spare)
+        if i == src.num_layers - 1:  # the "converted" last layer: its attention output projection scaled
+            layer.self_attn.o_proj.weight.mul_(2)
+        runner.apply(layer, i, tracks[1].current, tracks[1].spare)
+        for track in tracks:
+            track.swap()
+        if i < src.num_layers - 1:
+            assert torch.equal(tracks[0].current, tracks[1].current)
+    with stream_forward(src, ids, chunk_size=2) as result:
+        assert torch.equal(tracks[0].current, result.hidden)
+        assert not torch.equal(tracks[1].current, result.hidden)
+    for track in tracks:
+        track.close()
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("shard", ["5GB", "20KB", 3000])
