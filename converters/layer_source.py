@@ -69,7 +69,7 @@ def read_tensors(names: list[str], files: dict[str, Path], device, dtype) -> dic
 
 
 def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -> nn.Module:
-    """Give the meta-device `module` the `tensors`: exactly its state dict's keys (a missing or extra one is an error)."""
+    """Give the meta-device `module` its `tensors`: exactly its state dict's keys, else an error."""
     own = set(module.state_dict())
     if own != set(tensors):
         missing, unexpected = sorted(own - set(tensors)), sorted(set(tensors) - own)
