@@ -5,12 +5,13 @@
 
 Per depth, a synthetic Llama source of random weights (SmolLM2-135M's shape at --width 576: 9 query heads, 3 KV heads,
 head_dim 64, MLP 1536, vocab 49152, tied embeddings; other widths scale heads and MLP) is written layer by layer into
-a temporary folder (safetensors, 1 GB shards). Then, each in a fresh subprocess (so ru_maxrss is that run's own peak):
+a temporary folder (safetensors, 1 GB shards) by a subprocess. Then, each in a fresh subprocess of its own:
 - streamed: LayerSource.open + stream_forward over --windows windows of --tokens tokens (one chunk of all windows,
   activations in CPU memory, or memory-mapped files with --placement disk), logits of the last position;
 - whole: AutoModelForCausalLM.from_pretrained + one forward of the same windows (logits_to_keep=1).
-Printed per run: the source's size in bytes, RSS after the imports (the floor), peak RSS (resource.getrusage
-ru_maxrss), the forward's seconds, and the two runs' last-position logits compared (they must be equal).
+Printed per run: the source's size, RSS after the imports (the floor), peak RSS (VmHWM of /proc/self/status, and
+resource.getrusage ru_maxrss as a check), the seconds from opening the source to the logits, and the two runs'
+last-position logits compared (they must be equal).
 Memory flat and time linear in depth: the streamed peak minus the floor stays near constant, seconds / layer too.
 """
 
@@ -36,8 +37,12 @@ def rss_mb() -> float:
     return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
-def peak_rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KB
+def peak_rss_mb() -> tuple[float, float]:
+    """(VmHWM, ru_maxrss) in MB. VmHWM is this process image's own peak RSS; Linux carries ru_maxrss over from the
+    parent's memory through fork + exec, so the parent stays small (it builds nothing) to keep the two equal."""
+    hwm = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
+               if line.startswith("VmHWM:"))  # fmt: skip
+    return hwm / 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # both in KB
 
 
 def synthetic_config(depth: int, width: int, vocab: int = 49152):
@@ -75,8 +80,12 @@ def build_source(folder: Path, depth: int, width: int, vocab: int = 49152) -> in
 
 
 def child(args) -> None:
-    """One measured run in this fresh process; prints one JSON line."""
+    """One measured run (or the source's build) in this fresh process; prints one JSON line."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.child == "build":
+        size = build_source(Path(args.folder), args.depth, args.width)
+        print(json.dumps({"source_bytes": size}))
+        return
     from transformers import AutoModelForCausalLM
 
     from hf_attn_patch.converters.layer_source import LayerSource
@@ -97,12 +106,15 @@ def child(args) -> None:
             placement = "whole model"
     seconds = time.perf_counter() - start
     torch.save(logits, args.logits_out)
-    print(json.dumps({"floor_mb": floor, "peak_mb": peak_rss_mb(), "seconds": seconds, "placement": placement}))
+    hwm, maxrss = peak_rss_mb()
+    print(json.dumps({"floor_mb": floor, "peak_mb": hwm, "ru_maxrss_mb": maxrss, "seconds": seconds,
+                      "placement": placement}))  # fmt: skip
 
 
-def measure(mode: str, folder: Path, args, logits_out: Path) -> dict:
+def measure(mode: str, folder: Path, args, logits_out: Path | None = None, depth: int = 0) -> dict:
     cmd = [sys.executable, __file__, "--child", mode, "--folder", str(folder), "--windows", str(args.windows),
-           "--tokens", str(args.tokens), "--placement", args.placement, "--logits-out", str(logits_out)]  # fmt: skip
+           "--tokens", str(args.tokens), "--placement", args.placement, "--logits-out", str(logits_out),
+           "--depth", str(depth), "--width", str(args.width)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
@@ -119,7 +131,8 @@ def main() -> None:
     parser.add_argument("--placement", choices=["cpu", "disk"], default="cpu", help="where the activations are kept")
     parser.add_argument("--no-whole", action="store_true", help="skip the whole-model baseline runs")
     parser.add_argument("--json", help="also write the rows to this file")
-    parser.add_argument("--child", choices=["streamed", "whole"], help=argparse.SUPPRESS)
+    parser.add_argument("--child", choices=["build", "streamed", "whole"], help=argparse.SUPPRESS)
+    parser.add_argument("--depth", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--logits-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -131,14 +144,15 @@ def main() -> None:
     threads = os.environ.get("OMP_NUM_THREADS", "1")
     print(f"width {args.width}, {args.windows} windows x {args.tokens} tokens, fp32, activations on {args.placement}, "
           f"OMP_NUM_THREADS={threads}; RSS in MB")  # fmt: skip
-    header = (f"{'layers':>6} {'source MB':>9} | {'floor':>6} {'streamed peak':>13} {'peak-floor':>10} {'s':>7} "
-              f"{'s/layer':>7} | {'whole peak':>10} {'peak-floor':>10} {'s':>7} | {'stream/whole peak':>17} logits")
+    header = (f"{'layers':>6} {'source MB':>9} | {'floor':>6} {'streamed peak':>13} {'maxrss':>6} {'peak-floor':>10} "
+              f"{'s':>7} {'s/layer':>7} | {'whole peak':>10} {'peak-floor':>10} {'s':>7} | {'stream/whole peak':>17} "
+              f"logits")
     print(header)
     rows = []
     for depth in depths:
         root = Path(tempfile.mkdtemp(prefix="bench-stream-"))
         try:
-            size = build_source(root / "src", depth, args.width)
+            size = measure("build", root / "src", args, depth=depth)["source_bytes"]  # built in its own process too
             s = measure("streamed", root / "src", args, root / "s.pt")
             w = None if args.no_whole else measure("whole", root / "src", args, root / "w.pt")
             same = "-" if w is None else ("equal" if torch.equal(torch.load(root / "s.pt"), torch.load(root / "w.pt"))
@@ -150,6 +164,7 @@ def main() -> None:
         whole = (f"{w['peak_mb']:>10.0f} {w['peak_mb'] - w['floor_mb']:>10.0f} {w['seconds']:>7.1f} | "
                  f"{s['peak_mb'] / w['peak_mb']:>17.2f}") if w else f"{'-':>10} {'-':>10} {'-':>7} | {'-':>17}"
         print(f"{depth:>6} {size / 2**20:>9.0f} | {s['floor_mb']:>6.0f} {s['peak_mb']:>13.0f} "
+              f"{s['ru_maxrss_mb']:>6.0f} "
               f"{s['peak_mb'] - s['floor_mb']:>10.0f} {s['seconds']:>7.1f} {s['seconds'] / depth:>7.3f} | "
               f"{whole} {same}",
               flush=True)  # fmt: skip
