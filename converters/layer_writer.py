@@ -4,8 +4,9 @@ Tensors are added in the order they are produced (embeddings, layer 0, ..., laye
 grouped greedily into shards of at most `max_shard_size` bytes by save_pretrained's rule (a tensor larger than the limit
 gets a shard of its own). save_pretrained walks the names in lexical order (layers.10 before layers.2), which a stream
 cannot, so the shards hold other groupings, but the names, tensors, file metadata and index metadata are the same and
-`from_pretrained` loads the same model. A shard is held in CPU memory until it is full, then written: peak memory is
-one shard (choose max_shard_size about one layer's size).
+`from_pretrained` loads the same model. Each tensor's bytes go to disk as soon as it is added (into the shard's data
+file; the safetensors header, which must come first, is prepended when the shard closes), so the writer holds no
+tensor in memory whatever max_shard_size is.
 Everything is written into a staging folder next to the output, renamed onto it at `finish()`: nothing half-written.
 """
 
@@ -19,12 +20,51 @@ import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+
+
+# safetensors' dtype names (https://github.com/huggingface/safetensors, format: little-endian, row-major)
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}  # fmt: skip
+
+
+class ShardFile:
+    """One safetensors file written tensor by tensor: the data goes to `path`.data at once, the header at close().
+
+    File layout: 8-byte little-endian header length, the JSON header ({name: {dtype, shape, data_offsets}},
+    "__metadata__") padded with spaces to a multiple of 8, then the tensors' bytes in the order added."""
+
+    def __init__(self, path: Path):
+        self.path, self.data_path = path, path.with_name(path.name + ".data")
+        self.data = open(self.data_path, "wb")
+        self.header: dict[str, dict] = {}
+        self.nbytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        """Append a contiguous CPU tensor's bytes (its dtype one of DTYPES)."""
+        size = tensor.numel() * tensor.element_size()
+        if size:
+            self.data.write(tensor.reshape(-1).view(torch.uint8).numpy())
+        self.header[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                             "data_offsets": [self.nbytes, self.nbytes + size]}  # fmt: skip
+        self.nbytes += size
+
+    def close(self) -> list[str]:
+        """Write `path` (header, then the data copied over in 64 MB blocks), remove the data file; returns the names."""
+        self.data.close()
+        header = json.dumps({"__metadata__": {"format": "pt"}, **self.header}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)
+        with open(self.path, "wb") as out, open(self.data_path, "rb") as data:
+            out.write(len(header).to_bytes(8, "little"))
+            out.write(header)
+            shutil.copyfileobj(data, out, 64 * 2**20)
+        self.data_path.unlink()
+        return list(self.header)
 
 
 def parse_size(size: int | str) -> int:
@@ -62,8 +102,9 @@ class ShardedWriter:
         os.umask(umask)
         self.staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the output's mode
         self.shards: list[list[str]] = []  # names per written shard, in order
-        self.current: dict[str, torch.Tensor] = {}
+        self.current: ShardFile | None = None
         self.current_bytes = 0
+        self.opened = 0  # shard files opened (their temporary names)
         self.total_bytes = 0
         self.total_numel = 0
         self.seen: set[str] = set()
@@ -78,33 +119,45 @@ class ShardedWriter:
     def _part(self, k: int) -> Path:
         return self.staging / f"shard-{k:05d}.part"
 
-    def _write(self, tensors: dict[str, torch.Tensor]) -> None:
-        save_file(tensors, str(self._part(len(self.shards))), metadata={"format": "pt"})
-        self.shards.append(list(tensors))
+    def _open(self) -> ShardFile:
+        self.opened += 1
+        return ShardFile(self.staging / f"open-{self.opened:05d}.part")
+
+    def _close(self, shard: ShardFile) -> None:
+        """Close a shard and number it by completion (save_pretrained's order), as shard-0000k.part."""
+        names = shard.close()
+        os.replace(shard.path, self._part(len(self.shards)))
+        self.shards.append(names)
 
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         """Add named tensors (e.g. one converted layer's, with 'model.layers.i.' names); full shards are written."""
         for name, tensor in tensors.items():
             if name in self.seen:
                 raise ValueError(f"tensor {name!r} was already written")
+            if tensor.dtype not in DTYPES:
+                raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
             self.seen.add(name)
             t = tensor.detach().to("cpu").contiguous()
             size = t.numel() * t.element_size()
             self.total_bytes += size
             self.total_numel += t.numel()
             if size > self.max_bytes:  # its own shard, before the one being filled (as save_pretrained orders them)
-                self._write({name: t})
+                own = self._open()
+                own.add(name, t)
+                self._close(own)
                 continue
-            if self.current and self.current_bytes + size > self.max_bytes:
+            if self.current is not None and self.current_bytes + size > self.max_bytes:
                 self.flush()
-            self.current[name] = t
+            if self.current is None:
+                self.current = self._open()
+            self.current.add(name, t)
             self.current_bytes += size
 
     def flush(self) -> None:
         """Write the shard being filled (if any)."""
-        if self.current:
-            self._write(self.current)
-        self.current, self.current_bytes = {}, 0
+        if self.current is not None:
+            self._close(self.current)
+        self.current, self.current_bytes = None, 0
 
     def finish(self, config=None, generation_config=None, files: dict[str, str] | None = None) -> Path:
         """Close the output: shards renamed, index written (if sharded), config(s) and extra text `files` written,
@@ -139,6 +192,8 @@ class ShardedWriter:
 
     def abort(self) -> None:
         """Remove the staging folder; `out` is left as it was."""
+        if self.current is not None:
+            self.current.data.close()
         shutil.rmtree(self.staging, ignore_errors=True)
 
 

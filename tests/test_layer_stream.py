@@ -274,3 +274,29 @@ def test_one_layer_resident_at_a_time(tmp_path):
     ids = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(4))
     with stream_forward(src, ids, chunk_size=1) as result:
         assert len(alive) == 24 and result.hidden.shape == (2, 8, 192) and torch.isfinite(result.hidden).all()
+
+
+def test_shard_file_reads_back_every_dtype(tmp_path):
+    from safetensors.torch import load_file
+
+    from hf_attn_patch.converters.layer_writer import ShardedWriter
+
+    g = torch.Generator().manual_seed(7)
+    tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).bfloat16(),
+               "f16": torch.randn(2, 2, generator=g).half(), "i64": torch.arange(5),
+               "flag": torch.tensor([True, False]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+               "strided": torch.randn(4, 6, generator=g).t()}  # fmt: skip
+    with ShardedWriter(tmp_path / "out", max_shard_size=40) as writer:  # several shards, one tensor over the limit
+        writer.add(tensors)
+        writer.finish()
+    got = {}
+    for path in (tmp_path / "out").glob("model-*.safetensors"):
+        with safe_open(path, "pt") as f:
+            assert f.metadata() == {"format": "pt"}
+        got.update(load_file(path))
+    assert got.keys() == tensors.keys()
+    assert all(got[k].dtype == v.dtype and torch.equal(got[k], v) for k, v in tensors.items())
+    assert not [p for p in (tmp_path / "out").iterdir() if p.suffix not in (".safetensors", ".json")]
+    with pytest.raises(ValueError, match="complex64"), ShardedWriter(tmp_path / "bad") as writer:
+        writer.add({"z": torch.zeros(2, dtype=torch.complex64)})
+    assert not (tmp_path / "bad").exists()
