@@ -11,7 +11,8 @@ a temporary folder (safetensors, 1 GB shards) by a subprocess. Then, each in a f
 - whole: AutoModelForCausalLM.from_pretrained + one forward of the same windows (logits_to_keep=1).
 Printed per run: the source's size, RSS after the imports (the floor), peak RSS (VmHWM of /proc/self/status, and
 resource.getrusage ru_maxrss as a check), the seconds from opening the source to the logits, and the two runs'
-last-position logits compared (they must be equal).
+last-position logits compared (they must be equal); and the peak RSS over its floor of the process that wrote the
+source layer by layer (ShardedWriter).
 Memory flat and time linear in depth: the streamed peak minus the floor stays near constant, seconds / layer too.
 """
 
@@ -82,16 +83,17 @@ def build_source(folder: Path, depth: int, width: int, vocab: int = 49152) -> in
 def child(args) -> None:
     """One measured run (or the source's build) in this fresh process; prints one JSON line."""
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
-    if args.child == "build":
-        size = build_source(Path(args.folder), args.depth, args.width)
-        print(json.dumps({"source_bytes": size}))
-        return
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401  (imported before the floor)
 
     from hf_attn_patch.converters.layer_source import LayerSource
     from hf_attn_patch.converters.layer_stream import stream_forward
+    from hf_attn_patch.converters.layer_writer import ShardedWriter  # noqa: F401
 
     floor = rss_mb()
+    if args.child == "build":
+        size = build_source(Path(args.folder), args.depth, args.width)
+        print(json.dumps({"source_bytes": size, "floor_mb": floor, "peak_mb": peak_rss_mb()[0]}))
+        return
     ids = torch.randint(0, 49152, (args.windows, args.tokens), generator=torch.Generator().manual_seed(1))
     start = time.perf_counter()
     with torch.no_grad():
@@ -146,27 +148,28 @@ def main() -> None:
           f"OMP_NUM_THREADS={threads}; RSS in MB")  # fmt: skip
     header = (f"{'layers':>6} {'source MB':>9} | {'floor':>6} {'streamed peak':>13} {'maxrss':>6} {'peak-floor':>10} "
               f"{'s':>7} {'s/layer':>7} | {'whole peak':>10} {'peak-floor':>10} {'s':>7} | {'stream/whole peak':>17} "
-              f"logits")
+              f"logits | build peak-floor")
     print(header)
     rows = []
     for depth in depths:
         root = Path(tempfile.mkdtemp(prefix="bench-stream-"))
         try:
-            size = measure("build", root / "src", args, depth=depth)["source_bytes"]  # built in its own process too
+            b = measure("build", root / "src", args, depth=depth)  # built (ShardedWriter) in its own process too
+            size = b["source_bytes"]
             s = measure("streamed", root / "src", args, root / "s.pt")
             w = None if args.no_whole else measure("whole", root / "src", args, root / "w.pt")
             same = "-" if w is None else ("equal" if torch.equal(torch.load(root / "s.pt"), torch.load(root / "w.pt"))
                                           else "DIFFER")  # fmt: skip
         finally:
             shutil.rmtree(root, ignore_errors=True)
-        row = {"layers": depth, "source_bytes": size, "streamed": s, "whole": w, "logits": same}
+        row = {"layers": depth, "source_bytes": size, "build": b, "streamed": s, "whole": w, "logits": same}
         rows.append(row)
         whole = (f"{w['peak_mb']:>10.0f} {w['peak_mb'] - w['floor_mb']:>10.0f} {w['seconds']:>7.1f} | "
                  f"{s['peak_mb'] / w['peak_mb']:>17.2f}") if w else f"{'-':>10} {'-':>10} {'-':>7} | {'-':>17}"
         print(f"{depth:>6} {size / 2**20:>9.0f} | {s['floor_mb']:>6.0f} {s['peak_mb']:>13.0f} "
               f"{s['ru_maxrss_mb']:>6.0f} "
               f"{s['peak_mb'] - s['floor_mb']:>10.0f} {s['seconds']:>7.1f} {s['seconds'] / depth:>7.3f} | "
-              f"{whole} {same}",
+              f"{whole} {same:>6} | {b['peak_mb'] - b['floor_mb']:>16.0f}",
               flush=True)  # fmt: skip
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2) + "\n")
