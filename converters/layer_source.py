@@ -147,9 +147,10 @@ class LayerSource:
             raise ValueError(f"source {str(self.folder)!r}: the checkpoint lacks {missing}")
 
     def layer_keys(self, i: int) -> list[str]:
-        """The checkpoint names of layer i's tensors, e.g. 'model.layers.3.self_attn.q_proj.weight'."""
+        """The checkpoint names of layer i's tensors, e.g. 'model.layers.3.self_attn.q_proj.weight' (old checkpoints'
+        per-layer 'rotary_emb.inv_freq' left out, as from_pretrained leaves it: the rotary embedding is built once)."""
         prefix = f"{self.layer_prefix}{i}."
-        return [k for k in self.files if k.startswith(prefix)]
+        return [k for k in self.files if k.startswith(prefix) and not k.endswith("rotary_emb.inv_freq")]
 
     def layer(self, i: int) -> nn.Module:
         """Decoder layer i (transformers' class for the config), weights read from the checkpoint, in eval mode,

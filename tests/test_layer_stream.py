@@ -105,6 +105,20 @@ def test_layer_is_transformers_own_and_reads_only_its_weights(tmp_path):
         src.layer(3)
 
 
+def test_checkpoint_key_mismatch_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tiny_qwen2(tmp_path / "q")
+    tensors = load_file(folder / "model.safetensors")
+    tensors["model.layers.1.self_attn.rotary_emb.inv_freq"] = torch.ones(8)  # old checkpoints: ignored
+    del tensors["model.layers.2.mlp.up_proj.weight"]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    src = LayerSource.open(folder)
+    src.layer(1)
+    with pytest.raises(ValueError, match=r"model.layers.2: .*missing \['mlp.up_proj.weight'\]"):
+        src.layer(2)
+
+
 def test_tied_head_is_the_embedding():
     src = LayerSource.open("default")
     assert src.tied and src.model.lm_head.weight is src.model.model.embed_tokens.weight
