@@ -188,6 +188,8 @@ def stream_forward(src: LayerSource, input_ids: torch.Tensor, *, chunk_size: int
     runner = LayerRunner(src, t, chunk_size)
     nbytes = n * t * src.config.hidden_size * torch.empty((), dtype=src.dtype).element_size()
     placement = placement or choose_placement(nbytes, src.device, device_budget, cpu_budget)
+    if placement == "device" and src.device.type == "cpu":
+        placement = "cpu"  # the device is the CPU: say so
     store = Activations.allocate((n, t, src.config.hidden_size), src.dtype, placement, src.device, tmp_root)
     logger.info("carrying activations %s (2 x %.1f MB) on %s", tuple(store.current.shape), nbytes / 2**20, placement)
     try:

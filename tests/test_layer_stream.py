@@ -172,6 +172,18 @@ def test_disk_placement_is_memory_mapped_and_equal(tmp_path):
     assert [s[0] for s in seen] == list(range(5)) and seen[0][1] == (4, 16, 64)
 
 
+def test_stream_forward_refuses_bad_input():
+    src = LayerSource.open("default")
+    with pytest.raises(ValueError, match=r"\[N, T\] windows, got shape \(5,\)"):
+        stream_forward(src, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_size=0"):
+        stream_forward(src, torch.zeros(1, 5, dtype=torch.long), chunk_size=0)
+    with pytest.raises(ValueError, match="placement='gpu'"):
+        stream_forward(src, torch.zeros(1, 5, dtype=torch.long), placement="gpu")
+    with stream_forward(src, torch.zeros(1, 5, dtype=torch.long), placement="device") as result:
+        assert result.placement == "cpu"
+
+
 def test_choose_placement():
     assert choose_placement(100, "cpu", cpu_budget=200) == "cpu"
     assert choose_placement(101, "cpu", cpu_budget=200) == "disk"
