@@ -326,3 +326,19 @@ def test_shard_file_reads_back_every_dtype(tmp_path):
     with pytest.raises(ValueError, match="complex64"), ShardedWriter(tmp_path / "bad") as writer:
         writer.add({"z": torch.zeros(2, dtype=torch.complex64)})
     assert not (tmp_path / "bad").exists()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("placement", ["device", "cpu", "disk"])
+def test_streamed_on_cuda_equals_whole_model_on_cuda(placement):
+    """Layers on the GPU, activations carried on it, in CPU memory or on disk: the same kernels on the same shapes as
+    the whole model on the GPU (one chunk of all windows), so the logits are equal."""
+    ids = torch.randint(0, 512, (4, 32), generator=torch.Generator().manual_seed(8))
+    model = AutoModelForCausalLM.from_pretrained(resolve_folder("default")).eval().to("cuda")
+    with torch.no_grad():
+        want = model(ids.cuda()).logits.cpu()
+    src = LayerSource.open("default", device="cuda")
+    with stream_forward(src, ids, chunk_size=4, placement=placement) as result:
+        assert result.placement == placement
+        assert result.hidden.device.type == ("cuda" if placement == "device" else "cpu")
+        assert torch.equal(stream_logits(src, result, chunk_size=4), want)
