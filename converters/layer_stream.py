@@ -74,6 +74,9 @@ class Activations:
 
     @classmethod
     def allocate(cls, shape, dtype, placement: str, device, tmp_root=None) -> "Activations":
+        """Two uninitialized buffers of `shape` [N, T, D]. On 'disk' they are files of N*T*D*itemsize bytes in a new
+        folder under `tmp_root` (default: the system's temporary folder), mapped shared: the pages touched count in
+        the RSS but are the kernel's file cache, written back and dropped under memory pressure."""
         if placement not in PLACEMENTS:
             raise ValueError(f"placement={placement!r} is not one of {PLACEMENTS}")
         if placement != "disk":
