@@ -108,12 +108,15 @@ class ShardedWriter:
         self.total_bytes = 0
         self.total_numel = 0
         self.seen: set[str] = set()
+        self.finished = False
 
     def __enter__(self) -> "ShardedWriter":
         return self
 
     def __exit__(self, exc_type, *exc) -> None:
-        if exc_type is not None:
+        if not self.finished:  # an error, or finish() never called: nothing is left behind
+            if exc_type is None:
+                logger.warning("%s: closed without finish(), nothing written", self.out)
             self.abort()
 
     def _part(self, k: int) -> Path:
@@ -187,6 +190,7 @@ class ShardedWriter:
             shutil.rmtree(trash, ignore_errors=True)
         else:
             os.replace(self.staging, self.out)
+        self.finished = True
         logger.info("wrote %s: %d shard(s), %.1f MB", self.out, n, self.total_bytes / 2**20)
         return self.out
 

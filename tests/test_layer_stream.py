@@ -263,6 +263,9 @@ def test_writer_leaves_nothing_half_written(tmp_path):
             writer.add({"a": torch.zeros(8), "b": torch.ones(8)})
             raise RuntimeError("boom")
     assert not out.exists() and not list(tmp_path.iterdir())
+    with ShardedWriter(out) as writer:  # finish() never called: nothing written, nothing left
+        writer.add({"a": torch.zeros(8)})
+    assert not out.exists() and not list(tmp_path.iterdir())
     out.mkdir()
     (out / "keep").write_text("x")
     with pytest.raises(ValueError, match="exists"):
