@@ -345,3 +345,18 @@ def test_streamed_on_cuda_equals_whole_model_on_cuda(placement):
         assert result.placement == placement
         assert result.hidden.device.type == ("cuda" if placement == "device" else "cpu")
         assert torch.equal(stream_logits(src, result, chunk_size=4), want)
+
+
+@pytest.mark.smollm2
+def test_smollm2_streamed_equals_whole():
+    """The real SmolLM2-135M (30 layers, GQA 9:3, tied head): streamed logits equal the whole model's."""
+    from hf_attn_patch.models.pretrained import smollm2_dir
+
+    try:
+        folder = smollm2_dir()
+    except ImportError as err:
+        pytest.skip(str(err))
+    ids = torch.randint(0, 49152, (3, 64), generator=torch.Generator().manual_seed(9))
+    want = whole_logits(folder, ids)
+    got, _ = streamed_logits(folder, ids, chunk_size=3)
+    assert torch.equal(got, want)
