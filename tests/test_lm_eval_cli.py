@@ -20,6 +20,8 @@ from hf_attn_patch import cli
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.models import load_default
 
+from ._fast import FAST
+
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install hf-attn-patch[eval])")
 
 TASKS = Path(__file__).parent / "data" / "lm_eval"
@@ -49,7 +51,7 @@ def table_rows(output: str) -> dict[str, list[float]]:
 
 
 def test_tasks_side_by_side_with_the_reference(tmp_path, capsys):
-    convert("default", tmp_path / "mqa", to="mqa", method="mean")  # the baseline merge: far worse than the source
+    convert("default", tmp_path / "mqa", to="mqa", method="mean", **FAST)  # the baseline merge: far worse than the source
     limit = 8
     cli.main(["eval", str(tmp_path / "mqa"), "--tasks", "tiny_stories_cloze", "--limit", str(limit),
               "--include-path", str(TASKS), "--reference", "default"])  # fmt: skip
