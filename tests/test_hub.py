@@ -37,8 +37,8 @@ def converted(tmp_path_factory):
 
 def test_model_card_has_hub_metadata_and_loading(converted):
     card = (converted / "README.md").read_text()
-    assert card.startswith("---\nbase_model: stories260K")
-    assert "- hf-attn-patch" in card and "- mqa" in card and "640 B -> 160 B (25.0%)" in card
+    assert card.startswith("---\nbase_model: karpathy/tinyllamas")
+    assert "- hf-attn-patch" in card and "- mqa" in card and "640 B -> 160 B (25.0% of the source)" in card
     assert "import hf_attn_patch" not in card  # a stock-format GQA export loads with plain transformers
 
 
