@@ -171,8 +171,8 @@ def _mamba2(inner: int, heads: int, head_dim: int, groups: int, state: int, conv
     return (inner + 2 * groups * state) * conv_kernel + heads * head_dim * state
 
 
-def seed_configs() -> dict:
-    """The seed's worked example: LLaMA-3-8B shape (d=4096, H=32, d_h=128, 32 layers) as MHA, MQA, GQA-8, MLA."""
+def llama3_8b_configs() -> dict:
+    """A worked example: the Llama-3-8B shape (d=4096, H=32, d_h=128, 32 layers) as MHA, MQA, GQA-8 and MLA."""
     from transformers import LlamaConfig
 
     shape = dict(hidden_size=4096, num_attention_heads=32, head_dim=128, num_hidden_layers=32, intermediate_size=14336)

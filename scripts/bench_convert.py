@@ -51,7 +51,7 @@ TARGETS = {
     "smollm2": [("MLA 50%", dict(to="mla", kv_budget=0.5)), ("MLA 25%", dict(to="mla", kv_budget=0.25)),
                 ("MQA 3->1", dict(to="mqa")), ("MLA 12.5%", dict(to="mla", kv_budget=0.125))],
 }  # fmt: skip
-HEAL = {"default": (100, 4), "smollm2": (50, 2)}  # steps, windows per step (SmolLM2: the recipe timed for issue 13)
+HEAL = {"default": (100, 4), "smollm2": (50, 2)}  # steps, windows per step (SmolLM2: the recipe whose time BENCHMARKS.md reports)
 
 
 def eval_sets(name: str, tokenizer) -> dict[str, torch.Tensor]:

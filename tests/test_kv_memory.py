@@ -1,4 +1,4 @@
-"""kv_cache_bytes against the seed's numbers and against the tensors transformers' caches really hold."""
+"""kv_cache_bytes against worked Llama-3-8B figures and against the tensors transformers' caches really hold."""
 
 from __future__ import annotations
 
@@ -13,20 +13,20 @@ from transformers import DynamicCache
 
 import hf_attn_patch
 from hf_attn_patch.converters.exact import to_variant
-from hf_attn_patch.kv_memory import kv_cache_bytes, layer_caches, mha_cache_bytes, seed_configs
+from hf_attn_patch.kv_memory import kv_cache_bytes, layer_caches, mha_cache_bytes, llama3_8b_configs
 
 from .conftest import tiny_model
 
 
-def test_seed_numbers_per_layer_per_token():
-    per_token = {name: kv_cache_bytes(c, seq_len=1) // 32 for name, c in seed_configs().items()}
+def test_llama3_8b_per_layer_per_token():
+    per_token = {name: kv_cache_bytes(c, seq_len=1) // 32 for name, c in llama3_8b_configs().items()}
     assert list(per_token.values()) == [16384, 512, 4096, 1152]  # MHA, MQA, GQA, MLA in fp16
 
 
-def test_seed_totals_are_the_true_arithmetic():
-    configs = seed_configs()
+def test_llama3_8b_totals_are_the_true_arithmetic():
+    configs = llama3_8b_configs()
     gqa, mha = configs["GQA (H_kv=8)"], configs["MHA (H_kv=32)"]
-    # The seed's "32K context, 32 layers, batch 64: GQA 16.8 GB, MHA 67.1 GB" holds for 32,000 tokens at batch 4.
+    # "32K context, 32 layers, batch 64: GQA 16.8 GB, MHA 67.1 GB", often quoted, holds for 32,000 tokens at batch 4.
     assert kv_cache_bytes(gqa, 32_000, batch_size=4) == 16_777_216_000
     assert kv_cache_bytes(mha, 32_000, batch_size=4) == 67_108_864_000
     assert kv_cache_bytes(gqa, 32_000, batch_size=64) == 268_435_456_000
@@ -107,7 +107,7 @@ def test_hybrid_and_ssm_states_are_constant_and_exact(config_class):
 
 
 def test_bad_arguments_are_named():
-    config = seed_configs()["GQA (H_kv=8)"]
+    config = llama3_8b_configs()["GQA (H_kv=8)"]
     with pytest.raises(ValueError, match="seq_len=-1"):
         kv_cache_bytes(config, -1)
     with pytest.raises(ValueError, match="batch_size=0"):
@@ -123,7 +123,7 @@ def run_cli(*args) -> subprocess.CompletedProcess:
 
 
 def test_kv_report_cli(tmp_path):
-    result = run_cli("kv-report", "seed", "--seq-len", "32000", "--batch-size", "64")
+    result = run_cli("kv-report", "llama3-8b", "--seq-len", "32000", "--batch-size", "64")
     assert result.returncode == 0, result.stderr
     assert "268,435,456,000" in result.stdout and "1,073,741,824,000" in result.stdout
     assert " 1152 " in result.stdout and "0.070" in result.stdout
