@@ -111,11 +111,12 @@ def test_markers_are_known():
                 assert n < len(text) and FENCE.match(text[n]), f"{path.name}:{n}: a marker must precede ```python"
 
 
-def test_readme_is_short():
+def test_readme_and_benchmarks_are_short():
     assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+    assert len((ROOT / "BENCHMARKS.md").read_text().splitlines()) <= 300
 
 
-USER_FACING = [*DOCS, ROOT / "CONTRIBUTING.md"]
+USER_FACING = [*DOCS, ROOT / "BENCHMARKS.md", ROOT / "CONTRIBUTING.md"]
 # How the project was built is not what users read about. CONTRIBUTING.md may name the test data outside the
 # repository (../shared); nothing else may.
 BUILD_WORDS = [re.compile(p, re.IGNORECASE) for p in (r"\bsessions?\b", r"\bissue \d+", r"\bthe seed\b")]
