@@ -13,8 +13,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"hf_attn_patch": ROOT / "hf_attn_patch", "hf_attn_patch.converters": ROOT / "converters",
             "hf_attn_patch.kernels": ROOT / "kernels"}  # fmt: skip
-LEVEL = {"kernels": 0, "kv_memory": 1, "cache": 1, "attention": 2, "models": 2, "grammar": 3, "speculative": 3,
-         "engine": 4, "converters": 5, "cli": 5, "_patching": 5, "assets": 0}  # fmt: skip
+LEVEL = {"kernels": 0, "extras": 0, "kv_memory": 1, "devices": 1, "cache": 1, "attention": 2, "models": 2, "grammar": 3,
+         "speculative": 3, "engine": 4, "converters": 5, "cli": 5, "_patching": 5, "assets": 0}  # fmt: skip
+# lm-eval's loaders of the offline tasks live beside their YAMLs (lm-eval imports them by path): evaluation code, the
+# converters' layer, though the folder is the package's data
+SUBLEVEL = {("assets", "lm_eval_tasks"): 5}
 ROOT_LEVEL = 5  # the package root loads every layer's public names (and patch()): importing it is importing the top
 
 
@@ -29,7 +32,7 @@ def layer_of(name: list[str]) -> int | None:
     """Layer of a module path ['hf_attn_patch', 'cache', 'manager']; None for the package root."""
     if len(name) == 1 or name[1] not in LEVEL:  # the root package itself, or a name defined in it
         return None if len(name) == 1 else ROOT_LEVEL
-    return LEVEL[name[1]]
+    return SUBLEVEL.get(tuple(name[1:3]), LEVEL[name[1]])
 
 
 def imported(tree: ast.AST, name: list[str], is_package: bool):
