@@ -3,7 +3,7 @@ one KV budget: KL to the source on the calibration windows (what a choice may us
 TinyStories text (the sample after its first 100,000 characters). Closed forms (text calibration, no
 reconstruction). Prints one JSON line per conversion.
 
-    python scripts/bench_deepseek_split.py ../shared/models/stories15m 0.5 ../shared/corpora/tinystories_sample.txt 16 32 48
+    python scripts/bench_deepseek_split.py $DATA/models/stories15m 0.5 $DATA/corpora/tinystories_sample.txt 16 32 48
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_retrieval.py --source smollm2 --work /tmp/convs \
         [--targets "MLA 50%,MLA 50% deepseek_v3,MQA,MLA 25%"] [--items 8] [--largest 1024] [--limit 200] \
-        [--eval-data ../shared/evals] [--out scripts/bench_retrieval_smollm2.png]
+        [--eval-data $DATA/evals] [--out scripts/bench_retrieval_smollm2.png]
 
 Each target is converted with the CLI's defaults (`hf-attn convert SRC OUT --to ...`: teacher calibration,
 reconstruction "auto", sensitivity rank allocation for native MLA), into --work/<slug> unless that folder exists
