@@ -17,6 +17,7 @@ from typing import Protocol
 import torch
 
 from .errors import BackendUnavailableError, GrammarError
+from .schema_relax import walk
 from .spec import GrammarSpec
 from .vocab import TokenizerAdapter
 
@@ -61,38 +62,14 @@ def resolve_backend(name: str) -> "LLGuidanceBackend | XGrammarBackend":
 
 
 # ----------------------------------------------------------------------------------------------- JSON Schema checks
-_SCHEMA_MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_KEYS = ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else", "contains",
-                "unevaluatedProperties", "unevaluatedItems", "additionalItems")
-_SCHEMA_LIST_KEYS = ("prefixItems", "anyOf", "oneOf", "allOf")
 # Keywords xgrammar 0.2.9 compiles without error but does not enforce (output may violate the schema) or turns into
 # an unsatisfiable grammar; checked by compiling each and matching a violating / a valid instance.
 _XGRAMMAR_UNSUPPORTED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
                          "uniqueItems", "contains", "minContains", "maxContains", "oneOf")
 
 
-def _walk_schema(schema, path="#"):
-    """Yield (json-pointer path, schema dict) for every subschema."""
-    if not isinstance(schema, dict):
-        return
-    yield path, schema
-    for key in _SCHEMA_MAP_KEYS:
-        sub = schema.get(key)
-        if isinstance(sub, dict):
-            for name, s in sub.items():
-                yield from _walk_schema(s, f"{path}/{key}/{name}")
-    for key in _SCHEMA_KEYS:
-        if isinstance(schema.get(key), dict):
-            yield from _walk_schema(schema[key], f"{path}/{key}")
-    for key in _SCHEMA_LIST_KEYS + ("items",):
-        sub = schema.get(key)
-        if isinstance(sub, list):
-            for i, s in enumerate(sub):
-                yield from _walk_schema(s, f"{path}/{key}/{i}")
-
-
 def _check_xgrammar_schema(schema: dict) -> None:
-    for path, sub in _walk_schema(schema):
+    for path, sub in walk(schema):
         for key in _XGRAMMAR_UNSUPPORTED:
             if key in sub:
                 raise GrammarError(
