@@ -69,6 +69,71 @@ def sequential(source: nn.Module, new: nn.Module, windows: torch.Tensor, *, reli
     windows: calibration tokens [n, T], n >= 2 (the last max(1, round(n * held_in)) are held in);
     lr: Adam's step as a fraction of each weight tensor's RMS (scale-free, so one default serves any model).
     """
+    _check(steps, lr, held_in, target, len(windows))
+    names = list(stock_attention_layers(source))
+    device = next(new.parameters()).device
+    windows = windows.to(device)
+    h_new, layer_kw = _first_layer_inputs(new, names[0], windows, batch_size)
+    h_src, src_layer_kw = _first_layer_inputs(source, names[0], windows, batch_size)  # the source's positions
+    fits = []
+    for name in tqdm(names, desc="reconstruct" if steps else "propagate", disable=not progress):
+        block_new, block_src = new.get_submodule(_parent(name)), source.get_submodule(_parent(name))
+        fits.append(fit_layer(name, block_src, block_new, h_src, h_new, src_layer_kw, layer_kw, source.config,
+                              relift=relift, steps=steps, lr=lr, batch_size=batch_size, held_in=held_in,
+                              target=target))  # fmt: skip
+        h_new = _run_block(block_new, h_new, layer_kw, batch_size)
+        if target != "local":
+            h_src = _run_block(block_src, h_src, src_layer_kw, batch_size)
+    return fits
+
+
+def fit_layer(name: str, block_src: nn.Module, block_new: nn.Module, h_src: torch.Tensor, h_new: torch.Tensor,
+              src_kw: dict, new_kw: dict, config, *, relift: Relift | None = None, steps: int = 0, lr: float = 1e-2,
+              batch_size: int = 4, held_in: float = 0.25, target: str = "source") -> LayerFit:  # fmt: skip
+    """Propagate and / or reconstruct the attention of one converted decoder layer `block_new` in place.
+
+    name: the attention module's full name (model.layers.i.self_attn), its last part its name in the layer;
+    h_src / h_new: the source's / the converted prefix's residual stream entering the layer [n, T, D] (h_src is
+    read for target "source" and "block"; for "local" only its first window, for the attention's arguments);
+    src_kw / new_kw: the decoder layers' other arguments (masks, positions, rotary cos/sin) for a batch of one.
+    The last max(1, round(n * held_in)) windows are held in. Only the attention's weights change."""
+    _check(steps, lr, held_in, target, len(h_new))
+    started, cpu_started = time.perf_counter(), time.process_time()
+    arch = architecture_of(config)
+    attr = name.rsplit(".", 1)[1]  # the attention module's name in its decoder layer
+    attn_new, attn_src = block_new.get_submodule(attr), block_src.get_submodule(attr)
+    held = max(1, round(len(h_new) * held_in))
+    train_idx, held_idx = torch.arange(len(h_new) - held), torch.arange(len(h_new) - held, len(h_new))
+    x_new, attn_kw = _attention_inputs(block_new, attn_new, h_new, new_kw, batch_size)
+    if target == "block":  # the decoder layer's output (through its MLP) matches the source layer's
+        y, fit_module, fit_x, fit_kw = _run_block(block_src, h_src, src_kw, batch_size), block_new, h_new, new_kw
+    else:
+        if target == "source":
+            x_src, src_attn_kw = _attention_inputs(block_src, attn_src, h_src, src_kw, batch_size)
+        else:
+            x_src, src_attn_kw = x_new, _attention_inputs(block_src, attn_src, h_src[:1], src_kw, 1)[1]
+        y, fit_module, fit_x, fit_kw = _outputs(attn_src, x_src, src_attn_kw, batch_size), attn_new, x_new, attn_kw
+    closed = _error(fit_module, fit_x[held_idx], y[held_idx], fit_kw, batch_size)
+    propagated, kept = None, False
+    if relift is not None:
+        saved = _clone_state(attn_new)
+        stats = stats_of_inputs(x_new[train_idx], arch.split_heads(attn_src), config)
+        attn_new.load_state_dict(relift(name, stats))
+        propagated = _error(fit_module, fit_x[held_idx], y[held_idx], fit_kw, batch_size)
+        kept = propagated < closed
+        if not kept:
+            attn_new.load_state_dict(saved)
+    error, best_step = min(closed, propagated if kept else closed), 0
+    if steps:
+        error, best_step = _fit(fit_module, attn_new, fit_x, y, fit_kw, train_idx, held_idx, steps, lr, batch_size,
+                                error)  # fmt: skip
+    logger.info("%s: held-in error %.4g (closed form) -> %.4g%s", name, closed, error,
+                f" (propagated {propagated:.4g}, {'kept' if kept else 'not kept'})" if propagated is not None else "")  # fmt: skip
+    return LayerFit(name, closed, propagated, kept, error, best_step, time.perf_counter() - started,
+                    time.process_time() - cpu_started)  # fmt: skip
+
+
+def _check(steps, lr, held_in, target, n) -> None:
     if target not in TARGETS:
         raise ValueError(f"target={target!r} is not one of {TARGETS}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
@@ -77,52 +142,8 @@ def sequential(source: nn.Module, new: nn.Module, windows: torch.Tensor, *, reli
         raise ValueError(f"lr={lr!r} must be positive")
     if not 0 < held_in < 1:
         raise ValueError(f"held_in={held_in!r} must be a fraction in (0, 1)")
-    if len(windows) < 2:
-        raise ValueError(f"{len(windows)} calibration window(s): reconstruction needs at least 2 (one held in)")
-    names = list(stock_attention_layers(source))
-    arch = architecture_of(source.config)
-    held = max(1, round(len(windows) * held_in))
-    train_idx, held_idx = torch.arange(len(windows) - held), torch.arange(len(windows) - held, len(windows))
-    device = next(new.parameters()).device
-    windows = windows.to(device)
-    h_new, layer_kw = _first_layer_inputs(new, names[0], windows, batch_size)
-    h_src, src_layer_kw = _first_layer_inputs(source, names[0], windows, batch_size)  # the source's positions
-    fits = []
-    for name in tqdm(names, desc="reconstruct" if steps else "propagate", disable=not progress):
-        started, cpu_started = time.perf_counter(), time.process_time()
-        block_new, attn_new = new.get_submodule(_parent(name)), new.get_submodule(name)
-        block_src, attn_src = source.get_submodule(_parent(name)), source.get_submodule(name)
-        x_new, attn_kw = _attention_inputs(block_new, attn_new, h_new, layer_kw, batch_size)
-        if target == "block":  # the decoder layer's output (through its MLP) matches the source layer's
-            y, fit_module, fit_x, fit_kw = _run_block(block_src, h_src, src_layer_kw, batch_size), block_new, h_new, layer_kw
-        else:
-            if target == "source":
-                x_src, src_attn_kw = _attention_inputs(block_src, attn_src, h_src, src_layer_kw, batch_size)
-            else:
-                x_src, src_attn_kw = x_new, _attention_inputs(block_src, attn_src, h_src[:1], src_layer_kw, 1)[1]
-            y, fit_module, fit_x, fit_kw = _outputs(attn_src, x_src, src_attn_kw, batch_size), attn_new, x_new, attn_kw
-        closed = _error(fit_module, fit_x[held_idx], y[held_idx], fit_kw, batch_size)
-        propagated, kept = None, False
-        if relift is not None:
-            saved = _clone_state(attn_new)
-            stats = stats_of_inputs(x_new[train_idx], arch.split_heads(attn_src), source.config)
-            attn_new.load_state_dict(relift(name, stats))
-            propagated = _error(fit_module, fit_x[held_idx], y[held_idx], fit_kw, batch_size)
-            kept = propagated < closed
-            if not kept:
-                attn_new.load_state_dict(saved)
-        error, best_step = min(closed, propagated if kept else closed), 0
-        if steps:
-            error, best_step = _fit(fit_module, attn_new, fit_x, y, fit_kw, train_idx, held_idx, steps, lr, batch_size,
-                                    error)  # fmt: skip
-        fits.append(LayerFit(name, closed, propagated, kept, error, best_step, time.perf_counter() - started,
-                             time.process_time() - cpu_started))  # fmt: skip
-        logger.info("%s: held-in error %.4g (closed form) -> %.4g%s", name, closed, error,
-                    f" (propagated {propagated:.4g}, {'kept' if kept else 'not kept'})" if propagated is not None else "")  # fmt: skip
-        h_new = _run_block(block_new, h_new, layer_kw, batch_size)
-        if target != "local":
-            h_src = y if target == "block" else _run_block(block_src, h_src, src_layer_kw, batch_size)
-    return fits
+    if n < 2:
+        raise ValueError(f"{n} calibration window(s): reconstruction needs at least 2 (one held in)")
 
 
 def summary(fits: list[LayerFit]) -> dict:
