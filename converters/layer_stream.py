@@ -158,6 +158,14 @@ class LayerRunner:
             self._masks[b] = masks
         return self._masks[b]
 
+    def layer_kwargs(self, i: int) -> dict:
+        """Decoder layer i's arguments besides the hidden states, for a batch of one (they broadcast over a batch):
+        its mask, the rotary (cos, sin) and the positions."""
+        probe = torch.zeros(1, self.position_ids.shape[1], self.src.config.hidden_size, dtype=self.src.dtype,
+                            device=self.src.device)  # fmt: skip
+        return {"attention_mask": self.masks(probe)[self.types[i]], "position_embeddings": self.position_embeddings,
+                "position_ids": self.position_ids}  # fmt: skip
+
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> None:
         """out [N, T, D] <- token embeddings of input_ids [N, T]."""

@@ -1,0 +1,193 @@
+"""The layer loop: every decoder layer converted in the order the layers run, one source layer and its converted
+layer resident at a time, then written into the output's shards and freed.
+
+Carried tracks (hidden states [n, T, D] of the calibration windows at layer l's input, two buffers each):
+    source:    the source's H_l (statistics, and the targets of the fits);
+    converted: the converted prefix's H'_l (propagated calibration and reconstruction: reconstruct.fit_layer);
+    export:    the converted prefix's H'_l one window at a time (the deepseek_v3 export's latent scales, measured
+               on the native form as it runs window by window).
+Per layer l: statistics of the source's attention input -> closed form -> propagate / reconstruct -> the export's
+transform -> written. Peak memory: the resident parts (embeddings, norm, LM head) + ~2 layers + the carried buffers,
+whatever the depth; the buffers stay on the device, in CPU memory or on disk (layer_stream.choose_placement).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .calibration import StatsAccumulator
+from .layer_stream import Activations, LayerRunner, choose_placement
+from .options import ConvertOptions
+from .reconstruct import LayerFit, fit_layer
+from .stages.closed_form import (LayerChoice, LayerResult, build_layer, closed_form, converted_config,
+                                 mla_layer_fields, relifted)  # fmt: skip
+from .stages.source import Source
+from .stages.target import Target
+
+logger = logging.getLogger(__name__)
+
+BATCH = 4  # windows per layer call: the batches every whole-model pass ran (statistics, reconstruction)
+
+
+@dataclass
+class LayersResult:
+    """What the loop made: config (the converted model's), groups (GQA, per layer), choices / pairs / plans' retained
+    energy (MLA, per layer), fits (propagate / reconstruct, per layer), activations (where the tracks lived)."""
+
+    config: object
+    groups: list = field(default_factory=list)
+    pairs: list = field(default_factory=list)
+    retained: list = field(default_factory=list)
+    fits: list[LayerFit] = field(default_factory=list)
+    activations: dict = field(default_factory=dict)
+    seconds: dict = field(default_factory=dict)
+
+
+class Tracks:
+    """The carried hidden states: {name: Activations}, placed together (device, cpu or disk)."""
+
+    def __init__(self, names: list[str], shape, dtype, device, placement: str | None = None):
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        placement = placement or choose_placement(nbytes, device, buffers=2 * len(names))
+        if placement == "device" and torch.device(device).type == "cpu":
+            placement = "cpu"
+        self.placement, self.bytes = placement, 2 * len(names) * nbytes
+        self.stores = {n: Activations.allocate(shape, dtype, placement, device) for n in names}
+        logger.info("carrying %d track(s) %s (%.1f MB) on %s", len(names), tuple(shape), self.bytes / 2**20, placement)
+
+    def __getitem__(self, name: str) -> Activations:
+        return self.stores[name]
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+
+
+def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: torch.Tensor | None,
+               choices: list[LayerChoice] | None, write, export=None,
+               placement: str | None = None) -> LayersResult:  # fmt: skip
+    """Convert every layer in order; write(name -> tensor dict) receives each converted layer's tensors.
+
+    windows: calibration tokens [n, T] (None: no statistics needed); choices: MLA per-layer ranks / RoPE dims."""
+    src, config, n_layers = source.layers, source.config, source.config.num_hidden_layers
+    arch_split = _split_heads(config)
+    rec = opts.reconstruction
+    names = (["source"] if windows is not None else []) + (["converted"] if target.layerwise else []) + \
+        (["export"] if export is not None else [])  # fmt: skip
+    tracks, runners = None, {}
+    if names:
+        shape = (windows.shape[0], windows.shape[1], config.hidden_size)
+        tracks = Tracks(names, shape, src.dtype, src.device, placement)
+        runners = {BATCH: LayerRunner(src, windows.shape[1], BATCH), 1: LayerRunner(src, windows.shape[1], 1)}
+        for name in names:
+            runners[1 if name == "export" else BATCH].embed(windows, tracks[name].current)
+    result = LayersResult(config=None)
+    if tracks is not None:
+        result.activations = {"placement": tracks.placement, "bytes": tracks.bytes, "tracks": names}
+    seconds = {"statistics": 0.0, "closed_form": 0.0, "layerwise": 0.0, "export": 0.0, "read_write": 0.0}
+    pairs = [None] * n_layers
+    last_fields: dict = {}
+    try:
+        for i in range(n_layers):
+            t = time.perf_counter()
+            layer = src.layer(i)
+            seconds["read_write"] += time.perf_counter() - t
+            attn_name, attn = _attention(layer)
+            w = arch_split(attn).cpu()
+            t = time.perf_counter()
+            stats = _statistics(runners.get(BATCH), layer, attn, w, config, i, tracks) if windows is not None else None
+            seconds["statistics"] += time.perf_counter() - t
+            t = time.perf_counter()
+            choice = choices[i] if choices is not None else None
+            first = closed_form(opts, w, config, stats, choice)
+            if opts.to == "mla":
+                pairs[i], last_fields = first.fields["mla_rope_pairs"], first.fields
+                new_config = converted_config(config, "mla", mla_layer_fields(last_fields, choices, pairs,
+                                                                                opts.rank_allocation))  # fmt: skip
+            else:
+                new_config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads})
+            converted = build_layer(layer, i, new_config, attn_name, first.state)
+            seconds["closed_form"] += time.perf_counter() - t
+            t = time.perf_counter()
+            final = first
+            if target.layerwise:
+                final = _layerwise(opts, runners[BATCH], layer, converted, attn_name, w, config, choice, first, i,
+                                   tracks, result)  # fmt: skip
+            seconds["layerwise"] += time.perf_counter() - t
+            if opts.to == "mla":
+                result.retained.append(round(first.plan.retained(choice.rank), 4))
+            else:
+                result.groups.append(final.groups)
+            if tracks is not None and "source" in names:
+                tracks["source"].swap()
+            t = time.perf_counter()
+            state = {f"model.layers.{i}.{k}": v for k, v in converted.state_dict().items()}
+            if export is not None:
+                state = export.layer(i, converted, runners[1], tracks["export"], state)
+            seconds["export"] += time.perf_counter() - t
+            t = time.perf_counter()
+            write(state)
+            seconds["read_write"] += time.perf_counter() - t
+            del layer, converted, attn, w, stats, state
+    finally:
+        if tracks is not None:
+            tracks.close()
+    if opts.to == "mla":
+        result.config = converted_config(config, "mla", mla_layer_fields(last_fields, choices, pairs,
+                                                                         opts.rank_allocation))  # fmt: skip
+        result.pairs = pairs
+    else:
+        result.config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads})
+    result.seconds = {k: round(v, 3) for k, v in seconds.items()}
+    return result
+
+
+def _split_heads(config):
+    from ..models.architectures import architecture_of
+
+    return architecture_of(config).split_heads
+
+
+def _attention(layer) -> tuple[str, torch.nn.Module]:
+    """(name, module) of the decoder layer's attention (transformers names it self_attn in every streamable model)."""
+    return "self_attn", layer.self_attn
+
+
+@torch.no_grad()
+def _statistics(runner: LayerRunner, layer, attn, w, config, i: int, tracks: Tracks):
+    """LayerStats of layer i's attention input over the source track, while the layer advances the track (its
+    output into the spare buffer): the hook sees each batch of BATCH windows as the whole model's forward did."""
+    acc = StatsAccumulator(w, config)
+    hook = attn.register_forward_pre_hook(lambda m, a, kw: acc.add(a[0] if a else kw["hidden_states"]),
+                                          with_kwargs=True)  # fmt: skip
+    try:
+        runner.apply(layer, i, tracks["source"].current, tracks["source"].spare)
+    finally:
+        hook.remove()
+    return acc.stats()
+
+
+def _layerwise(opts, runner: LayerRunner, layer, converted, attn_name, w, config, choice, first: LayerResult, i: int,
+               tracks: Tracks, result: LayersResult) -> LayerResult:  # fmt: skip
+    """Propagate (recompute the closed form from the converted prefix's statistics, kept if better held-in) and / or
+    reconstruct layer i in place (reconstruct.fit_layer); then advance the converted track through it."""
+    kept = {"result": first}
+    relift = None
+    if opts.calibration.propagate and not (opts.to != "mla" and opts.method == "mean"):
+        def relift(name, stats):  # noqa: E306
+            kept["result"] = relifted(opts, w, config, stats, choice, first)
+            return kept["result"].state
+
+    h_src, h_new = tracks["source"].current, tracks["converted"].current
+    kw = runner.layer_kwargs(i)
+    rec = opts.reconstruction
+    fit = fit_layer(f"model.layers.{i}.{attn_name}", layer, converted, h_src, h_new, kw, kw, config, relift=relift,
+                    steps=rec.steps, lr=rec.lr, batch_size=BATCH, target=rec.target)  # fmt: skip
+    result.fits.append(fit)
+    runner.apply(converted, i, tracks["converted"].current, tracks["converted"].spare)
+    tracks["converted"].swap()
+    return kept["result"] if fit.propagated_kept else first

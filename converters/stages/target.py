@@ -1,0 +1,118 @@
+"""What the conversion makes of each layer, decided from the source's config and the options before any weight is
+read: GQA / MQA (KV heads) or MLA (latent rank d_c, shared RoPE dims d_r, the export's shape), the output format and
+reconstruct_steps "auto"."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ...models.architectures import architecture_of, head_dim, rotary_dim
+from ..budgets import candidate_grid
+from ..deepseek_export import check_source, engine_shape
+from ..options import ConvertOptions
+
+logger = logging.getLogger(__name__)
+
+STOCK_GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # configs with a native num_key_value_heads
+# reconstruct_steps "auto" (the CLI's default): steps per layer when the conversion keeps >= half the source's KV
+# values, and below: there the closed form starts further off and 60 steps end with most layers still improving
+# (SmolLM2 MQA 3->1 / MLA 25%, held-in teacher KL, docs/research-log.md)
+AUTO_RECONSTRUCT_STEPS = (60, 150)
+
+
+@dataclass
+class Target:
+    """source_kv: the source's KV heads; d_h: its head dim; kv_share: KV values kept per token / the source's.
+    MLA: rope_dim d_r and kv_lora_rank d_c of the conversion (uniform allocation; the budget's split otherwise),
+    export_rope: the deepseek_v3 export's RoPE dims (>= rope_dim: zero pairs beyond it)."""
+
+    source_kv: int
+    d_h: int
+    stock_format: bool
+    kv_share: float
+    needs_stats: bool  # calibration statistics are used (every method but GQA 'mean' without layerwise fits)
+    layerwise: bool  # propagate / reconstruct after the closed forms
+    rope_dim: int = 0
+    kv_lora_rank: int = 0
+    export_rope: int = 0
+
+    @property
+    def format(self) -> str:
+        return "stock" if self.stock_format else "native"
+
+
+def auto_reconstruct_steps(kv_share: float) -> int:
+    """reconstruct_steps="auto": AUTO_RECONSTRUCT_STEPS[0] when the conversion keeps at least half the source's KV
+    values per token (kv_share >= 0.5), AUTO_RECONSTRUCT_STEPS[1] below."""
+    return AUTO_RECONSTRUCT_STEPS[0] if kv_share >= 0.5 else AUTO_RECONSTRUCT_STEPS[1]
+
+
+def resolve_target(config, first_layer_weights, opts: ConvertOptions, given: dict) -> Target:
+    """The Target; fills opts.method (GQA with per-head q/k norms: 'mean') and reconstruction.steps ("auto").
+    first_layer_weights: AttentionWeights of layer 0 (its q/k norms); given: the options as the user gave them."""
+    arch = architecture_of(config)
+    if arch.replaces_stock:
+        raise ValueError(f"model_type={config.model_type!r} is already MLA: there is nothing to convert")
+    d_h = head_dim(config)
+    source_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
+                                              and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
+    if stock_format and config.model_type not in STOCK_GQA_TYPES:
+        raise ValueError(f"format='stock' exists for GQA/MQA of {STOCK_GQA_TYPES} only, not {config.model_type!r}")
+    rec = opts.reconstruction
+    if opts.to in ("gqa", "mqa"):
+        if source_kv % opts.kv_heads:
+            raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
+        if opts.method != "mean" and first_layer_weights.q_norm is not None:
+            if given.get("method") is not None:  # asked for by name: refused before calibrating
+                raise ValueError(f"method={opts.method!r} with per-head q/k norms ({config.model_type}) is not "
+                                 f"supported: use method='mean'")  # fmt: skip
+            logger.warning("%s has per-head q/k norms: the default %r does not apply, using 'mean'",
+                           config.model_type, opts.method)  # fmt: skip
+            opts.method = "mean"
+        share = opts.kv_heads / source_kv
+        _resolve_steps(opts, share)
+        layerwise = bool(rec.steps or (opts.calibration.propagate and opts.method != "mean"))
+        return Target(source_kv, d_h, stock_format, share, opts.method != "mean" or layerwise, layerwise)
+    deepseek = opts.format == "deepseek_v3"
+    shape = None
+    if deepseek:  # before any work: the source, then the engine's shapes
+        check_source(config)
+        shape = engine_shape(opts.engine, config, opts.kv_budget, opts.kv_lora_rank, opts.rope_dim)
+    if shape is None:
+        rope_dim, kv_lora_rank = mla_sizes(opts, config, source_kv, d_h)
+        export_rope = rope_dim
+    else:  # the conversion keeps at most the source's frequencies; the export pads with zero RoPE pairs
+        kv_lora_rank, export_rope = shape
+        rope_dim = min(export_rope, rotary_dim(config))
+    share = (export_rope + kv_lora_rank) / (2 * source_kv * d_h)
+    _resolve_steps(opts, share)
+    if deepseek:
+        check_source(config, rope_dim)
+    if opts.rank_allocation == "sensitivity":  # the candidate grid is checked against the budget before calibrating
+        candidate_grid(config, opts.kv_budget, opts.rope_dim)
+    layerwise = bool(opts.calibration.propagate or rec.steps)
+    return Target(source_kv, d_h, False, share, True, layerwise, rope_dim, kv_lora_rank, export_rope)
+
+
+def _resolve_steps(opts: ConvertOptions, kv_share: float) -> None:
+    if opts.reconstruction.steps == "auto":
+        opts.reconstruction.steps = auto_reconstruct_steps(kv_share)
+        logger.info("reconstruct_steps auto: %d (KV share %.3g)", opts.reconstruction.steps, kv_share)
+
+
+def mla_sizes(opts: ConvertOptions, config, source_kv: int, d_h: int) -> tuple[int, int]:
+    """(rope_dim, kv_lora_rank) from the options, checked against the source."""
+    arch = architecture_of(config)
+    max_rope = source_kv * rotary_dim(config) if arch.rotary else 0
+    budget = None if opts.kv_budget is None else int(round(opts.kv_budget * 2 * source_kv * d_h))  # values/token
+    default_rope = min(d_h, max_rope) if budget is None else min(d_h, max_rope, 2 * (budget // 6))  # <= 1/3 of it
+    rope_dim = opts.rope_dim if opts.rope_dim is not None else default_rope
+    if rope_dim > max_rope:
+        raise ValueError(f"rope_dim={rope_dim} exceeds the source's {max_rope} RoPE dims (KV heads x rotary dims)")
+    if opts.kv_lora_rank is not None:
+        return rope_dim, opts.kv_lora_rank
+    if budget - rope_dim < 1:
+        raise ValueError(f"kv_budget={opts.kv_budget} gives {budget} values per token: no room beside rope_dim={rope_dim}")
+    return rope_dim, budget - rope_dim
