@@ -6,8 +6,9 @@ model's output, the total KV values per token within the budget exactly.
    default split (one head's d_h, at most a third of s); and "unconverted": the layer's exact MLA form (every
    (KV head, frequency) pair rotated, the full-rank latent of [K_nope; V]: as many values as the source layer
    caches), so the model stays one architecture.
-2. Measurement (`measure`): on the first MEASURE_TOKENS calibration tokens, KL(source || source with only layer l replaced by a
-   candidate), per token. The source's residual stream entering layer l is cached once; layers < l are skipped.
+2. Measurement (stages/sensitivity.py, layer-streamed): on the first MEASURE_TOKENS calibration tokens,
+   KL(source || source with only layer l replaced by a candidate), per token: the source's residual stream entering
+   layer l is carried, every candidate of layer l runs on it, then layers l+1..L-1 are read once for all of them.
 3. Choice (`choose`): minimize the summed KL (an additive model of the layers' effects) subject to
    sum_l s_l <= budget, by an exact dynamic program over integer sizes (a multiple-choice knapsack).
 The converted model's config carries per-layer `mla_kv_lora_ranks` and `mla_qk_rope_head_dims`; kv_memory reads
@@ -141,6 +142,72 @@ def choose(options: list[list[tuple[int, float]]], budget: int) -> list[int]:
     return chosen[::-1]
 
 
+def mla_module(state: dict, fields: dict, config, layer_idx: int, pairs) -> MultiHeadLatentAttention:
+    """A MultiHeadLatentAttention holding one lifted layer, to stand in the source model for a measurement."""
+    cfg = copy.deepcopy(config)
+    cfg.attention_variant = "mla"
+    for key, value in fields.items():
+        setattr(cfg, key, value)
+    cfg.mla_rope_pairs = pairs
+    module = MultiHeadLatentAttention(cfg, layer_idx, attention_spec(cfg, layer_idx))
+    module.load_state_dict(state, strict=True)
+    return module.to(next(iter(state.values())).dtype).eval()
+
+
+class LayerCandidates:
+    """Every candidate of one layer (the shared grid's that fit the layer, then its exact form) and their plans
+    (one per RoPE dims, the components ranked once)."""
+
+    def __init__(self, index: int, w: AttentionWeights, config, stats, method: str, context: int,
+                 grid: list[Candidate]):  # fmt: skip
+        self.index, self.w, self.config, self.stats, self.method, self.context = index, w, config, stats, method, context
+        self.exact = exact_plan(w, config)
+        e = self.exact
+        self.options = [c for c in grid if c.values < len(e.energy) + len(e.components) * 2] + \
+            [Candidate(2 * len(e.components), len(e.energy), exact=True)]  # fmt: skip
+        self._plans: dict[int, LatentPlan] = {}
+        self._ranked = None
+
+    def plan(self, cand: Candidate) -> LatentPlan:
+        if cand.exact:
+            return self.exact
+        if cand.rope_dim not in self._plans:
+            if self._ranked is None and cand.rope_dim:
+                self._ranked = ranked_components(self.method, self.w, self.config, self.stats, self.context)
+            self._plans[cand.rope_dim] = plan_layer(self.method, self.w, self.config, self.stats, cand.rope_dim,
+                                                    self.context, ranked=self._ranked)  # fmt: skip
+        return self._plans[cand.rope_dim]
+
+    def module(self, k: int) -> MultiHeadLatentAttention:
+        """Candidate k as an attention module to stand in the source's decoder layer for a measurement."""
+        cand = self.options[k]
+        state, fields = lift_plan(self.plan(cand), self.w, self.config, cand.rank)
+        return mla_module(state, fields, self.config, self.index, fields["mla_rope_pairs"])
+
+
+def allocation_report(options: list[list[Candidate]], kl: list[list[float]], chosen: list[int], total: int,
+                      windows: int, cpu_seconds: float) -> dict:  # fmt: skip
+    """The report's "budgets" section: the budget, the choice per layer, every measured candidate."""
+    picks = [options[l][k] for l, k in enumerate(chosen)]
+    used = sum(c.values for c in picks)
+    return {
+        "allocation": "sensitivity",
+        "budget_values_per_token": total,
+        "values_per_token": used,
+        "budget_bytes_per_token_fp16": 2 * total,
+        "bytes_per_token_fp16": 2 * used,
+        "windows": windows,
+        "summed_kl": sum(kl[l][k] for l, k in enumerate(chosen)),
+        "cpu_seconds": round(cpu_seconds, 2),
+        "layers": [{"layer": l, "choice": "unconverted (exact MLA)" if c.exact else "mla", "rope_dim": c.rope_dim,
+                    "kv_lora_rank": c.rank, "values_per_token": c.values, "kl": kl[l][chosen[l]]}
+                   for l, c in enumerate(picks)],
+        "measured": [[{"rope_dim": c.rope_dim, "kv_lora_rank": c.rank, "exact": c.exact, "kl": kl[l][k]}
+                      for k, c in enumerate(options[l])] for l in range(len(kl))],
+    }  # fmt: skip
+
+
+# The whole-model measurement, until convert() runs the streamed one (stages/sensitivity.py).
 class _Skip(nn.Module):
     """Stands in for a decoder layer before the one measured: its input passes through unchanged."""
 
@@ -152,18 +219,6 @@ class _Skip(nn.Module):
 
     def forward(self, hidden_states, *args, **kwargs):
         return (hidden_states,) if self.as_tuple else hidden_states
-
-
-def mla_module(state: dict, fields: dict, config, layer_idx: int, pairs) -> MultiHeadLatentAttention:
-    """A MultiHeadLatentAttention holding one lifted layer, to stand in the source model for a measurement."""
-    cfg = copy.deepcopy(config)
-    cfg.attention_variant = "mla"
-    for key, value in fields.items():
-        setattr(cfg, key, value)
-    cfg.mla_rope_pairs = pairs
-    module = MultiHeadLatentAttention(cfg, layer_idx, attention_spec(cfg, layer_idx))
-    module.load_state_dict(state, strict=True)
-    return module.to(next(iter(state.values())).dtype).eval()
 
 
 @torch.no_grad()

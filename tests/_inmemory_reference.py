@@ -16,16 +16,17 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from hf_attn_patch.converters.budgets import MEASURE_TOKENS, _Lifts, budget_values, candidate_grid, choose, mla_module
+from hf_attn_patch.converters.budgets import MEASURE_TOKENS, Candidate, budget_values, candidate_grid, choose, exact_plan, mla_module
 from hf_attn_patch.converters.calibration import calibration_windows, collect_stats, read_calibration_text, teacher_windows
 from hf_attn_patch.converters.deepseek_export import check_source, engine_shape, stock_frequencies, to_deepseek_v3
 from hf_attn_patch.converters.exact import rebuild, stock_attention_layers
 from hf_attn_patch.converters.gqa_merge import gqa_layer
 from hf_attn_patch.converters.hub import engines
-from hf_attn_patch.converters.methods import allocate_ranks, lift_plan, plan_layer, ranked_components
+from hf_attn_patch.converters.methods import LatentPlan, allocate_ranks, lift_plan, plan_layer, ranked_components
 from hf_attn_patch.converters.reconstruct import LAYERWISE_LR, sequential, summary
 from hf_attn_patch.devices import resolve_device
 from hf_attn_patch.kv_memory import dtype_of, kv_cache_bytes
+from hf_attn_patch.attention import MultiHeadLatentAttention
 from hf_attn_patch.models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
 
 logger = logging.getLogger(__name__)
@@ -324,6 +325,38 @@ def _with_input(args, kwargs, hidden):
     return args, {**kwargs, "hidden_states": hidden}
 
 
+
+
+class _Lifts:
+    """Builds (and caches the plans of) every candidate of every layer: plans per (layer, rope_dim)."""
+
+    def __init__(self, weights, config, stats, method, context, grid):
+        self.weights, self.config, self.stats, self.method, self.context = weights, config, stats, method, context
+        self.names = list(weights)
+        self.exact = [exact_plan(weights[n], config) for n in self.names]
+        self.grid = [[c for c in grid if c.values < len(e.energy) + len(e.components) * 2] +
+                     [Candidate(2 * len(e.components), len(e.energy), exact=True)] for e in self.exact]  # fmt: skip
+        self.counts = [len(g) for g in self.grid]
+        self.is_exact = lambda l, k: self.grid[l][k].exact
+        self._plans, self._ranked = {}, {}
+
+    def plan(self, l: int, cand: Candidate) -> LatentPlan:
+        if cand.exact:
+            return self.exact[l]
+        key = (l, cand.rope_dim)
+        if key not in self._plans:
+            name = self.names[l]
+            if l not in self._ranked and cand.rope_dim:
+                self._ranked[l] = ranked_components(self.method, self.weights[name], self.config, self.stats[name],
+                                                    self.context)  # fmt: skip
+            self._plans[key] = plan_layer(self.method, self.weights[name], self.config, self.stats[name],
+                                          cand.rope_dim, self.context, ranked=self._ranked.get(l))  # fmt: skip
+        return self._plans[key]
+
+    def __call__(self, l: int, k: int) -> MultiHeadLatentAttention:
+        cand = self.grid[l][k]
+        state, fields = lift_plan(self.plan(l, cand), self.weights[self.names[l]], self.config, cand.rank)
+        return mla_module(state, fields, self.config, l, fields["mla_rope_pairs"])
 
 
 def allocate(model, layers: dict[str, nn.Module], weights: dict[str, AttentionWeights], stats: dict, windows,
