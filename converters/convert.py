@@ -16,212 +16,33 @@ import resource
 import shutil
 import tempfile
 import time
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from transformers.utils.hub import convert_file_size_to_int
 
 from ..devices import resolve_device
-from ..extras import available, require
+from ..extras import available
 from ..kv_memory import dtype_of, kv_cache_bytes
 from ..models.architectures import architecture_of, head_dim, rotary_dim
 from ..models.pretrained import DEFAULT_MODEL_DIR
-from .calibration import (CALIB_SOURCES, TEACHER_PROMPT, calibration_windows, collect_stats, is_dataset_source,
-                          read_calibration_text, teacher_windows)
-from .deepseek_export import ENGINES, check_source, engine_shape, stock_frequencies, to_deepseek_v3
+from .calibration import calibration_windows, collect_stats, read_calibration_text, teacher_windows
+from .deepseek_export import check_source, engine_shape, stock_frequencies, to_deepseek_v3
 from .budgets import allocate, candidate_grid
 from .exact import rebuild, stock_attention_layers
-from .hub import check_repo_id, engines, model_card, push
-from .gqa_merge import GQA_METHODS, gqa_layer
+from .hub import engines, model_card, push
+from .gqa_merge import gqa_layer
 from .heal import plot_curve
-from .heal_fsdp import launch_mode
-from .reconstruct import TARGETS as RECONSTRUCT_TARGETS
+from .options import ConvertOptions
 from .reconstruct import LAYERWISE_LR, sequential, summary
-from .methods import MLA_METHODS, allocate_ranks, lift_plan, plan_layer, ranked_components
+from .methods import allocate_ranks, lift_plan, plan_layer, ranked_components
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("gqa", "mqa", "mla")
-FORMATS = ("auto", "native", "stock", "deepseek_v3")
-HEAL_DATA = ("calib", "teacher", "mix")
 STOCK_GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # configs with a native num_key_value_heads
-RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity")
 # reconstruct_steps "auto" (the CLI's default): steps per layer when the conversion keeps >= half the source's KV
 # values, and below: there the closed form starts further off and 60 steps end with most layers still improving
 # (SmolLM2 MQA 3->1 / MLA 25%, held-in teacher KL, docs/research-log.md)
 AUTO_RECONSTRUCT_STEPS = (60, 150)
-
-
-@dataclass
-class ConvertOptions:
-    """What to convert to, and how. Validated on construction (errors name the option and its value)."""
-
-    to: str
-    kv_heads: int | None = None  # gqa: KV heads after conversion (mqa: 1)
-    kv_lora_rank: int | None = None  # mla: latent dims d_c
-    rope_dim: int | None = None  # mla: shared RoPE key dims d_r (default: one head's d_h, at most 1/3 of kv_budget)
-    kv_budget: float | None = None  # mla: fraction of the source's KV values per token (instead of kv_lora_rank)
-    method: str | None = None  # gqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla
-    regroup: bool | None = None  # gqa aligned / pca: group KV heads by similarity, not by index (default True)
-    rank_allocation: str | None = None  # mla with kv_budget: sensitivity (budgets.py; default with a native format),
-    # uniform (the default otherwise) or energy (measured worse)
-    calib_data: str | None = None  # text file, folder of .txt files or a datasets dataset; default: the package's corpus
-    calib_split: str = "train"  # datasets only
-    calib_column: str = "text"  # datasets only
-    calib_samples: int = 32  # SmolLM2 MLA 50%: 32 vs 16 lowers the held-in teacher KL after reconstruction (BENCHMARKS)
-    calib_len: int = 256
-    calib_source: str = "teacher"  # teacher: the source's own samples, prompted from calib_data; text: its windows
-    propagate: bool = False  # each layer's closed form recomputed from the converted prefix's statistics (kept if better)
-    reconstruct_steps: int | str = "auto"  # Adam steps fitting each converted layer's output; "auto": by the KV share
-    # kept (auto_reconstruct_steps); 0: the closed form only
-    reconstruct_lr: float = 1e-2  # reconstruction step, as a fraction of each weight tensor's RMS (SmolLM2: best held-in)
-    reconstruct_target: str = "source"  # source: the source layer on its own inputs; local: on the converted ones
-    heal_steps: int = 0  # distillation steps from the source after conversion (0: zero-shot)
-    heal_lr: float | str | None = None  # a rate, or "auto" (default): a range test on held-in windows
-    heal_data: str | None = None  # teacher: the source's own samples (default); calib: the calibration text; mix: both
-    heal_held_in: int | None = None  # windows held out of healing to keep its best state (default 4)
-    heal_batch_size: int | None = None  # windows of calib_len tokens per step, cut from the calibration text (default 4)
-    heal_train: str | None = None  # attention (default): only the converted layers; all: every weight
-    heal_layerwise_steps: int | None = None  # healing's first stage: Adam steps per decoder layer fitting its output
-    # to the source's on the calibration windows (reconstruct target "block"); default 40, 0: none (BENCHMARKS)
-    checkpoint_dir: str | None = None  # healing state saved here every checkpoint_every steps
-    checkpoint_every: int = 0
-    resume: bool = False  # continue healing from the last state in checkpoint_dir
-    format: str = "auto"  # native: our config fields; stock: plain config (llama-family GQA); deepseek_v3 (MLA)
-    engine: str | None = None  # deepseek_v3: the engine whose MLA shapes the export takes (default llama.cpp)
-    dtype: str | None = None  # of the saved weights; default: the source's
-    device: str = "auto"  # where the model passes run (sampling, statistics, sensitivity, fits); auto: cuda if any
-    seed: int = 0
-    overwrite: bool = False
-    max_shard_size: str = "2GB"  # weights above this are split into shards with model.safetensors.index.json
-    push_to_hub: str | None = None  # owner/name: upload the finished folder (huggingface_hub)
-    private: bool = False
-
-    def __post_init__(self) -> None:
-        if self.to not in TARGETS:
-            raise ValueError(f"to={self.to!r} is not one of {TARGETS}")
-        self._refuse_inapplicable()
-        if self.format not in FORMATS:
-            raise ValueError(f"format={self.format!r} is not one of {FORMATS}")
-        methods = MLA_METHODS if self.to == "mla" else GQA_METHODS
-        self.method = self.method or methods[0]
-        if self.method not in methods:
-            raise ValueError(f"method={self.method!r} is not one of {methods} for to={self.to!r}")
-        if self.to == "mqa":
-            if self.kv_heads not in (None, 1):
-                raise ValueError(f"kv_heads={self.kv_heads!r}: MQA has exactly one KV head")
-            self.kv_heads = 1
-        if self.to == "gqa" and self.kv_heads is None:
-            raise ValueError("to='gqa' needs kv_heads")
-        if self.rank_allocation is None:  # measured best (BENCHMARKS.md); stock DeepSeek has one rank for all layers
-            sensitivity = self.to == "mla" and self.kv_budget is not None and self.format != "deepseek_v3"
-            self.rank_allocation = "sensitivity" if sensitivity else "uniform"
-        if self.rank_allocation not in RANK_ALLOCATIONS:
-            raise ValueError(f"rank_allocation={self.rank_allocation!r} is not one of {RANK_ALLOCATIONS}")
-        if self.rank_allocation == "sensitivity" and (self.to != "mla" or self.kv_budget is None
-                                                      or self.format == "deepseek_v3"):  # fmt: skip
-            raise ValueError("rank_allocation='sensitivity' needs to='mla', kv_budget and a native format (stock "
-                             "DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)")  # fmt: skip
-        if self.rank_allocation == "energy" and (self.to != "mla" or self.kv_budget is None or self.method != "calibrated"
-                                                 or self.format == "deepseek_v3"):
-            raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
-                             "format (stock DeepSeek has one kv_lora_rank)")
-        if self.format == "stock" and self.to == "mla":
-            raise ValueError("format='stock' exists for GQA/MQA only; an MLA export is 'native' or 'deepseek_v3'")
-        if self.format == "deepseek_v3" and self.to != "mla":
-            raise ValueError(f"format='deepseek_v3' is an MLA export, not one for to={self.to!r}")
-        if self.engine is not None and self.format != "deepseek_v3":
-            raise ValueError(f"engine={self.engine!r} applies to format='deepseek_v3' only, not format={self.format!r}")
-        if self.format == "deepseek_v3":
-            self.engine = self.engine or "llama.cpp"
-            if self.engine not in ENGINES:
-                raise ValueError(f"engine={self.engine!r} is not one of {ENGINES}")
-        if self.to == "mla":
-            if (self.kv_lora_rank is None) == (self.kv_budget is None):
-                raise ValueError(
-                    f"to='mla' needs exactly one of kv_lora_rank={self.kv_lora_rank!r} and kv_budget={self.kv_budget!r}"
-                )
-            if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
-                raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
-        if not isinstance(self.heal_steps, int) or self.heal_steps < 0:
-            raise ValueError(f"heal_steps={self.heal_steps!r} must be a non-negative integer")
-        if self.heal_train not in ("attention", "all"):
-            raise ValueError(f"heal_train={self.heal_train!r} is not one of ('attention', 'all')")
-        if self.heal_lr != "auto" and (isinstance(self.heal_lr, (str, bool)) or not self.heal_lr > 0):
-            raise ValueError(f"heal_lr={self.heal_lr!r} must be a positive number or 'auto'")
-        if self.calib_source not in CALIB_SOURCES:
-            raise ValueError(f"calib_source={self.calib_source!r} is not one of {CALIB_SOURCES}")
-        if self.heal_data not in HEAL_DATA:
-            raise ValueError(f"heal_data={self.heal_data!r} is not one of {HEAL_DATA}")
-        if self.push_to_hub is not None:
-            check_repo_id(self.push_to_hub)
-        try:  # checked now: save_pretrained would only find out after converting and healing
-            shard_bytes = convert_file_size_to_int(self.max_shard_size)
-        except (ValueError, TypeError):
-            shard_bytes = 0
-        if shard_bytes <= 0:
-            raise ValueError(f"max_shard_size={self.max_shard_size!r}: expected a positive size such as '2GB' or '500MB'")
-        if (self.resume or self.checkpoint_every) and self.checkpoint_dir is None:
-            raise ValueError("resume / checkpoint_every need checkpoint_dir")
-        if not isinstance(self.checkpoint_every, int) or self.checkpoint_every < 0:
-            raise ValueError(f"checkpoint_every={self.checkpoint_every!r} must be a non-negative integer")
-        for name in ("kv_heads", "kv_lora_rank", "calib_samples", "calib_len", "heal_batch_size", "heal_held_in"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                raise ValueError(f"{name}={value!r} must be a positive integer")
-        if self.rope_dim is not None and (not isinstance(self.rope_dim, int) or self.rope_dim < 0 or self.rope_dim % 2):
-            raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")
-        if self.calib_data is not None and is_dataset_source(self.calib_data):
-            require("convert", f"calib_data={self.calib_data!r} (a datasets dataset)")
-        if self.heal_steps:
-            launch_mode()  # a distributed launch healing cannot use (DeepSpeed, FSDP1) is refused before any work
-        if self.heal_steps and not available("plot"):
-            logger.warning("matplotlib is not installed: the healed model is written without heal_curve.png "
-                           "(pip install 'hf-attn-patch[plot]')")  # fmt: skip
-        if self.dtype is not None:
-            dtype_of(self.dtype)  # raises naming the value
-        resolve_device(self.device)  # raises naming the value
-        for name in ("reconstruct_steps", "heal_layerwise_steps"):
-            value = getattr(self, name)
-            if name == "reconstruct_steps" and value == "auto":
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{name}={value!r} must be a non-negative integer")
-        if not isinstance(self.reconstruct_lr, (int, float)) or not self.reconstruct_lr > 0:
-            raise ValueError(f"reconstruct_lr={self.reconstruct_lr!r} must be a positive number")
-        if self.reconstruct_target not in RECONSTRUCT_TARGETS:
-            raise ValueError(f"reconstruct_target={self.reconstruct_target!r} is not one of {RECONSTRUCT_TARGETS}")
-        if (self.propagate or self.reconstruct_steps or self.heal_steps and self.heal_layerwise_steps) \
-                and self.calib_samples < 2:  # fmt: skip
-            raise ValueError(f"calib_samples={self.calib_samples!r}: propagate / reconstruct_steps / "
-                             "heal_layerwise_steps hold one window in, so they need at least 2")  # fmt: skip
-
-    def _refuse_inapplicable(self) -> None:
-        """An option the chosen target or method would ignore is an error (it was given for a reason), then the
-        defaults of the options that apply are filled in."""
-        inapplicable = {"mla": ("kv_lora_rank", "rope_dim", "kv_budget"), "gqa": ("kv_heads",),
-                        "regroup": ("regroup",),
-                        "heal": ("heal_lr", "heal_batch_size", "heal_train", "checkpoint_dir", "resume", "heal_data",
-                                 "heal_held_in", "heal_layerwise_steps")}  # fmt: skip
-        given = lambda group: [n for n in inapplicable[group] if getattr(self, n) not in (None, False)]  # noqa: E731
-        if self.to != "mla" and given("mla"):
-            raise ValueError(f"{given('mla')[0]}={getattr(self, given('mla')[0])!r} applies to to='mla' only, "
-                             f"not to={self.to!r}")  # fmt: skip
-        if self.to == "mla" and given("gqa"):
-            raise ValueError(f"kv_heads={self.kv_heads!r} applies to to='gqa' / 'mqa' only, not to='mla'")
-        method = self.method or (MLA_METHODS if self.to == "mla" else GQA_METHODS)[0]
-        if self.regroup is not None and (self.to == "mla" or method == "mean"):
-            raise ValueError(f"regroup={self.regroup!r} applies to to='gqa' / 'mqa' with method 'aligned' or 'pca', "
-                             f"not to={self.to!r} with method={method!r}")  # fmt: skip
-        if not self.heal_steps and given("heal"):
-            raise ValueError(f"{given('heal')[0]}={getattr(self, given('heal')[0])!r} applies to healing only: "
-                             f"set heal_steps (--heal-steps N)")  # fmt: skip
-        defaults = {"regroup": True, "heal_lr": "auto", "heal_batch_size": 4, "heal_train": "attention",
-                    "heal_data": "teacher", "heal_held_in": 4, "heal_layerwise_steps": 40}
-        for name, value in defaults.items():
-            if getattr(self, name) is None:
-                setattr(self, name, value)
 
 
 def load_source(source: str):
@@ -245,9 +66,9 @@ def load_source(source: str):
 def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> dict:
     """Convert `source` and write the result to `out`; returns the conversion report (also in the output folder).
     With push_to_hub="owner/name" the finished folder is uploaded (`hub_client`: a huggingface_hub.HfApi stand-in)."""
-    opts = ConvertOptions(**options)
+    opts = ConvertOptions.from_flat(**options)
     out = Path(out)
-    check_output(source, out, opts.overwrite)  # the source folder is checked by load_source, before any weight
+    check_output(source, out, opts.output.overwrite)  # the source folder is checked by load_source, before any weight
     started = time.perf_counter()
     torch.manual_seed(opts.seed)
     model, tokenizer = load_source(source)
@@ -259,9 +80,10 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     layers = stock_attention_layers(model)
     d_h = head_dim(config)
     source_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    report = {"source": str(source), "options": asdict(opts), "given_options": dict(options),
+    report = {"source": str(source), "options": opts.flat(), "given_options": dict(options),
               "model_type": config.model_type}
-    text = functools.cache(lambda: read_calibration_text(opts.calib_data, opts.calib_split, opts.calib_column))
+    calib = opts.calibration
+    text = functools.cache(lambda: read_calibration_text(calib.data, calib.split, calib.column))
     stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
                                               and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
     if stock_format and config.model_type not in STOCK_GQA_TYPES:
@@ -278,7 +100,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
                            config.model_type, opts.method)  # fmt: skip
             opts.method = report["options"]["method"] = "mean"
         _resolve_reconstruct_steps(opts, report, opts.kv_heads / source_kv)
-        layerwise = opts.reconstruct_steps or (opts.propagate and opts.method != "mean")
+        layerwise = opts.reconstruction.steps or (opts.calibration.propagate and opts.method != "mean")
         windows, stats = (_calibrate(model, tokenizer, text(), opts, report) if opts.method != "mean" or layerwise
                           else (None, {}))  # fmt: skip
         lifted, groups = {}, []
@@ -296,7 +118,8 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
                                                        opts.kv_heads, layer_stats, regroup=opts.regroup)  # fmt: skip
                 return state
 
-            _layerwise(model, new, windows, relift if opts.propagate and opts.method != "mean" else None, opts, report)
+            propagate = opts.calibration.propagate and opts.method != "mean"
+            _layerwise(model, new, windows, relift if propagate else None, opts, report)
     else:
         deepseek = opts.format == "deepseek_v3"
         shape = None
@@ -321,10 +144,10 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
         rope_dims = [rope_dim] * len(weights)
         if sensitivity:  # per-layer RoPE dims and ranks (or the exact layer) by measured KL
             plans, ranks, rope_dims, report["budgets"] = allocate(
-                model, layers, weights, stats, windows, config, opts.kv_budget, opts.method, opts.calib_len,
+                model, layers, weights, stats, windows, config, opts.kv_budget, opts.method, opts.calibration.length,
                 opts.rope_dim)  # fmt: skip
         else:
-            ranked = {name: ranked_components(opts.method, w, config, stats[name], opts.calib_len) if rope_dim
+            ranked = {name: ranked_components(opts.method, w, config, stats[name], opts.calibration.length) if rope_dim
                       else None for name, w in weights.items()}  # fmt: skip
             if deepseek:  # one component per frequency 0, s, 2s, ...: the frequencies a stock RoPE key can turn at
                 frequencies, stride = stock_frequencies(list(ranked.values()), rotary_dim(config) // 2, rope_dim // 2)
@@ -351,25 +174,26 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
                          "qk_nope_head_dim": fields["qk_nope_head_dim"], "rope_pairs_per_layer": per_layer_pairs,
                          "kv_lora_rank_per_layer": ranks,
                          "retained_energy_per_layer": [round(p.retained(r), 4) for p, r in zip(plans.values(), ranks)]}  # fmt: skip
-        if opts.propagate or opts.reconstruct_steps:
+        if opts.calibration.propagate or opts.reconstruction.steps:
             index = {name: i for i, name in enumerate(layers)}
 
             def relift(name, layer_stats):  # same ranks and RoPE frequencies, from the converted prefix's statistics
                 freqs, layer_rope = per_layer_pairs[index[name]] or [], rope_dims[index[name]]
                 exact = sensitivity and report["budgets"]["layers"][index[name]]["choice"] != "mla"
                 plan = plans[name] if exact else plan_layer(opts.method, weights[name], config, layer_stats, layer_rope,
-                                                            opts.calib_len, frequencies=freqs if layer_rope else None)  # fmt: skip
+                                                            opts.calibration.length,
+                                                            frequencies=freqs if layer_rope else None)  # fmt: skip
                 return lift_plan(plan, weights[name], config, ranks[index[name]])[0]
 
-            _layerwise(model, new, windows, relift if opts.propagate else None, opts, report)
+            _layerwise(model, new, windows, relift if opts.calibration.propagate else None, opts, report)
 
-    if opts.heal_steps and opts.heal_layerwise_steps:  # healing's first stage, layer by layer, on the native form
+    if opts.healing.steps and opts.healing.layerwise_steps:  # healing's first stage, layer by layer, on the native form
         if windows is None:
-            windows = calibration_windows(text(), tokenizer, opts.calib_samples, opts.calib_len)
-        report["heal_layerwise"] = heal_layerwise(model, new, windows, opts.heal_layerwise_steps)
-    if opts.heal_steps:
+            windows = calibration_windows(text(), tokenizer, opts.calibration.samples, opts.calibration.length)
+        report["heal_layerwise"] = heal_layerwise(model, new, windows, opts.healing.layerwise_steps)
+    if opts.healing.steps:
         report["heal"] = _heal(new, model, tokenizer, text(), opts,
-                               windows if opts.calib_source == "teacher" else None)  # fmt: skip
+                               windows if opts.calibration.source == "teacher" else None)  # fmt: skip
     if opts.format == "deepseek_v3":  # after healing, on the native form: the export's scaled latent rows (~1e-8)
         # would not survive optimizer steps sized for the other weights
         final_dtype = dtype_of(opts.dtype) if opts.dtype is not None else next(model.parameters()).dtype
@@ -391,10 +215,10 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     report["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)
     if not _is_main_process():  # under torchrun / accelerate launch every process converts and heals; one writes
         return report
-    _write_atomically(new, tokenizer, report, out, opts.max_shard_size)
+    _write_atomically(new, tokenizer, report, out, opts.output.max_shard_size)
     logger.info("converted %s -> %s (%s, %s)", source, out, opts.to, opts.method)
-    if opts.push_to_hub is not None:
-        report["hub"] = push(out, opts.push_to_hub, private=opts.private, client=hub_client)
+    if opts.output.push_to_hub is not None:
+        report["hub"] = push(out, opts.output.push_to_hub, private=opts.output.private, client=hub_client)
     return report
 
 
@@ -405,9 +229,9 @@ def auto_reconstruct_steps(kv_share: float) -> int:
 
 
 def _resolve_reconstruct_steps(opts: ConvertOptions, report: dict, kv_share: float) -> None:
-    if opts.reconstruct_steps == "auto":
-        opts.reconstruct_steps = report["options"]["reconstruct_steps"] = auto_reconstruct_steps(kv_share)
-        logger.info("reconstruct_steps auto: %d (KV share %.3g)", opts.reconstruct_steps, kv_share)
+    if opts.reconstruction.steps == "auto":
+        opts.reconstruction.steps = report["options"]["reconstruct_steps"] = auto_reconstruct_steps(kv_share)
+        logger.info("reconstruct_steps auto: %d (KV share %.3g)", opts.reconstruction.steps, kv_share)
 
 
 def _is_main_process() -> bool:
@@ -417,21 +241,22 @@ def _is_main_process() -> bool:
 
 def _calibrate(model, tokenizer, text: str, opts: ConvertOptions, report: dict) -> tuple[torch.Tensor, dict]:
     """(calibration windows, activation statistics of every attention layer) (recorded in the report)."""
-    windows = calibration_windows(text, tokenizer, opts.calib_samples, opts.calib_len)
-    if opts.calib_source == "teacher":
+    windows = calibration_windows(text, tokenizer, opts.calibration.samples, opts.calibration.length)
+    if opts.calibration.source == "teacher":
         windows = teacher_windows(model, windows, seed=opts.seed)
-    report["calibration"] = {"data": opts.calib_data or "package corpus (TinyStories sample)",
-                             "source": opts.calib_source, "split": opts.calib_split, "column": opts.calib_column,
-                             "samples": opts.calib_samples, "length": opts.calib_len}  # fmt: skip
+    calib = opts.calibration
+    report["calibration"] = {"data": calib.data or "package corpus (TinyStories sample)", "source": calib.source,
+                             "split": calib.split, "column": calib.column, "samples": calib.samples,
+                             "length": calib.length}  # fmt: skip
     return windows, collect_stats(model, windows)
 
 
 def _layerwise(model, new, windows: torch.Tensor, relift, opts: ConvertOptions, report: dict) -> None:
     """Propagated calibration and / or reconstruction of every converted layer of `new`, in place (reconstruct.py)."""
-    fits = sequential(model, new, windows, relift=relift, steps=opts.reconstruct_steps, lr=opts.reconstruct_lr,
-                      target=opts.reconstruct_target)  # fmt: skip
-    report["layerwise"] = {"propagate": relift is not None, "reconstruct_steps": opts.reconstruct_steps,
-                           "target": opts.reconstruct_target, **summary(fits)}  # fmt: skip
+    fits = sequential(model, new, windows, relift=relift, steps=opts.reconstruction.steps, lr=opts.reconstruction.lr,
+                      target=opts.reconstruction.target)  # fmt: skip
+    report["layerwise"] = {"propagate": relift is not None, "reconstruct_steps": opts.reconstruction.steps,
+                           "target": opts.reconstruction.target, **summary(fits)}  # fmt: skip
 
 
 def heal_layerwise(teacher, student, windows: torch.Tensor, steps: int) -> dict:
@@ -452,31 +277,32 @@ def _heal(student, teacher, tokenizer, text: str, opts: ConvertOptions, samples:
     from .heal import heal
 
     tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
-    calib = calibration_windows(text, tokenizer, tokens // opts.calib_len, opts.calib_len)
-    held = min(opts.heal_held_in, len(calib) // 2)
-    if opts.heal_data == "calib":
+    calib = calibration_windows(text, tokenizer, tokens // opts.calibration.length, opts.calibration.length)
+    held = min(opts.healing.held_in, len(calib) // 2)
+    if opts.healing.data == "calib":
         windows = calib
     elif samples is not None:  # teacher calibration windows: no second sampling
         plain = calib[: len(samples)]
-        windows = samples if opts.heal_data == "teacher" else torch.stack((samples, plain), dim=1).flatten(0, 1)
-        held = min(opts.heal_held_in, len(windows) // 2)
+        windows = samples if opts.healing.data == "teacher" else torch.stack((samples, plain), dim=1).flatten(0, 1)
+        held = min(opts.healing.held_in, len(windows) // 2)
     else:  # enough for every process's batches (data parallel: each takes its own windows of a step)
         processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
-        count = min(64, opts.heal_steps * opts.heal_batch_size * processes) + held
+        count = min(64, opts.healing.steps * opts.healing.batch_size * processes) + held
         prompts = calib[torch.randperm(len(calib), generator=torch.Generator().manual_seed(opts.seed))[:count]]
         sampled = teacher_windows(teacher, prompts, seed=opts.seed)
-        if opts.heal_data == "teacher":
+        if opts.healing.data == "teacher":
             windows = sampled
         else:  # alternate teacher and calibration windows; held in: the same mix
             plain = calib[: len(sampled)]
             windows = torch.stack((sampled, plain), dim=1).flatten(0, 1)
     train, held_in = windows[:-held], windows[-held:]
-    result = heal(student, teacher, train, steps=opts.heal_steps, lr=opts.heal_lr, held_in=held_in,
-                  batch_size=opts.heal_batch_size, train=opts.heal_train, checkpoint_dir=opts.checkpoint_dir,
-                  checkpoint_every=opts.checkpoint_every, resume=opts.resume)  # fmt: skip
+    h = opts.healing
+    result = heal(student, teacher, train, steps=h.steps, lr=h.lr, held_in=held_in, batch_size=h.batch_size,
+                  train=h.train, checkpoint_dir=h.checkpoint_dir, checkpoint_every=h.checkpoint_every,
+                  resume=h.resume)  # fmt: skip
     return {"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 2),
-            "first_loss": result.losses[0], "last_loss": result.losses[-1], "train": opts.heal_train,
-            "lr": result.lr, "lr_option": opts.heal_lr, "range_test": result.range_test, "data": opts.heal_data,
+            "first_loss": result.losses[0], "last_loss": result.losses[-1], "train": opts.healing.train,
+            "lr": result.lr, "lr_option": opts.healing.lr, "range_test": result.range_test, "data": opts.healing.data,
             "windows": len(train), "held_in_windows": held, "held_in_kl": result.held_in,
             "best_step": result.best_step, "losses": result.losses}  # fmt: skip
 

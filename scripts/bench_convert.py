@@ -36,7 +36,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
-from hf_attn_patch.converters.convert import ConvertOptions, _heal, convert, heal_layerwise, load_source
+from hf_attn_patch.converters.convert import _heal, convert, heal_layerwise, load_source
+from hf_attn_patch.converters.options import ConvertOptions
 from hf_attn_patch.converters.evaluate import evaluate, windows_of
 from hf_attn_patch.kv_memory import kv_cache_bytes
 
@@ -118,9 +119,9 @@ def main() -> None:
                 healing = steps and "reconstruction" in run_label
                 opts = {**options, **extra}
                 if healing and samples is None:  # the teacher windows convert() calibrated on: same seed, same text
-                    defaults = ConvertOptions(**opts)
-                    text = calibration_windows(read_calibration_text(None), tokenizer, defaults.calib_samples,
-                                               defaults.calib_len)  # fmt: skip
+                    defaults = ConvertOptions.from_flat(**opts)
+                    text = calibration_windows(read_calibration_text(None), tokenizer, defaults.calibration.samples,
+                                               defaults.calibration.length)  # fmt: skip
                     samples = teacher_windows(source, text, seed=0, progress=False)
                 row = _run(name, opts, sets, source, first, base,
                            dict(heal_steps=steps, heal_batch_size=batch, heal_data=args.heal_data) if healing else None,
@@ -167,10 +168,10 @@ def _run(name, options, sets, source, first, base, heal, samples, tokenizer) -> 
         row = dict(kv=kv, **_measure(model, sets, source, first, base), cpu=cpu, wall=wall,
                    layer_error=report.get("layerwise", {}).get("mean_error"))  # fmt: skip
         if heal:
-            opts = ConvertOptions(**options, **heal)
+            opts = ConvertOptions.from_flat(**options, **heal)
             heal_cpu, heal_wall = time.process_time(), time.perf_counter()
-            if opts.heal_layerwise_steps:  # convert()'s first healing stage, on its calibration windows
-                heal_layerwise(source, model, samples, opts.heal_layerwise_steps)
+            if opts.healing.layerwise_steps:  # convert()'s first healing stage, on its calibration windows
+                heal_layerwise(source, model, samples, opts.healing.layerwise_steps)
             healed = _heal(model, source, tokenizer, read_calibration_text(None), opts, samples)
             heal_cpu, heal_wall = time.process_time() - heal_cpu, time.perf_counter() - heal_wall
             row["healed"] = dict(kv=kv, **_measure(model, sets, source, first, base), cpu=cpu + heal_cpu,

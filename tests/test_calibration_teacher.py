@@ -7,7 +7,8 @@ import torch
 
 from hf_attn_patch.converters.calibration import (TEACHER_PROMPT, calibration_windows, read_calibration_text,
                                                   sample_from_teacher, teacher_windows)
-from hf_attn_patch.converters.convert import AUTO_RECONSTRUCT_STEPS, ConvertOptions, auto_reconstruct_steps, convert
+from hf_attn_patch.converters.convert import AUTO_RECONSTRUCT_STEPS, auto_reconstruct_steps, convert
+from hf_attn_patch.converters.options import ConvertOptions
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_convert_calibrates_on_teacher_samples(tmp_path, one_torch_thread):
     # other windows, so other statistics and other layer errors
     assert teacher["layerwise"]["mean_closed_form_error"] != text["layerwise"]["mean_closed_form_error"]
     with pytest.raises(ValueError, match="calib_source='model'"):
-        ConvertOptions(to="mqa", calib_source="model")
+        ConvertOptions.from_flat(to="mqa", calib_source="model")
 
 
 def test_the_cli_calibrates_on_teacher_samples_and_reconstructs_by_default(tmp_path, one_torch_thread):
@@ -72,6 +73,6 @@ def test_auto_reconstruct_steps_by_kv_share(share, steps):
 
 
 def test_reconstruct_steps_accepts_auto_only_as_a_word():
-    assert ConvertOptions(to="mqa", reconstruct_steps="auto").reconstruct_steps == "auto"
+    assert ConvertOptions.from_flat(to="mqa", reconstruct_steps="auto").reconstruction.steps == "auto"
     with pytest.raises(ValueError, match="reconstruct_steps='many' must be a non-negative integer"):
-        ConvertOptions(to="mqa", reconstruct_steps="many")
+        ConvertOptions.from_flat(to="mqa", reconstruct_steps="many")

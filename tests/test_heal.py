@@ -236,12 +236,12 @@ def test_convert_heals_on_teacher_samples_and_writes_the_curve(tmp_path, one_tor
 
 
 def test_layerwise_healing_stage_options(tmp_path, one_torch_thread):
-    from hf_attn_patch.converters.convert import ConvertOptions
+    from hf_attn_patch.converters.options import ConvertOptions
 
     with pytest.raises(ValueError, match="heal_layerwise_steps=-1 must be a non-negative integer"):
-        ConvertOptions(to="mqa", heal_steps=1, heal_layerwise_steps=-1)
+        ConvertOptions.from_flat(to="mqa", heal_steps=1, heal_layerwise_steps=-1)
     with pytest.raises(ValueError, match="heal_layerwise_steps=5 applies to healing only"):
-        ConvertOptions(to="mqa", heal_layerwise_steps=5)
+        ConvertOptions.from_flat(to="mqa", heal_layerwise_steps=5)
     report = convert("default", tmp_path / "o", to="mqa", method="pca", heal_steps=1, heal_lr=1e-4,
                      heal_layerwise_steps=0, calib_samples=4, calib_len=64, **FAST)  # fmt: skip
     assert "heal_layerwise" not in report and report["heal"]["steps"] == 1

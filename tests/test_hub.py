@@ -72,7 +72,7 @@ def test_convert_pushes_when_asked_and_checks_the_repo_first(tmp_path):
     assert client.calls[0] == ("create_repo", "me/stories-gqa", True, True)
     assert client.calls[1] == ("upload_folder", str(tmp_path / "gqa"), "me/stories-gqa")
     assert report["hub"]["url"] == "https://huggingface.co/me/stories-gqa"
-    with pytest.raises(ValueError, match="repo_id='no-slash' must look like 'owner/name'"):
+    with pytest.raises(ValueError, match="push_to_hub='no-slash' must look like 'owner/name'"):
         convert("default", tmp_path / "never", to="gqa", kv_heads=2, push_to_hub="no-slash", **FAST)
     assert not (tmp_path / "never").exists()  # refused before any work
 

@@ -13,7 +13,7 @@ import torch
 
 from hf_attn_patch import extras
 from hf_attn_patch.cli import build_parser, convert_options
-from hf_attn_patch.converters.convert import ConvertOptions
+from hf_attn_patch.converters.options import ConvertOptions
 from hf_attn_patch.devices import resolve_device, resolve_dtype
 from hf_attn_patch.engine import Engine, SamplingParams
 from hf_attn_patch.engine.memory import device_memory, kv_budget
@@ -31,9 +31,9 @@ from ._server import http, running
 ])  # fmt: skip
 def test_cli_and_python_build_the_same_options(argv, python):
     args = build_parser().parse_args(["convert", "SRC", "OUT", *argv])
-    cli = ConvertOptions(**convert_options(args))
-    assert dataclasses.asdict(cli) == dataclasses.asdict(ConvertOptions(**python))
-    assert cli.calib_source == "teacher" and cli.reconstruct_steps == "auto"  # the best measured, in both
+    cli = ConvertOptions.from_flat(**convert_options(args))
+    assert dataclasses.asdict(cli) == dataclasses.asdict(ConvertOptions.from_flat(**python))
+    assert cli.calibration.source == "teacher" and cli.reconstruction.steps == "auto"  # the best measured, in both
 
 
 def test_missing_extra_is_one_line_naming_it(monkeypatch):
@@ -109,5 +109,5 @@ def test_health_reports_the_pool(one_torch_thread):
 def test_unsupported_distributed_healing_is_refused_before_any_work(monkeypatch):
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     with pytest.raises(ValueError, match="healing under DeepSpeed"):
-        ConvertOptions(to="mqa", heal_steps=1)
-    ConvertOptions(to="mqa")  # no healing: nothing to refuse
+        ConvertOptions.from_flat(to="mqa", heal_steps=1)
+    ConvertOptions.from_flat(to="mqa")  # no healing: nothing to refuse

@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
-from dataclasses import asdict
 
 import pytest
 from huggingface_hub import ModelCard, ModelCardData
 
 from hf_attn_patch.cli import build_parser, convert_options, main
-from hf_attn_patch.converters.convert import ConvertOptions, convert
+from hf_attn_patch.converters.convert import convert
+from hf_attn_patch.converters.options import ConvertOptions
 from hf_attn_patch.converters.hub import update_card
 from hf_attn_patch.models import load_default
 
@@ -55,7 +55,7 @@ def test_command_makes_the_same_options(mla):
     command = next(line for line in text.splitlines() if line.startswith("hf-attn convert "))
     assert command.startswith("hf-attn convert default OUT --to mla")
     args = build_parser().parse_args(shlex.split(command)[1:])
-    rebuilt = json.loads(json.dumps(asdict(ConvertOptions(**convert_options(args)))))
+    rebuilt = json.loads(json.dumps(ConvertOptions.from_flat(**convert_options(args)).flat()))
     assert rebuilt == report["options"]
 
 

@@ -7,7 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_attn_patch.converters.calibration import calibration_windows, collect_stats, read_calibration_text
-from hf_attn_patch.converters.convert import ConvertOptions, convert
+from hf_attn_patch.converters.convert import convert
+from hf_attn_patch.converters.options import ConvertOptions
 from hf_attn_patch.converters.reconstruct import sequential
 
 from ._fast import FAST
@@ -87,13 +88,13 @@ def test_propagated_closed_form_lowers_the_local_error(tmp_path, stories, one_to
                                           ("reconstruct_target", "global"), ("calib_samples", 0)])
 def test_bad_reconstruction_options_name_the_value(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
-        ConvertOptions(to="mla", kv_budget=0.5, **{"reconstruct_steps": 1, field: value})
+        ConvertOptions.from_flat(to="mla", kv_budget=0.5, **{"reconstruct_steps": 1, field: value})
 
 
 def test_bad_heal_options_name_the_value():
     with pytest.raises(ValueError, match="heal_data='web'"):
-        ConvertOptions(to="mqa", heal_steps=1, heal_data="web")
+        ConvertOptions.from_flat(to="mqa", heal_steps=1, heal_data="web")
     with pytest.raises(ValueError, match="heal_lr='fast'"):
-        ConvertOptions(to="mqa", heal_steps=1, heal_lr="fast")
+        ConvertOptions.from_flat(to="mqa", heal_steps=1, heal_lr="fast")
     with pytest.raises(ValueError, match="heal_data='teacher' applies to healing only"):
-        ConvertOptions(to="mqa", heal_data="teacher")
+        ConvertOptions.from_flat(to="mqa", heal_data="teacher")
