@@ -201,96 +201,67 @@ def stock_rope_theta(config, frequencies: list[int], n_out: int) -> tuple[float,
 
 def to_deepseek_v3(native, windows: torch.Tensor, stride: int, source_config=None, engine: str = "llama.cpp",
                    rope_dim: int | None = None, latent_norm: str = "linear") -> tuple[torch.nn.Module, dict]:  # fmt: skip
-    """(stock DeepseekV3ForCausalLM, report) from a native MLA model whose every layer keeps frequencies 0, s, ...
+    """(stock DeepseekV3ForCausalLM, report) from a whole native MLA model whose every layer keeps frequencies
+    0, s, ... (the streamed conversion builds the same tensors layer by layer: stages/export.py).
 
     windows: calibration token windows [n, L] for the latent scale / fit and the KL to the native model.
     source_config: the source's config (its rope parameters; default native.config). rope_dim: the export's RoPE
     dims (>= the native one: zero pairs beyond it). latent_norm: "linear" (fp32 / bf16) or "fit" (module docstring)."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import AutoModelForCausalLM
 
+    from .deepseek_layers import LatentStats, export_config, export_layer, export_resident, export_shape
     from .evaluate import evaluate
 
-    if engine not in ENGINES:
-        raise ValueError(f"engine={engine!r} is not one of {ENGINES}")
-    if latent_norm not in LATENT_NORMS:
-        raise ValueError(f"latent_norm={latent_norm!r} is not one of {LATENT_NORMS}")
+    check_export(engine, latent_norm)
     src = native.config
-    source_config = source_config or src
-    d_r, d_c, d_h = src.qk_rope_head_dim, src.kv_lora_rank, head_dim(src)
-    d_out = rope_dim or d_r
-    if src.qk_nope_head_dim != d_h:
-        raise ValueError("format='deepseek_v3' needs a latent basis (qk_nope_head_dim = head_dim)")
-    if d_out < d_r or d_out % 2:
-        raise ValueError(f"rope_dim={d_out}: the export's RoPE dims must be even and >= the conversion's {d_r}")
-    q_lora = engine == "llama.cpp"
-    n, n_out = d_r // 2, d_out // 2
-    theta, rope_report = stock_rope_theta(source_config, [j * stride for j in range(n)], n_out)
-    config = DeepseekV3Config(
-        vocab_size=src.vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
-        moe_intermediate_size=src.intermediate_size, num_hidden_layers=src.num_hidden_layers,
-        num_attention_heads=src.num_attention_heads, num_key_value_heads=src.num_attention_heads,
-        n_shared_experts=1, n_routed_experts=1, num_experts_per_tok=1, n_group=None, topk_group=None,
-        first_k_dense_replace=src.num_hidden_layers, routed_scaling_factor=1.0,
-        kv_lora_rank=d_c, q_lora_rank=src.hidden_size if q_lora else None, qk_rope_head_dim=d_out,
-        qk_nope_head_dim=d_h, v_head_dim=d_h,
-        hidden_act=src.hidden_act, max_position_embeddings=src.max_position_embeddings,
-        initializer_range=src.initializer_range, rms_norm_eps=EXPORT_EPS,
-        pad_token_id=src.pad_token_id, bos_token_id=src.bos_token_id, eos_token_id=src.eos_token_id,
-        tie_word_embeddings=False,  # an lm_head of its own: engines differ on tied DeepSeek heads
-        rope_interleave=True, attention_bias=False, num_mtp_layers=0,
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
-    )  # fmt: skip
+    shape = export_shape(src, engine, rope_dim, latent_norm)
+    config, rope = export_config(src, source_config or src, shape, stride)
     model = AutoModelForCausalLM.from_config(config, dtype=next(native.parameters()).dtype)
     state = {k: v.cpu() for k, v in native.state_dict().items()}  # the export is built on the CPU
-    heads = src.num_attention_heads
-    # rotate_half order (first halves, then second halves) -> interleaved pairs; -1: a zero row (pair beyond d_r)
-    interleave = [i for j in range(n_out) for i in ((j, j + n) if j < n else (-1, -1))]
-    per_head = list(range(d_h)) + [d_h + i if i >= 0 else -1 for i in interleave]  # [q_nope | q_rope] of a head
-    q_index = [h * (d_h + d_r) + i if i >= 0 else -1 for h in range(heads) for i in per_head]
-    kv_index = list(range(d_c)) + [d_c + i if i >= 0 else -1 for i in interleave]
-    q_rescale = math.sqrt((d_h + d_out) / (d_h + d_r))  # scores are divided by sqrt(qk_head_dim): zero pairs count
-    k = math.sqrt(EXPORT_EPS / src.rms_norm_eps)  # residual scale: the eps change made exact (module docstring)
-    scales, maps, deviation = latent_scales(native, windows, latent_norm)
-    # query LoRA: linear as the latent norm (ms(u) < 1 for every token, so q_in^2 <= LINEAR_MARGIN eps bounds it),
-    # or renormalizing at Q_SCALE ("fit": fp16)
-    q_in = Q_SCALE if latent_norm == "fit" else 2.0 ** math.floor(0.5 * math.log2(LINEAR_MARGIN * EXPORT_EPS))
-    q_gain = 1.0 if latent_norm == "fit" else math.sqrt(EXPORT_EPS) / q_in
-    q_proj_state = {}  # the same export with a plain q_proj, to measure what the query LoRA costs
-    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"] * k
-    state["lm_head.weight"] = state["lm_head.weight"].clone()
-    for layer in range(src.num_hidden_layers):
-        prefix = f"model.layers.{layer}."
-        attn = prefix + "self_attn."
-        dtype = state[attn + "q_proj.weight"].dtype
-        state[attn + "o_proj.weight"] = state[attn + "o_proj.weight"] * k
-        state[prefix + "mlp.down_proj.weight"] = state[prefix + "mlp.down_proj.weight"] * k
-        g = state[prefix + "input_layernorm.weight"].double()
-        w_q = _rows(state.pop(attn + "q_proj.weight"), q_index) * q_rescale
-        kv_a = _rows(state[attn + "kv_a_proj_with_mqa.weight"], kv_index).double()
-        kv_a[:d_c] *= scales[layer]
-        if latent_norm == "linear":  # g s c / sqrt(eps) = c: the native up-projection unchanged
-            state[attn + "kv_a_layernorm.weight"] = torch.full((d_c,), math.sqrt(EXPORT_EPS) / scales[layer],
-                                                               dtype=dtype)  # fmt: skip
-        else:  # c / rms(c) through the fitted map
-            state[attn + "kv_a_layernorm.weight"] = torch.ones(d_c, dtype=dtype)
-            state[attn + "kv_b_proj.weight"] = (state[attn + "kv_b_proj.weight"].double() @ maps[layer]).to(dtype)
-        if not q_lora:
-            state[attn + "q_proj.weight"] = w_q
-            state[attn + "kv_a_proj_with_mqa.weight"] = kv_a.to(dtype)
-            continue
-        q_proj_state[attn + "q_proj.weight"] = w_q
-        q_proj_state[attn + "kv_a_proj_with_mqa.weight"] = kv_a.to(dtype)
-        q_proj_state[prefix + "input_layernorm.weight"] = g.to(dtype)
-        state[attn + "kv_a_proj_with_mqa.weight"] = (kv_a * g).to(dtype)  # input_layernorm's weight moved in
-        state[prefix + "input_layernorm.weight"] = torch.ones_like(state[prefix + "input_layernorm.weight"])
-        state[attn + "q_a_proj.weight"] = (q_in * torch.eye(src.hidden_size)).to(dtype)
-        state[attn + "q_a_layernorm.weight"] = (g * q_gain).to(dtype)
-        state[attn + "q_b_proj.weight"] = w_q
+    stats = [LatentStats(shape.d_c, latent_norm) for _ in range(src.num_hidden_layers)]
+    handles = [layer.self_attn.kv_a_proj_with_mqa.register_forward_hook(lambda m, a, out, s=s: s.add(out))
+               for layer, s in zip(native.model.layers, stats)]  # fmt: skip
+    try:
+        with torch.no_grad():
+            for window in windows:  # one window at a time
+                native(window[None].to(native.device))
+    finally:
+        for h in handles:
+            h.remove()
+    scales, q_proj_state, deviations = [], {}, []
+    export_resident(state, shape)
+    for layer, layer_stats in enumerate(stats):
+        scale, latent_map, deviation = layer_stats.scale()
+        scales.append(scale)
+        deviations.append(deviation)
+        q_proj_state.update(export_layer(state, layer, shape, scale, latent_map))
     model.load_state_dict(state, strict=True)
     model.generation_config = native.generation_config
     model.eval()
     check = windows[: min(4, len(windows))]
     kl = evaluate(model, check, reference=native, progress=False).kl_to_reference
+    q_lora_kl = evaluate(model, check, reference=_with_q_proj(model, state, q_proj_state),
+                         progress=False).kl_to_reference if shape.q_lora else None  # fmt: skip
+    report = export_report(shape, src, engine, stride, rope, scales, deviations, kl, len(check), q_lora_kl,
+                           sum(p.numel() for p in native.parameters()))  # fmt: skip
+    logger.info("deepseek_v3 export (%s, latent norm %s): KL to the native conversion %.3g per token",
+                engine, latent_norm, kl)  # fmt: skip
+    return model, report
+
+
+def check_export(engine: str, latent_norm: str) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine={engine!r} is not one of {ENGINES}")
+    if latent_norm not in LATENT_NORMS:
+        raise ValueError(f"latent_norm={latent_norm!r} is not one of {LATENT_NORMS}")
+
+
+def export_report(shape, src, engine: str, stride: int, rope: dict, scales: list, deviations: list, kl: float,
+                  kl_windows: int, q_lora_kl: float | None, native_parameters: int) -> dict:  # fmt: skip
+    """The report's "deepseek_v3" section."""
+    latent_norm = shape.latent_norm
+    rope_report = {k: v for k, v in rope.items() if k != "theta"}
+    n = shape.d_r // 2
     report = {
         "exact": latent_norm == "linear" and rope_report["exact"],
         "latent_norm": {
@@ -299,40 +270,28 @@ def to_deepseek_v3(native, windows: torch.Tensor, stride: int, source_config=Non
                     "subnormal in fp16; GGUF: --outtype f32 or bf16)" if latent_norm == "linear" else
                     "fp16: what follows kv_a_layernorm fitted by least squares (approximate)"),
             "scale_per_layer": scales,
-            "max_relative_deviation_calibration": deviation,
+            "max_relative_deviation_calibration": max(deviations) if latent_norm == "linear" else None,
         },  # fmt: skip
-        "eps": {"source": src.rms_norm_eps, "export": EXPORT_EPS, "residual_scale": k},
+        "eps": {"source": src.rms_norm_eps, "export": EXPORT_EPS, "residual_scale": shape.k},
         "kl_to_native_per_token": kl,
-        "kl_windows": len(check),
+        "kl_windows": kl_windows,
         "engine": engine,
-        "shape": {"kv_lora_rank": d_c, "qk_rope_head_dim": d_out, "rope_pairs_used": n},
-        "engines": engine_support(d_c, d_out, q_lora, src.num_hidden_layers),
+        "shape": {"kv_lora_rank": shape.d_c, "qk_rope_head_dim": shape.d_out, "rope_pairs_used": n},
+        "engines": engine_support(shape.d_c, shape.d_out, shape.q_lora, src.num_hidden_layers),
         "rope_frequencies": [j * stride for j in range(n)],
-        "rope_theta": theta,
+        "rope_theta": rope["theta"],
         "rope": rope_report,
     }
-    if q_lora:
-        q_lora_kl = evaluate(model, check, reference=_with_q_proj(model, state, q_proj_state),
-                             progress=False).kl_to_reference  # fmt: skip
+    if shape.q_lora:
         extra = src.num_hidden_layers * (src.hidden_size**2 + src.hidden_size)  # q_a_proj + q_a_layernorm per layer
         report["q_lora"] = {
             "rank": src.hidden_size,
             "why": "llama.cpp needs deepseek2.attention.q_lora_rank for non-lite layer counts",
             "extra_parameters": extra,
-            "extra_fraction_of_model": extra / sum(p.numel() for p in native.parameters()),
+            "extra_fraction_of_model": extra / native_parameters,
             "kl_to_q_proj_per_token": q_lora_kl,
         }
-    logger.info("deepseek_v3 export (%s, latent norm %s): KL to the native conversion %.3g per token",
-                engine, latent_norm, kl)  # fmt: skip
-    return model, report
-
-
-def _rows(weight: torch.Tensor, index: list[int]) -> torch.Tensor:
-    """weight[index] with zero rows where index is -1."""
-    out = weight.new_zeros(len(index), *weight.shape[1:])
-    keep = torch.tensor([i >= 0 for i in index])
-    out[keep] = weight[torch.tensor([i for i in index if i >= 0], dtype=torch.long)]
-    return out
+    return report
 
 
 def _with_q_proj(model, state: dict, q_proj_state: dict):
@@ -346,51 +305,3 @@ def _with_q_proj(model, state: dict, q_proj_state: dict):
     plain_state.update(q_proj_state)
     plain.load_state_dict(plain_state, strict=True)
     return plain.eval()
-
-
-@torch.no_grad()
-def latent_scales(native, windows: torch.Tensor, mode: str) -> tuple[list[float], list, float]:
-    """(s per layer, M per layer or None, largest relative deviation of the norm from linear on the calibration
-    tokens). linear: s the largest power of two with max_t ms(s c_t) <= LINEAR_MARGIN * EXPORT_EPS; deviation
-    1 - (1 + ms / eps)^(-1/2). fit: s the power of two nearest LATENT_RMS / rms(c), M minimizes
-    sum_t ||c_t - M c_t / r_t||^2 (r = rms(c), no eps), M = E[c c^T / r] E[c c^T / r^2]^-1; deviation None."""
-    d_c = native.config.kv_lora_rank
-    sums: dict[int, list] = {}
-
-    def hook(layer):
-        def record(module, args, output):
-            c = output[..., :d_c].reshape(-1, d_c).double().cpu()
-            ms = c.pow(2).mean(-1, keepdim=True)
-            acc = sums.setdefault(layer, [0.0, 0.0, 0.0, 0, 0.0])
-            acc[2] += float(ms.sum())
-            acc[3] += len(c)
-            acc[4] = max(acc[4], float(ms.max()))
-            if mode == "fit":
-                normed = c / ms.sqrt().clamp_min(1e-30)
-                acc[0] = acc[0] + c.t() @ normed
-                acc[1] = acc[1] + normed.t() @ normed
-
-        return record
-
-    layers = [layer.self_attn for layer in native.model.layers]
-    handles = [a.kv_a_proj_with_mqa.register_forward_hook(hook(i)) for i, a in enumerate(layers)]
-    try:
-        for window in windows:
-            native(window[None].to(native.device))
-    finally:
-        for h in handles:
-            h.remove()
-    scales, maps, deviation = [], [], 0.0
-    for i in range(len(layers)):
-        cross, gram, total, count, ms_max = sums[i]
-        if mode == "linear":
-            s = 2.0 ** math.floor(0.5 * math.log2(LINEAR_MARGIN * EXPORT_EPS / max(ms_max, 1e-300)))
-            scales.append(s)
-            deviation = max(deviation, 1 - (1 + s * s * ms_max / EXPORT_EPS) ** -0.5)
-            maps.append(None)
-            continue
-        ridge = 1e-9 * torch.trace(gram) / d_c * torch.eye(d_c, dtype=torch.float64)
-        maps.append(torch.linalg.solve(gram + ridge, cross.t()).t())
-        rms = max(total / count, 1e-30) ** 0.5
-        scales.append(float(2.0 ** round(math.log2(LATENT_RMS / rms))))
-    return scales, maps, deviation if mode == "linear" else None
