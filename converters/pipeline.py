@@ -45,6 +45,7 @@ class LayersResult:
     fits: list[LayerFit] = field(default_factory=list)
     activations: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
+    export: dict | None = None  # the report's "deepseek_v3" section
 
 
 class Tracks:
@@ -127,12 +128,14 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             t = time.perf_counter()
             state = {f"model.layers.{i}.{k}": v for k, v in converted.state_dict().items()}
             if export is not None:
-                state = export.layer(i, converted, runners[1], tracks["export"], state)
+                state = export.layer(i, converted, new_config, runners[1], tracks["export"], state)
             seconds["export"] += time.perf_counter() - t
             t = time.perf_counter()
             write(state)
             seconds["read_write"] += time.perf_counter() - t
             del layer, converted, attn, w, stats, state
+        if export is not None:
+            result.export = export.report(tracks["export"].current)
     finally:
         if tracks is not None:
             tracks.close()
