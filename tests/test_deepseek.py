@@ -114,3 +114,36 @@ def test_patched_stock_deepseek_decodes_absorbed_with_both_caches(model_type, pa
         torch.testing.assert_close(
             stepwise_logits(patched, ids, mask, 4), stepwise_logits(stock, ids, mask, 4), atol=1e-4, rtol=0
         )
+
+
+@pytest.mark.parametrize("length,masked", [(1, False), (1, True), (3, True)])
+def test_absorbed_attention_forms_agree(length, masked, monkeypatch):
+    """The absorbed attention's three forms (CPU GEMMs over [c | k_rope] rows stored side by side, GEMMs over separate
+    c and k_rope, one SDPA call) give the un-absorbed attention over expanded K/V, with and without a mask."""
+    layer = next(m for m in to_variant(stock_deepseek(), "mla").modules() if isinstance(m, MultiHeadLatentAttention))
+    d_c, d_r, heads, seq, batch = layer.kv_lora_rank, layer.qk_rope_head_dim, layer.num_heads, 11, 2
+    torch.manual_seed(3)
+    q_nope = torch.randn(batch, heads, length, layer.qk_nope_head_dim)
+    q_rope = torch.randn(batch, heads, length, d_r)
+    rows = torch.randn(batch, 1, seq, d_c + d_r)  # a cache that stores each token's [c | k_rope] together
+    c, k_rope = rows[..., :d_c], rows[..., d_c:]
+    allowed = torch.ones(batch, 1, length, seq, dtype=torch.bool).tril(seq - length)  # causal, last `length` queries
+    if masked:
+        allowed[0, ..., :4] = False  # row 0: left padding
+    mask = allowed if masked or length > 1 else None
+
+    w = layer.kv_b_proj.weight.view(heads, -1, d_c)  # expected: expand K, V per head, softmax in float64
+    k = torch.cat((torch.einsum("hnc,bsc->bhsn", w[:, : layer.qk_nope_head_dim], c[:, 0]),
+                   k_rope.expand(-1, heads, -1, -1)), -1).double()  # fmt: skip
+    v = torch.einsum("hvc,bsc->bhsv", w[:, layer.qk_nope_head_dim :], c[:, 0]).double()
+    scores = torch.cat((q_nope, q_rope), -1).double() @ k.transpose(-1, -2) * layer.scaling
+    expected = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2)  # [B, T, H, d_v]
+
+    assert mla._joint_rows(c, k_rope) is not None and mla._joint_rows(c.clone(), k_rope.clone()) is None
+    forms = {"joint rows": (c, k_rope), "separate": (c.clone(), k_rope.clone())}
+    with torch.no_grad():
+        got = {name: layer._absorbed(q_nope, q_rope, *cache, mask)[0] for name, cache in forms.items()}
+        monkeypatch.setattr(mla, "GEMM_ATTENTION_ROWS", 0)
+        got["sdpa"] = layer._absorbed(q_nope, q_rope, c, k_rope, mask)[0]
+    for name, out in got.items():  # fp32 against float64: sums of ~160 products of entries ~1-10, atol 1e-5
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0, msg=name)

@@ -178,25 +178,65 @@ class MultiHeadLatentAttention(nn.Module):
 
         q_nope [B, H, T, d_n], q_rope [B, H, T, d_r], c [B, 1, S, d_c], k_rope [B, 1, S, d_r] -> ([B, T, H, d_v], None)
             q_latent = q_nope W_UK[h]                                            [B, H*T, d_c]
-            bias     = scaling * q_rope . k_rope, plus 0 / finfo.min for the mask   [B, H*T, S]
-            out_h    = W_UV[h] (softmax(scaling * q_latent . c + bias) c)
-        The middle line is one SDPA call (scores and weighted sum in one pass over c, no [H*T, S] intermediates and
-        no probabilities returned, whatever the model's attention implementation).
+            scores   = scaling * (q_latent . c + q_rope . k_rope), plus 0 / finfo.min for the mask   [B, H*T, S]
+            out_h    = W_UV[h] (softmax(scores) c)
+        On CPU (fp32/fp64, no dropout, few query rows: decode) the middle line is two GEMMs and a softmax, which
+        use every thread; one GEMM over [c | k_rope] when the cache stores them side by side (PagedKVCache). Else
+        one SDPA call with the RoPE scores and mask as its additive bias (no [H*T, S] probabilities): on CPU it
+        runs a decode's few query rows as one block on one thread.
         """
         w_uk, w_uv = self._up_weights()
         batch, heads, length, _ = q_nope.shape
         seq, rows = c.shape[2], heads * length
-        q_latent = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk).reshape(batch, 1, rows, -1)  # W_UK^T folded in
-        bias = None
-        if self.qk_rope_head_dim:
-            bias = torch.bmm(q_rope.reshape(batch, rows, -1) * self.scaling, k_rope.squeeze(1).transpose(1, 2))
-        bias = _mask_bias(bias, attention_mask, self.spec.sliding_window, (batch, heads, length, seq), q_latent)
-        out_latent = nn.functional.scaled_dot_product_attention(
-            q_latent, c, c, attn_mask=None if bias is None else bias[:, None], scale=self.scaling,
-            dropout_p=self.spec.dropout if self.training else 0.0,
-        )  # fmt: skip
-        out = torch.einsum("bhtc,hvc->bthv", out_latent.view(batch, heads, length, -1), w_uv)  # W_UV folded out
+        shape = (batch, heads, length, seq)
+        # W_UK^T folded into the query: per head [B*T, d_n] @ [d_n, d_c] (views for one row)
+        q_latent = torch.bmm(q_nope.transpose(0, 1).reshape(heads, batch * length, -1), w_uk)
+        q_latent = q_latent.view(heads, batch, length, -1).transpose(0, 1).reshape(batch, rows, -1)
+        if _gemm_attention(c, rows, self.training and self.spec.dropout):
+            joint = _joint_rows(c, k_rope) if self.qk_rope_head_dim else c
+            if joint is not None:  # one GEMM over [c | k_rope]
+                query = q_latent if joint is c else torch.cat((q_latent, q_rope.reshape(batch, rows, -1)), -1)
+                scores = torch.bmm(query * self.scaling, joint.squeeze(1).transpose(1, 2))
+            else:
+                scores = torch.bmm(q_rope.reshape(batch, rows, -1) * self.scaling, k_rope.squeeze(1).transpose(1, 2))
+                scores = scores.baddbmm_(q_latent, c.squeeze(1).transpose(1, 2), alpha=self.scaling)
+            scores = _mask_bias(scores, attention_mask, self.spec.sliding_window, shape, q_latent)
+            out_latent = torch.bmm(torch.softmax(scores, -1), c.squeeze(1))  # sum_s p_s c_s  [B, H*T, d_c]
+        else:
+            bias = None
+            if self.qk_rope_head_dim:
+                bias = torch.bmm(q_rope.reshape(batch, rows, -1) * self.scaling, k_rope.squeeze(1).transpose(1, 2))
+            bias = _mask_bias(bias, attention_mask, self.spec.sliding_window, shape, q_latent)
+            out_latent = nn.functional.scaled_dot_product_attention(
+                q_latent[:, None], c, c, attn_mask=None if bias is None else bias[:, None], scale=self.scaling,
+                dropout_p=self.spec.dropout if self.training else 0.0,
+            )[:, 0]  # fmt: skip
+        # W_UV folded out: per head [B*T, d_c] @ [d_c, d_v] -> [B, T, H, d_v]
+        out_latent = out_latent.view(batch, heads, length, -1).transpose(0, 1).reshape(heads, batch * length, -1)
+        out = torch.bmm(out_latent, w_uv.transpose(1, 2)).view(heads, batch, length, -1).permute(1, 2, 0, 3)
         return out, None
+
+
+GEMM_ATTENTION_ROWS = 256  # query rows (heads x new tokens) up to which CPU attention over the latent uses GEMMs
+
+
+def _gemm_attention(c: torch.Tensor, rows: int, dropout) -> bool:
+    """Whether attention over the latent runs as GEMMs + softmax: on CPU in fp32/fp64 without dropout, for at most
+    GEMM_ATTENTION_ROWS query rows (CPU SDPA splits work by query block, so a decode's rows get one thread; GEMMs
+    split the S cached tokens across threads). Long absorbed prefills keep SDPA's blockwise softmax."""
+    return (c.device.type == "cpu" and c.dtype in (torch.float32, torch.float64) and not dropout
+            and rows <= GEMM_ATTENTION_ROWS)  # fmt: skip
+
+
+def _joint_rows(c: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor | None:
+    """[B, 1, S, d_c + d_r]: a view of c and k_rope together when each token's k_rope directly follows its c in
+    memory (a cache that stores [c | k_rope] rows, as PagedKVCache does); else None."""
+    d_c, d_r = c.shape[-1], k_rope.shape[-1]
+    if (c.stride() != k_rope.stride() or c.shape[:-1] != k_rope.shape[:-1] or c.stride(-1) != 1
+            or c.stride(-2) != d_c + d_r or c.dtype != k_rope.dtype
+            or k_rope.data_ptr() != c.data_ptr() + d_c * c.element_size()):  # fmt: skip
+        return None
+    return c.as_strided((*c.shape[:-1], d_c + d_r), c.stride())
 
 
 def _mask_bias(bias, mask, sliding_window, shape, like) -> torch.Tensor | None:
