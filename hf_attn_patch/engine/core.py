@@ -13,13 +13,22 @@ free their blocks at once (full blocks stay cached for prefix hits until evicted
 
 Finish reasons: "stop" (EOS, a stop token, a stop string: cut from the text, or a grammar that can only end: the
 EOS it forces is not emitted), "length" (max_tokens; also max_tokens=0, which only computes the prompt), "abort",
-"check_failed" (an exact JSON Schema check left no valid continuation: the text is not a valid answer).
+"check_failed" (an exact JSON Schema check left no valid continuation and its retries are spent: the text is not a
+valid answer).
+
+Checked JSON Schemas (keywords the grammar widens, grammar/schema_relax.py): when a row's check leaves no valid
+continuation, the request is rewound (grammar/retry.py's RowRetry, the policy generate() uses): its grammar state,
+tokens, text and logprobs go back to the start of the failing value, its KV is cut there (Scheduler.rewind: blocks
+past it are released, a kept block named in the prefix cache is copied before it is written again), the failing
+continuation is forbidden, and it decodes on. Such a request's text is streamed only when it finishes (a rewind may
+reach back to its first token); ``metrics["grammar_retries"]`` counts its rewinds.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from ..devices import resolve_device, resolve_dtype
+from ..grammar.retry import RowRetry
 from ..kv_memory import kv_cache_bytes
 from ..speculative.drafters import ngram_lookup
 from .detokenizer import IncrementalDetokenizer
@@ -51,6 +61,7 @@ class _Output:
     text: str = ""  # detok.text, cut at a stop string
     sent: int = 0  # len(text) already reported (new_text)
     stopped_at: int | None = None  # cut position of the stop string that ended the request
+    retry: RowRetry | None = None  # checked JSON Schema: the rewind budget and forbidden continuations
 
 
 class Engine:
@@ -163,6 +174,8 @@ class Engine:
                       [] if params.logprobs is not None else None,
                       [None] * len(prompt_ids) if params.prompt_logprobs is not None else None,
                       max((len(s) for s in params.stop), default=1) - 1)  # fmt: skip
+        if grammar is not None and hasattr(grammar._m, "retry_point"):  # checked: rewinds possible, text held
+            out.retry, out.stop_hold = RowRetry(), sys.maxsize
         with self.lock:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
             if not isinstance(request_id, str) or request_id in self.requests:
@@ -277,13 +290,20 @@ class Engine:
                 raw = logits[torch.cat([torch.arange(row, row + n) for row, n in spans])]
             rows = raw
             constrained = [(i, r) for i, (r, _) in enumerate(samplers) if r.grammar is not None]
+            rewound = set()
             if constrained:  # logprobs are of the raw distribution: mask a copy
                 rows = raw.clone()
-                mask_rows(rows, [offsets[i] for i, _ in constrained], [r.grammar for _, r in constrained])
+                matcher = mask_rows(rows, [offsets[i] for i, _ in constrained], [r.grammar for _, r in constrained])
+                for j, (i, request) in enumerate(constrained):
+                    if (matcher.finish_reason(j) or "").startswith("check_failed") and self._rewind(request):
+                        rewound.add(i)  # its sample is dropped: it decodes again from the rewound point
             batch = SamplingBatch.build([r.params for r, _ in samplers], [r.generator for r, _ in samplers],
                                         [r.draft for r, _ in samplers], rows.shape[-1])  # fmt: skip
             wanted = []
             for i, ((request, _), tokens) in enumerate(zip(samplers, sample(rows, batch).tokens)):
+                if i in rewound:
+                    running.append((request, None))
+                    continue
                 drafts = len(request.draft)
                 request.computed -= drafts - (len(tokens) - 1)  # the rejected drafts' K/V is overwritten later
                 request.proposed, request.accepted = request.proposed + drafts, request.accepted + len(tokens) - 1
@@ -311,6 +331,25 @@ class Engine:
         for (_, request, _), entry in zip(wanted, entries):
             entry.top = entry.top[: request.params.logprobs]
             self._out[request.id].logprobs.append(entry)
+
+    def _rewind(self, request: Request) -> bool:
+        """A checked grammar left `request` no valid continuation: rewind it to the start of the failing value with
+        the failing continuation forbidden (module docstring). False when its retries are spent."""
+        out, state = self._out[request.id], request.grammar
+        keep = out.retry.plan(state, request.params.max_tokens) if out.retry is not None else None
+        if keep is None:
+            return False
+        logger.info("request %s: %s; retry %d from token %d", request.id, state.dead_reason, out.retry.retries, keep)
+        out.retry.rewind(state, keep)
+        del request.generated[keep:]
+        self.scheduler.rewind(request, len(request.tokens) - 1)  # the last kept token is computed again
+        out.detok = IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.params.skip_special_tokens)
+        for token in request.generated:
+            out.detok.add(token)
+        out.text = out.detok.text
+        if out.logprobs is not None:
+            del out.logprobs[keep:]
+        return True
 
     def _append(self, request: Request, tokens: list[int]) -> tuple[int, str | None]:
         """Append tokens up to the first that ends the request -> (tokens taken, finish reason or None)."""
@@ -348,6 +387,7 @@ class Engine:
             list(out.logprobs) if out.logprobs is not None else None, new_text, request.prefix_hit_tokens,
             {"arrival": request.arrival, "first_token": request.first_token_time, "preemptions": request.preemptions,
              "speculative_proposed": request.proposed, "speculative_accepted": request.accepted,
+             "grammar_retries": out.retry.retries if out.retry is not None else 0,
              "finished": time.perf_counter() if finished else None},
             list(out.prompt_logprobs) if out.prompt_logprobs is not None else None,
             out.detok.offsets[: len(request.generated)],

@@ -101,6 +101,24 @@ class Scheduler:
             self.waiting.remove(request)
         self._release(request)
 
+    def rewind(self, request: Request, num_tokens: int) -> None:
+        """Forget the K/V of positions >= num_tokens (a grammar retry took tokens back). Blocks wholly past them are
+        released; a kept block named in the prefix cache stays named and is copied before the next write into it
+        (KVManager.crop), so other sequences sharing it never see the new tokens. Constant-state layers cannot cut
+        their state back: such a request is released and recomputes from its start, as after a preemption."""
+        if request.computed <= num_tokens:
+            return
+        if self.kv.states is not None:
+            if request in self.running:
+                self.running.remove(request)
+                self._release(request)
+                position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival),
+                                len(self.waiting))
+                self.waiting.insert(position, request)
+            return
+        self.kv.crop(request.id, num_tokens)
+        request.computed = num_tokens
+
     # -- helpers ---------------------------------------------------------------------------------------------
 
     def _take(self, request: Request, budget: int) -> int:

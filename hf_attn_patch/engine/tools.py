@@ -5,7 +5,9 @@ tool_choice (default "auto" with tools, "none" without):
     {"type": "function", "function": {"name": F}}   the output is F's arguments: JSON of its `parameters` schema
     "required"                   the output is {"name": one of the tools, "arguments": its schema} (JSON Schema anyOf)
     "auto"                       the output is either text that does not start with "<", or
-                                 <tool_call>{"name": ..., "arguments": ...}</tool_call> (a Lark grammar with %json)
+                                 <tool_call>{"name": ..., "arguments": ...}</tool_call> (a tagged_json grammar)
+Every mode compiles the arguments' schemas the same way as response_format: keywords the grammar backend refuses are
+widened and checked exactly where their value closes (hf_attn_patch.grammar: schema_relax.py, schema_checks.py).
 Every constraint goes through hf_attn_patch.grammar, so arguments always parse and follow the schema unless the
 length limit cut them short: then the call comes back with the arguments generated so far and finish_reason "length"
 (as OpenAI and vLLM answer), or as content if even the function's name was cut.
@@ -68,8 +70,7 @@ def read_tools(body: dict) -> ToolPlan:
     call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": s},
                        "required": ["name", "arguments"], "additionalProperties": False} for n, s in schemas.items()]}
     if choice is None or choice == "auto":
-        lark = f'start: TEXT | "{OPEN}" call "{CLOSE}"\nTEXT: /[^<](.|\\n)*/\ncall: %json {json.dumps(call)}\n'
-        return ToolPlan("auto", clean, grammar={"type": "lark", "grammar": lark})
+        return ToolPlan("auto", clean, grammar={"type": "tagged_json", "schema": call, "open": OPEN, "close": CLOSE})
     if choice == "none":
         return ToolPlan("none", clean)
     if choice == "required":

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Protocol
 
 import torch
@@ -83,6 +84,15 @@ def _check_xgrammar_schema(schema: dict) -> None:
             )
 
 
+def tagged_json_lark(schema: dict, open_tag: str, close_tag: str, options: dict) -> str:
+    """Lark text of a tagged_json spec (spec.py): free text whose first character is not the open tag's, or
+    open tag + %json (its JSON options as the schema's "x-guidance") + close tag."""
+    first = re.escape(open_tag[0]).replace("/", "\\/")
+    schema = {**schema, "x-guidance": options} if isinstance(schema, dict) else schema
+    return (f'start: TEXT | {json.dumps(open_tag)} call {json.dumps(close_tag)}\nTEXT: /[^{first}](.|\\n)*/\n'
+            f"call: %json {json.dumps(schema, ensure_ascii=False)}\n")
+
+
 # ------------------------------------------------------------------------------------------------------ llguidance
 class LLGuidanceBackend:
     """llguidance: Earley parser + lexer; fast compile, broad JSON Schema coverage, explicit errors."""
@@ -115,6 +125,8 @@ class LLGuidanceBackend:
             elif spec.kind == "choice":
                 grammar = llg.LLMatcher.grammar_from_lark(
                     "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.source))
+            elif spec.kind == "tagged_json":
+                grammar = llg.LLMatcher.grammar_from_lark(tagged_json_lark(*spec.source, options))
             else:
                 raise GrammarError(f"kind: unknown grammar kind {spec.kind!r}")
         except ValueError as err:

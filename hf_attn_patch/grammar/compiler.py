@@ -81,14 +81,17 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
                 return hit
     t0 = time.perf_counter()
     checks = widened = None
-    if spec.kind == "json_schema" and be.name == "llguidance":
-        def compile_fn(schema, options):
-            return be.compile(GrammarSpec("json_schema", schema), adapter, separators=tuple(separators),
+    if spec.kind in ("json_schema", "tagged_json") and be.name == "llguidance":
+        schema, tags = (spec.source, None) if spec.kind == "json_schema" else (spec.source[0], spec.source[1:])
+
+        def compile_fn(relaxed_schema, options):
+            source = relaxed_schema if tags is None else (relaxed_schema, *tags)
+            return be.compile(GrammarSpec(spec.kind, source), adapter, separators=tuple(separators),
                               whitespace_flexible=whitespace_flexible, json_options=options)
 
-        check_schema(spec.source)
-        compiled, relaxed = relax_and_compile(spec.source, compile_fn, known_formats())
-        checks = schema_checks_for(spec.source, relaxed, adapter.token_bytes())
+        check_schema(schema)
+        compiled, relaxed = relax_and_compile(schema, compile_fn, known_formats())
+        checks = schema_checks_for(schema, relaxed, adapter.token_bytes(), frame=tags)
         widened = relaxed.dropped
         for note in relaxed.notes:
             logger.warning("json_schema: %s", note)

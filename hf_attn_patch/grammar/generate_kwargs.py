@@ -10,6 +10,9 @@ grammar, or a list with one per input row:
     {"type": "lark", "grammar": "..."} / {"type": "gbnf", "grammar": "..."}   ("ebnf" = "gbnf")
     {"type": "choice", "choices": ["yes", "no"]}                 exactly one of the strings
     {"type": "json_schema", "schema": {...}}                     same as response_format json_schema
+    {"type": "tagged_json", "schema": {...}, "open": "<tool_call>", "close": "</tool_call>"}
+                                                                 text not starting with open's first character, or
+                                                                 open + JSON of the schema + close (a tool call)
 In a per-row list, a "text" row is constrained only to text (special tokens other than EOS are masked).
 """
 
@@ -51,7 +54,7 @@ def _grammar_spec(g, field: str) -> GrammarSpec | None:
         raise ValueError(f"{field}: expected grammar text or a dict like {{'type': 'regex', 'pattern': ...}}, got {g!r:.100}")
     kind = g.get("type")
     needs = {"regex": "pattern", "lark": "grammar", "gbnf": "grammar", "ebnf": "grammar", "choice": "choices",
-             "json_schema": "schema"}
+             "json_schema": "schema", "tagged_json": "schema"}
     if kind == "text":
         return None
     if kind not in needs:
@@ -67,6 +70,8 @@ def _grammar_spec(g, field: str) -> GrammarSpec | None:
             return GrammarSpec.choice(value)
         if kind == "json_schema":
             return GrammarSpec.json_schema(value)
+        if kind == "tagged_json":
+            return GrammarSpec.tagged_json(value, g.get("open"), g.get("close"))
         return grammar_spec(value, "lark" if kind == "lark" else "gbnf")
     except GrammarError as err:
         raise GrammarError(f"{field}['{key}']: {err}") from None

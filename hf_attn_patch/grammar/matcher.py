@@ -50,7 +50,12 @@ class BatchMatcher:
             self.clear_dead(row)  # another continuation than the rejected one: judge it afresh
         n = state.accept_tokens(tokens)
         if n < len(tokens) and not state.is_terminated():
-            self._dead(row, f"token {tokens[n]} at position {len(state.tokens)} rejected by the grammar")
+            error = state.error() or ""  # a failed check left no continuation here: that is the reason
+            if not error.startswith("check_failed") and tokens[n] in state.eos_token_ids:
+                state.fill_bitmask(bm.allocate_bitmask(1, state.vocab_size), 0)  # an EOS forced after a failure
+                error = state.error() or ""  # found before a rollback below it (rejected drafts): found again
+            self._dead(row, error if error.startswith("check_failed")
+                       else f"token {tokens[n]} at position {len(state.tokens)} rejected by the grammar")
         return n
 
     def validate_tokens(self, row: int, tokens) -> int:

@@ -81,13 +81,13 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
         self.prompt_len: int | None = None
         self.matcher = BatchMatcher([])
         self._bitmask: torch.Tensor | None = None
-        self._resume: tuple[int, dict] = (0, {})
+        self._resume: tuple[int, dict, str | None] = (0, {}, None)
 
-    def resume(self, grammar_tokens: int, forbid: dict) -> None:
+    def resume(self, grammar_tokens: int, forbid: dict, reason: str | None = None) -> None:
         """The next call's last `grammar_tokens` input columns are grammar output already (a retry after a rolled
         back check failure), and `forbid` ({text: token ids}) are continuations to mask (checked grammars only)."""
         self.reset()
-        self._resume = (grammar_tokens, forbid)
+        self._resume = (grammar_tokens, forbid, reason)
 
     @property
     def states(self) -> list[GrammarState]:
@@ -108,8 +108,8 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
         self._prompt = input_ids[:, : self.prompt_len].clone()
         self.matcher = BatchMatcher([self.grammars[r // per].new_state() for r in range(batch)])
         for state in self.matcher.states:
-            if self._resume[1] and hasattr(state._m, "forbid"):
-                state._m.forbid = {k: set(v) for k, v in self._resume[1].items()}
+            if self._resume[1] and hasattr(state._m, "restart"):
+                state._m.restart({k: set(v) for k, v in self._resume[1].items()}, self._resume[2])
         self._bitmask = self.matcher.allocate_bitmask()
 
     def _same_request(self, ids: torch.Tensor) -> bool:

@@ -1,12 +1,20 @@
-"""Retry of generate() rows that ended with ``check_failed`` (schema_checks.py): roll back, forbid, decode again.
+"""Retry after a failed exact JSON Schema check (schema_checks.py): roll back, forbid, decode again.
 
-generate() cannot take tokens back, so the generate(response_format=...) wrapper does it after the call: for each
-such row, keep the tokens before the value whose check failed, forbid the last token of the failed continuation
-after its text, and run generate() again for that row alone from its prompt + the kept tokens (its KV is recomputed:
-generate() keeps no cache between calls), with the same options and the tokens left of ``max_new_tokens``. At most
-MAX_RETRIES runs per row; a row still failing keeps its ``check_failed`` end (only EOS after it).
-Only plain tensor outputs of greedy / sampled decoding are retried (not beams, streamers, dict outputs or
-speculative decoding, whose rows end the same way but are returned as they are).
+One policy for every caller, :class:`RowRetry` (one per sequence):
+
+    retry = RowRetry()                                   # MAX_RETRIES attempts
+    keep = retry.plan(state, max_new_tokens)             # after the state's check failed: tokens to keep, or None
+    retry.rewind(state, keep)                            # the state back at `keep`, the failed continuation masked
+
+``plan`` keeps the tokens before the value whose check failed (at least the last token goes) and forbids that last
+token after the text before it; None when the attempts are spent or no token of ``max_new_tokens`` would be left.
+The engine (engine/core.py) rewinds the request's state, tokens, text and KV in place and decodes on. generate()
+cannot take tokens back, so its wrapper (:func:`retry_failed_rows`) does it after the call: each such row runs again
+alone from its prompt + the kept tokens (its KV is recomputed: generate() keeps no cache between calls), with the
+same options and the tokens left of ``max_new_tokens``. Speculative decoding (assistant_model, prompt lookup, early
+exit) is retried the same way: its grammar rows hand their final states back to the processor. A row still failing
+keeps its ``check_failed`` end (only EOS after it). Not retried: beams, streamers and dict outputs, whose rows end
+the same way but are returned as they are.
 """
 
 from __future__ import annotations
@@ -19,7 +27,37 @@ import torch
 logger = logging.getLogger(__name__)
 
 MAX_RETRIES = 3
-_NOT_RETRIED = ("streamer", "assistant_model", "prompt_lookup_num_tokens", "assistant_early_exit")
+_NOT_RETRIED = ("streamer",)
+
+
+class RowRetry:
+    """The retry budget and the forbidden continuations ({text: token ids}) of one sequence."""
+
+    def __init__(self, max_retries: int = MAX_RETRIES):
+        self.max_retries = max_retries
+        self.retries = 0
+        self.forbid: dict[bytes, set[int]] = {}
+        self.reason: str | None = None  # the last failure retried ("'not' at #/properties/v")
+
+    def plan(self, state, max_new_tokens: int) -> int | None:
+        """After `state` (a GrammarState) ended in a failed check: how many of its tokens to keep, the failing
+        continuation recorded as forbidden; None when the budget is spent (attempts, or no token left to decode)."""
+        point = state._m.retry_point() if hasattr(state._m, "retry_point") else None
+        if point is None or self.retries >= self.max_retries or not state.tokens:
+            return None
+        keep, before_last = point
+        keep = min(keep, len(state.tokens) - 1)  # the forbidden token goes at least
+        if max_new_tokens - keep <= 0:
+            return None
+        self.retries += 1
+        self.reason = state._m.failed or state._m.last_failure or self.reason
+        self.forbid.setdefault(before_last, set()).add(state.tokens[-1])
+        return keep
+
+    def rewind(self, state, keep: int) -> None:
+        """`state` back at its first `keep` tokens, its attempts renewed and the forbidden continuations masked."""
+        state.rollback(len(state.tokens) - keep)
+        state._m.restart(self.forbid, self.reason)
 
 
 def _plain(kwargs: dict, model) -> bool:
@@ -56,18 +94,13 @@ def retry_failed_rows(model, original, processor, out, args: tuple, kwargs: dict
         i = r // per_input
         prompt = inputs[i][mask[i].bool()] if mask is not None else inputs[i]
         generated = _cut(out[r, prompt_len:].tolist(), eos)
-        state, forbid = processor.states[r], {}
-        for attempt in range(MAX_RETRIES):
-            point = state._m.retry_point() if hasattr(state._m, "retry_point") else None
-            if point is None or max_new - point[0] <= 0:
-                break
-            keep, before_last = point
-            forbid.setdefault(before_last, set()).add(state.tokens[-1])
+        state, retry = processor.states[r], RowRetry()
+        while (keep := retry.plan(state, max_new)) is not None:
             sub = copy.copy(processor)
             sub.grammars = [processor.grammars[r // per_grammar]]
-            sub.resume(keep, forbid)
+            sub.resume(keep, retry.forbid, retry.reason)
             ids = torch.cat([prompt, torch.tensor(generated[:keep], dtype=prompt.dtype)]).unsqueeze(0)
-            logger.info("grammar row %d: %s; retry %d from token %d", r, processor.finish_reasons[r], attempt + 1,
+            logger.info("grammar row %d: %s; retry %d from token %d", r, processor.finish_reasons[r], retry.retries,
                         keep)
             new = original(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new - keep,
                            logits_processor=[*others, sub], **rest)

@@ -99,6 +99,8 @@ def known_formats() -> frozenset:
 
 
 # ----------------------------------------------------------------------------------------------- JSON scanning
+# Before the scanner states, in a tagged_json grammar (SchemaChecks.frame): inside the open tag, and free text.
+_BEFORE, _FREE = "before", "free"
 # A scanner state is immutable: (stack, scalar, top). stack: tuple of frames (kind "o"/"a", start offset, path,
 # phase, key, index); scalar: None or ("s", start, is_key, escaped) / ("n", start) / ("l", start, bytes left);
 # top: "start" | "done" (the top-level value closed).
@@ -234,14 +236,17 @@ class SchemaChecks:
     """The exact side of a widened schema, shared by every row compiled from it.
 
     schema: the original schema; modified: ids of its widened subschemas (schema_relax.Relaxed.modified);
-    token_bytes: bytes of every token id (for the look-ahead masks).
+    token_bytes: bytes of every token id (for the look-ahead masks). frame: (open, close) bytes of a tagged_json
+    grammar: the JSON sits between them, and text that does not start with `open` is free text (nothing to check).
     """
 
-    def __init__(self, schema: dict, modified: set, token_bytes: list, notes=(), max_attempts: int = MAX_ATTEMPTS):
+    def __init__(self, schema: dict, modified: set, token_bytes: list, notes=(), max_attempts: int = MAX_ATTEMPTS,
+                 frame: tuple[bytes, bytes] | None = None):
         import jsonschema
         from jsonschema.validators import validator_for
 
         self.schema = schema
+        self.frame = frame
         self.notes = tuple(notes)
         self.max_attempts = max_attempts
         cls = validator_for(schema, default=jsonschema.Draft202012Validator)
@@ -439,11 +444,13 @@ class CheckedMatcher:
         self.checks = checks
         self.words = (len(checks.token_bytes) + 31) // 32
         self.text = bytearray()
-        self.hist = [(INITIAL, 0)]  # scanner state and text length after each consumed token
+        self.hist = [(_BEFORE if checks.frame else INITIAL, 0)]  # scanner state and text length after each token
         self.attempts = 0
         self.failed: str | None = None
+        self.failed_at = 0  # tokens consumed when the row failed; a rollback below that point clears the failure
         self.last_failure: str | None = None
         self.fail_start = 0  # text offset where the value of the last failure starts
+        self.retry_reason: str | None = None  # the failure a retry (restart) started from
         self.forbid: dict = {}  # text so far -> token ids masked there (continuations that failed before)
         self._gate: dict = {}
 
@@ -453,11 +460,21 @@ class CheckedMatcher:
         if state is None:  # the scanner lost track (not JSON text): only the final gate checks from here
             return None, None
         data = self.checks.token_bytes[token] if token < len(self.checks.token_bytes) else b""
+        if state == _FREE:
+            return state, None
+        offset, raw = len(text), data
+        if state == _BEFORE:  # a tagged_json grammar before its JSON: the open tag, or free text
+            opener, full = self.checks.frame[0], text + data
+            if not (full.startswith(opener) or opener.startswith(full)):
+                return _FREE, None
+            if len(full) <= len(opener):
+                return _BEFORE, None
+            state, offset, data = INITIAL, len(opener), full[len(opener):]
         closes: list = []
-        new = scan(state, data, len(text), closes)
+        new = scan(state, data, offset, closes)
         if new is None or not closes:
             return new, None
-        full = text + data
+        full = text + raw
         for path, start, end, parent in closes:
             fail = self._close_failure(self._concrete(path, full), start, end, parent, full)
             if fail:
@@ -555,8 +572,21 @@ class CheckedMatcher:
             self.m.rollback(n)
             del self.hist[len(self.hist) - n:]
             del self.text[self.hist[-1][1]:]
+            self._gate = {}  # cached by length: another text may reach the same length
+            if self.failed and len(self.hist) - 1 < self.failed_at:
+                self.failed = None  # back before the failure (rejected drafts): judged afresh when reached again
+
+    def restart(self, forbid: dict, reason: str | None = None) -> None:
+        """After a rollback below a failure `reason` (retry.py): not failed, attempts renewed, `forbid` ({text:
+        token ids}) masked from now on."""
+        self.retry_reason = reason or self.retry_reason
+        self.failed = None
+        self.attempts = 0
+        self.forbid = forbid
 
     def _needs_lookahead(self, state) -> bool:
+        if not isinstance(state, tuple):
+            return False  # free text, or a tagged_json grammar's open tag
         stack, scalar, top = state
         if top == "done":
             return False
@@ -580,6 +610,13 @@ class CheckedMatcher:
             banned = self.forbid.get(bytes(self.text))
             if banned:
                 bm.set_tokens(bitmask, index, banned, False)
+                if not bm.any_allowed(bitmask, index, len(self.checks.token_bytes)) and not (
+                        self.m.is_accepting() and self._gate_failure() is None):
+                    # the retried value has no other continuation here: the check still fails (not a dead end)
+                    self.failed = self.last_failure or self.retry_reason or "a retried value"
+                    self.failed_at = len(self.hist) - 1
+                    self.fail_start = len(self.text)  # a retry backs up one more token (retry.py)
+                    return
         state = self.hist[-1][0]
         if state is None or not self._needs_lookahead(state):
             return
@@ -595,7 +632,7 @@ class CheckedMatcher:
         forbidden = []
         for t in np.flatnonzero(candidates).tolist():
             new, fail = self._check_token(state, text, t)
-            if not fail and new is not None and self.checks._last_number[t]:
+            if not fail and isinstance(new, tuple) and self.checks._last_number[t]:
                 fail = self._final_number_failure(new, text, t)
             if fail:
                 forbidden.append(t)
@@ -607,16 +644,21 @@ class CheckedMatcher:
             if self.attempts >= self.checks.max_attempts or not (
                     words.any() or self.m.is_accepting() and self._gate_failure() is None):
                 self.failed = self.last_failure  # out of attempts, or no continuation left: the row fails
+                self.failed_at = len(self.hist) - 1
                 bitmask[index].zero_()
 
     def _gate_failure(self) -> str | None:
         """None if the whole text validates against the whole schema (cached per length)."""
         n = len(self.text)
         if n not in self._gate:
-            fail = self.checks.failure(self.checks.schema, bytes(self.text))
-            if fail is None:
+            body = bytes(self.text)
+            if self.checks.frame:  # tagged_json: free text passes; the JSON between the tags is checked
+                opener, closer = self.checks.frame
+                body = body[len(opener):].removesuffix(closer) if body.startswith(opener) else None
+            fail = None if body is None else self.checks.failure(self.checks.schema, body)
+            if fail is None and body is not None:
                 try:
-                    json.loads(bytes(self.text))
+                    json.loads(body)
                 except ValueError:
                     fail = "incomplete JSON"
             self._gate = {n: fail}
@@ -658,6 +700,7 @@ class CheckedMatcher:
         other.text = bytearray(self.text)
         other.hist = list(self.hist)
         other.attempts, other.failed, other.last_failure = self.attempts, self.failed, self.last_failure
+        other.failed_at, other.retry_reason = self.failed_at, self.retry_reason
         other.fail_start, other.forbid = self.fail_start, self.forbid
         return other
 
@@ -685,11 +728,13 @@ def _pointer(path) -> str:
     return "/" + "/".join(str(p).replace("~", "~0").replace("/", "~1") for p in path) if path else "(root)"
 
 
-def schema_checks_for(schema, relaxed, token_bytes) -> SchemaChecks | None:
-    """SchemaChecks for a schema widened by `relaxed` (None when nothing was widened: the grammar is exact)."""
+def schema_checks_for(schema, relaxed, token_bytes, frame=None) -> SchemaChecks | None:
+    """SchemaChecks for a schema widened by `relaxed` (None when nothing was widened: the grammar is exact).
+    frame: (open, close) tags of a tagged_json grammar (str)."""
     if not relaxed.modified:
         return None
     try:
-        return SchemaChecks(schema, relaxed.modified, token_bytes, notes=relaxed.notes)
+        return SchemaChecks(schema, relaxed.modified, token_bytes, notes=relaxed.notes,
+                            frame=tuple(t.encode() for t in frame) if frame else None)
     except Exception as err:  # noqa: BLE001  (jsonschema rejects the schema itself)
         raise GrammarError(f"json_schema: cannot be checked exactly ({type(err).__name__}: {err})") from None

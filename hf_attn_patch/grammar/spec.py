@@ -8,7 +8,7 @@ from typing import Any
 
 from .errors import GrammarError
 
-KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice")
+KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice", "tagged_json")
 
 
 @dataclass(frozen=True)
@@ -17,7 +17,9 @@ class GrammarSpec:
 
     kind: one of ``json_schema`` (source: a JSON Schema dict or JSON text), ``json_object`` (any JSON object; source
     ignored), ``regex`` (source: pattern, full match), ``lark`` (Lark text with a ``start`` rule), ``gbnf``
-    (GBNF / EBNF text with a ``root`` rule), ``choice`` (source: a tuple of strings; the output is exactly one).
+    (GBNF / EBNF text with a ``root`` rule), ``choice`` (source: a tuple of strings; the output is exactly one),
+    ``tagged_json`` (source: (schema dict, open, close); the output is either text that does not start with the
+    first character of ``open``, or ``open`` + JSON valid under the schema + ``close``: a tool call or an answer).
     key: a canonical string used to cache compiled grammars (two equal specs share one compilation).
     """
 
@@ -41,6 +43,15 @@ class GrammarSpec:
         except (TypeError, ValueError) as err:
             raise GrammarError(f"schema: not JSON-serialisable ({err})") from None
         return GrammarSpec("json_schema", schema, "json_schema:" + key)
+
+    @staticmethod
+    def tagged_json(schema, open_tag: str, close_tag: str) -> "GrammarSpec":
+        inner = GrammarSpec.json_schema(schema)
+        for name, tag in (("open", open_tag), ("close", close_tag)):
+            if not isinstance(tag, str) or not tag or '"' in tag or "\\" in tag:
+                raise GrammarError(f"{name}: expected a non-empty tag without quotes or backslashes, got {tag!r:.80}")
+        return GrammarSpec("tagged_json", (inner.source, open_tag, close_tag),
+                           f"tagged_json:{open_tag}\0{close_tag}\0{inner.key}")
 
     @staticmethod
     def json_object() -> "GrammarSpec":

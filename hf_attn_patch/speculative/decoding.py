@@ -9,7 +9,8 @@ Keywords, as in transformers: `assistant_model=`, `assistant_early_exit=`, `prom
 (`max_matching_ngram_size=`). Ours, accepted by generate() while patched: `draft_length="adaptive"` (default) or
 an int for a fixed length, and `speculative_stats=SpeculativeStats()` to receive acceptance and timing figures.
 Grammar processors (response_format= / grammar=) are driven per row by grammar_rows.py: drafts are checked
-against the grammar before verification and the states roll back what was rejected.
+against the grammar (and a checked JSON Schema's exact checks) before verification and the states roll back what
+was rejected; rows whose check failed are retried by generate() afterwards (grammar/retry.py), as in plain decoding.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
         attention_mask = torch.ones_like(input_ids)
     sequences = Sequences(input_ids, attention_mask, pad_id)
 
-    grammars = {id(p): GrammarRows(p, batch) for p in grammar_processors(logits_processor)}
+    grammar_list = grammar_processors(logits_processor)
+    grammars = {id(p): GrammarRows(p, input_ids.cpu()) for p in grammar_list}
 
     def process(tokens, logits, position=None):
         """generate()'s processors in their order; grammars mask verification `position` j, or (position None)
@@ -226,6 +228,8 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
 
     if streamer is not None:
         streamer.end()
+    for processor in grammar_list:  # final states back: generate() retries rows whose JSON Schema check failed
+        grammars[id(processor)].finish(processor)
     stats.total_seconds += time.perf_counter() - started
     logger.debug("speculative decoding: %s", stats.summary())
     result = sequences.output(input_ids)
