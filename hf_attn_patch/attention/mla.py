@@ -88,6 +88,7 @@ class MultiHeadLatentAttention(nn.Module):
         return c, k_rope
 
     def _rope(self, q_rope, k_rope, position_embeddings):
+        """q_rope [B, H, T, d_r], k_rope [B, 1, T, d_r] -> both rotated, in one pass over the H + 1 heads."""
         if not self.qk_rope_head_dim:
             return q_rope, k_rope
         if torch.is_tensor(position_embeddings) and position_embeddings.is_complex():  # DeepSeek-V2's freqs_cis
@@ -96,9 +97,10 @@ class MultiHeadLatentAttention(nn.Module):
         cos, sin = position_embeddings
         if self.rope_pairs is not None:
             cos, sin = select_rope_pairs(cos, sin, torch.tensor(self.rope_pairs, device=cos.device))
+        both = torch.cat((q_rope, k_rope), 1)
         if self.spec.rope_interleave:
-            q_rope, k_rope = deinterleave(q_rope), deinterleave(k_rope)
-        return apply_rope(q_rope, cos, sin), apply_rope(k_rope, cos, sin)
+            both = deinterleave(both)
+        return apply_rope(both, cos, sin).split((self.num_heads, 1), 1)
 
     def _up_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, d_n, d_c], W_UV [H, d_v, d_c]: views of kv_b_proj.weight (rows: per head k_nope then v)."""
