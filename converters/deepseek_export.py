@@ -210,7 +210,7 @@ def to_deepseek_v3(native, windows: torch.Tensor, stride: int, source_config=Non
     from transformers import AutoModelForCausalLM
 
     from .deepseek_layers import LatentStats, export_config, export_layer, export_resident, export_shape
-    from .evaluate import evaluate
+    from ..evaluation.perplexity import evaluate
 
     check_export(engine, latent_norm)
     src = native.config

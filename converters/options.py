@@ -28,7 +28,7 @@ from .calibration import CALIB_SOURCES, is_dataset_source
 from .deepseek_export import ENGINES
 from .gqa_merge import GQA_METHODS
 from .heal_fsdp import launch_mode
-from .hub import check_repo_id
+from ..hub import check_repo_id
 from .methods import MLA_METHODS
 from .reconstruct import TARGETS as RECONSTRUCT_TARGETS
 

@@ -40,7 +40,7 @@ def _load_config(source: str):
 def cmd_push(args) -> None:
     import json
 
-    from .converters.hub import push
+    from .hub import push
 
     try:
         result = push(args.folder, args.repo, private=args.private, dry_run=args.dry_run)
@@ -52,8 +52,8 @@ def cmd_push(args) -> None:
 def cmd_eval(args) -> None:
     import json
 
-    from .converters.convert import load_source
-    from .converters.evaluate import evaluate, read_text, windows_of
+    from .models.pretrained import load_source
+    from .evaluation.perplexity import evaluate, read_text, windows_of
 
     if (args.text is None) == (args.tasks is None):
         raise SystemExit("error: eval needs exactly one of --text FILE (perplexity) and --tasks T[,T...] (lm-eval)")
@@ -70,7 +70,7 @@ def cmd_eval(args) -> None:
         windows = windows_of(text, tokenizer, args.ctx, args.max_tokens)
         result = evaluate(model, windows, reference)
         if args.update_card:  # the source's perplexity on the same windows, recorded beside the model's
-            from .converters.hub import update_card
+            from .hub import update_card
 
             source_ppl = evaluate(reference, windows, progress=False).perplexity
             update_card(args.model, {"text": os.path.basename(args.text), "tokens": result.tokens,
@@ -83,8 +83,8 @@ def cmd_eval(args) -> None:
 
 def _eval_tasks(args) -> None:
     """lm-eval tasks on MODEL (and --reference), one table; lm-eval and the task names are checked before loading."""
-    from .converters.convert import load_source
-    from .converters.lm_eval_runner import EVAL_DATA_ENV, check_eval_data, check_tasks, run_tasks, table, task_manager
+    from .models.pretrained import load_source
+    from .evaluation.harness import EVAL_DATA_ENV, check_eval_data, check_tasks, run_tasks, table, task_manager
 
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
     try:
@@ -104,7 +104,7 @@ def _eval_tasks(args) -> None:
     reference = scores.get(args.reference) if args.reference else None
     print(table(scores[args.model], reference, names=(args.model, args.reference or "")))
     if args.update_card:  # accuracy beside the reference's, in MODEL's report and model card
-        from .converters.hub import update_card
+        from .hub import update_card
 
         ref = {(s.task, s.metric): s.value for s in reference}
         accuracy = {f"{s.task} {s.metric}": [s.value, ref[s.task, s.metric]] for s in scores[args.model]
@@ -186,7 +186,7 @@ def cmd_kv_report(args) -> None:
 
 def cmd_serve(args) -> None:
     require("serve", "hf-attn serve")  # before the model loads
-    from .converters.convert import load_source
+    from .models.pretrained import load_source
     from .devices import resolve_device
     from .engine import Engine
     from .engine.memory import DEFAULT_KV_MEMORY
@@ -259,7 +259,7 @@ def _demo_conversion() -> None:
 
     from .converters.calibration import DEFAULT_CORPUS, read_calibration_text
     from .converters.convert import convert
-    from .converters.evaluate import evaluate, windows_of
+    from .evaluation.perplexity import evaluate, windows_of
     from .models import load_default
 
     source, tokenizer = load_default()

@@ -24,8 +24,9 @@ from pathlib import Path
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
-from hf_attn_patch.converters.convert import convert, load_source
-from hf_attn_patch.converters.evaluate import evaluate
+from hf_attn_patch.converters.convert import convert
+from hf_attn_patch.models.pretrained import load_source
+from hf_attn_patch.evaluation.perplexity import evaluate
 from hf_attn_patch.kv_memory import kv_cache_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -36,9 +36,10 @@ from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
-from hf_attn_patch.converters.convert import _heal, convert, heal_layerwise, load_source
+from hf_attn_patch.converters.convert import _heal, convert, heal_layerwise
+from hf_attn_patch.models.pretrained import load_source
 from hf_attn_patch.converters.options import ConvertOptions
-from hf_attn_patch.converters.evaluate import evaluate, windows_of
+from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 from hf_attn_patch.kv_memory import kv_cache_bytes
 
 CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"

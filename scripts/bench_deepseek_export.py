@@ -22,9 +22,10 @@ import torch
 
 import hf_attn_patch  # noqa: F401 - builds the native MLA model
 from hf_attn_patch.converters import convert as convert_module
-from hf_attn_patch.converters.convert import convert, load_source
+from hf_attn_patch.converters.convert import convert
+from hf_attn_patch.models.pretrained import load_source
 from hf_attn_patch.converters.deepseek_export import to_deepseek_v3
-from hf_attn_patch.converters.evaluate import evaluate, windows_of
+from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 
 
 def main() -> None:

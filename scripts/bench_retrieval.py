@@ -10,7 +10,7 @@ reconstruction "auto", sensitivity rank allocation for native MLA), into --work/
     perplexity   on text never calibrated on: WikiText-2 test (first 200,000 characters, 4 x 512 tokens) for
                  SmolLM2, the last 60,000 characters of the package's TinyStories sample (8 x 256) otherwise;
                  ratio to the source's
-    retrieval    converters/retrieval.py: passkey / copy / induction accuracy per distance (up to --largest, else
+    retrieval    evaluation/retrieval.py: passkey / copy / induction accuracy per distance (up to --largest, else
                  the source's context), --items per (task, distance), the source's vocabulary and seed 0 for all
     accuracy     lm-eval zero-shot, the offline tasks (zero_shot_offline) on their first --limit items each;
                  average of acc_norm (winogrande: acc); retained = average / the source's
@@ -31,9 +31,9 @@ import torch
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch.converters.calibration import read_calibration_text
-from hf_attn_patch.converters.convert import load_source
-from hf_attn_patch.converters.evaluate import evaluate, windows_of
-from hf_attn_patch.converters.retrieval import RetrievalResult, evaluate_retrieval, known_vocabulary, retained, table
+from hf_attn_patch.models.pretrained import load_source
+from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
+from hf_attn_patch.evaluation.retrieval import RetrievalResult, evaluate_retrieval, known_vocabulary, retained, table
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
@@ -60,7 +60,7 @@ def eval_windows(source: str, tokenizer) -> torch.Tensor:
 
 
 def accuracy(model, tokenizer, limit: int) -> dict:
-    from hf_attn_patch.converters.lm_eval_runner import OFFLINE_TAG, average_accuracy, run_tasks, task_manager
+    from hf_attn_patch.evaluation.harness import OFFLINE_TAG, average_accuracy, run_tasks, task_manager
 
     scores = run_tasks(model, tokenizer, [OFFLINE_TAG], task_manager(), limit=limit, batch_size=8)
     return {"average": average_accuracy(scores), "tasks": {f"{s.task} {s.metric}": s.value for s in scores}}

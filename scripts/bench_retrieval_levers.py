@@ -28,8 +28,9 @@ from transformers import AutoModelForCausalLM
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch.converters import methods
 from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
-from hf_attn_patch.converters.convert import convert, load_source
-from hf_attn_patch.converters.retrieval import evaluate_retrieval, known_vocabulary, retained
+from hf_attn_patch.converters.convert import convert
+from hf_attn_patch.models.pretrained import load_source
+from hf_attn_patch.evaluation.retrieval import evaluate_retrieval, known_vocabulary, retained
 
 LEVERS = {"baseline": {}, "rope_context": {"rope_context": True}, "calib_1024": {"calib_len": 1024, "calib_samples": 8}}
 

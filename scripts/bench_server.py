@@ -88,7 +88,7 @@ def burst(port: int, size: int, max_tokens: int) -> tuple[list[float], float, in
 
 def offline(model_name: str, size: int, max_tokens: int) -> float:
     """The same requests through Engine.generate in this process -> wall seconds."""
-    from hf_attn_patch.converters.convert import load_source
+    from hf_attn_patch.models.pretrained import load_source
     from hf_attn_patch.engine import Engine, SamplingParams
 
     model, tokenizer = load_source(model_name)

@@ -21,7 +21,7 @@ from hf_attn_patch.converters.calibration import calibration_windows, collect_st
 from hf_attn_patch.converters.deepseek_export import check_source, engine_shape, stock_frequencies, to_deepseek_v3
 from hf_attn_patch.converters.exact import rebuild, stock_attention_layers
 from hf_attn_patch.converters.gqa_merge import gqa_layer
-from hf_attn_patch.converters.hub import engines
+from hf_attn_patch.hub import engines
 from hf_attn_patch.converters.methods import LatentPlan, allocate_ranks, lift_plan, plan_layer, ranked_components
 from hf_attn_patch.converters.reconstruct import LAYERWISE_LR, sequential, summary
 from hf_attn_patch.devices import resolve_device
@@ -52,7 +52,7 @@ def load_source(source):
     try:
         from hf_attn_patch.converters.load import load_source as load
     except ImportError:
-        from hf_attn_patch.converters.convert import load_source as load
+        from hf_attn_patch.models.pretrained import load_source as load
     return load(source)
 
 

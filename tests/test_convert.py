@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 import hf_attn_patch
 from hf_attn_patch.attention import GroupedQueryAttention, MultiHeadLatentAttention
 from hf_attn_patch.converters.convert import convert
-from hf_attn_patch.converters.evaluate import evaluate, windows_of
+from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 from hf_attn_patch.converters.gqa_merge import mean_pool
 from hf_attn_patch.models import load_default
 from hf_attn_patch.models.architectures import architecture_of

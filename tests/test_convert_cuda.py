@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_attn_patch.converters.calibration import read_calibration_text
 from hf_attn_patch.converters.convert import convert
-from hf_attn_patch.converters.evaluate import evaluate, windows_of
+from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

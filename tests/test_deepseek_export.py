@@ -137,7 +137,7 @@ def test_deepseek_format_needs_mla(tmp_path):
 
 
 def test_engines_per_format():
-    from hf_attn_patch.converters.hub import engines
+    from hf_attn_patch.hub import engines
 
     def ds(d_c, d_r, q_lora):
         return {"format": "deepseek_v3", "model_type": "llama",

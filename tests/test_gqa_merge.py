@@ -11,7 +11,7 @@ import torch
 
 from hf_attn_patch.converters import gqa_merge
 from hf_attn_patch.converters.calibration import calibration_windows, collect_stats, read_calibration_text
-from hf_attn_patch.converters.evaluate import evaluate, windows_of
+from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 from hf_attn_patch.converters.exact import rebuild, stock_attention_layers
 from hf_attn_patch.converters.gqa_merge import GQA_METHODS, choose_groups, gqa_layer, mean_pool
 from hf_attn_patch.models.architectures import architecture_of, head_dim, rotary_dim

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 from hf_attn_patch.attention import MultiHeadLatentAttention
 from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, sample_from_teacher
 from hf_attn_patch.converters.convert import convert
-from hf_attn_patch.converters.evaluate import evaluate, windows_of
+from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 from hf_attn_patch.converters.heal import AUTO_LRS, heal
 from hf_attn_patch.models import load_default
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hf_attn_patch.converters.convert import convert
-from hf_attn_patch.converters.hub import push
+from hf_attn_patch.hub import push
 
 from ._fast import FAST
 

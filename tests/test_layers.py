@@ -1,5 +1,7 @@
-"""The package's layers, top to bottom: cli / _patching -> engine, converters -> speculative, grammar -> attention,
-models -> cache, kv_memory -> kernels. No import, at module level or inside a function, runs up this list."""
+"""The package's layers, top to bottom: cli / _patching, converters -> evaluation, hub -> engine -> speculative,
+grammar -> attention, models -> cache, kv_memory -> kernels. No import, at module level or inside a function, runs up
+this list: evaluation (measuring a model) and hub (model cards, publishing) may be used by the converters and the CLI,
+never by the engine or anything below it."""
 
 from __future__ import annotations
 
@@ -14,11 +16,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"hf_attn_patch": ROOT / "hf_attn_patch", "hf_attn_patch.converters": ROOT / "converters",
             "hf_attn_patch.kernels": ROOT / "kernels"}  # fmt: skip
 LEVEL = {"kernels": 0, "extras": 0, "kv_memory": 1, "devices": 1, "cache": 1, "attention": 2, "models": 2, "grammar": 3,
-         "speculative": 3, "engine": 4, "converters": 5, "cli": 5, "_patching": 5, "assets": 0}  # fmt: skip
+         "speculative": 3, "engine": 4, "evaluation": 5, "hub": 5, "converters": 6, "cli": 6, "_patching": 6,
+         "assets": 0}  # fmt: skip
 # lm-eval's loaders of the offline tasks live beside their YAMLs (lm-eval imports them by path): evaluation code, the
-# converters' layer, though the folder is the package's data
-SUBLEVEL = {("assets", "lm_eval_tasks"): 5}
-ROOT_LEVEL = 5  # the package root loads every layer's public names (and patch()): importing it is importing the top
+# evaluation layer, though the folder is the package's data
+SUBLEVEL = {("assets", "lm_eval_tasks"): LEVEL["evaluation"]}
+ROOT_LEVEL = 6  # the package root loads every layer's public names (and patch()): importing it is importing the top
 
 
 def modules():
@@ -66,7 +69,8 @@ def test_no_import_runs_up_a_layer(name, is_package, path):
         assert other is None or other <= own, f"{path.relative_to(ROOT)}:{line} imports {'.'.join(target)} (layer {other} > {own})"
 
 
-@pytest.mark.parametrize("package", ["cache", "attention", "kv_memory", "models", "grammar", "speculative"])
+@pytest.mark.parametrize("package", ["cache", "attention", "kv_memory", "models", "grammar", "speculative", "evaluation",
+                                     "hub"])  # fmt: skip
 def test_lower_layers_load_without_the_engine(package):
     code = (f"import hf_attn_patch.{package}, sys; "
             "assert not [m for m in sys.modules if m.startswith('hf_attn_patch.engine')]")  # fmt: skip

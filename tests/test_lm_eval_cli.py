@@ -70,14 +70,14 @@ def test_unknown_task_fails_before_any_model_loads(monkeypatch):
     def refuse(source):
         raise AssertionError(f"load_source({source!r}) ran before the task names were checked")
 
-    monkeypatch.setattr("hf_attn_patch.converters.convert.load_source", refuse)
+    monkeypatch.setattr("hf_attn_patch.models.pretrained.load_source", refuse)
     with pytest.raises(SystemExit, match=r"unknown lm-eval task\(s\): 'tiny_stories_clozee' \(did you mean tiny_stories_cloze"):
         cli.main(["eval", "default", "--tasks", "tiny_stories_clozee", "--include-path", str(TASKS)])
 
 
 def test_missing_lm_eval_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "lm_eval.tasks", None)  # import lm_eval.tasks now raises ImportError
-    monkeypatch.setattr("hf_attn_patch.converters.convert.load_source", lambda s: pytest.fail("model loaded"))
+    monkeypatch.setattr("hf_attn_patch.models.pretrained.load_source", lambda s: pytest.fail("model loaded"))
     with pytest.raises(SystemExit, match=r"pip install 'hf-attn-patch\[eval\]'"):
         cli.main(["eval", "default", "--tasks", "hellaswag"])
 

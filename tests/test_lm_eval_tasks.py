@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from hf_attn_patch import cli
-from hf_attn_patch.converters import lm_eval_runner
-from hf_attn_patch.converters.lm_eval_runner import OFFLINE_FILES, load_offline, offline_tasks_dir
+from hf_attn_patch.evaluation import harness
+from hf_attn_patch.evaluation.harness import OFFLINE_FILES, load_offline, offline_tasks_dir
 
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install hf-attn-patch[eval])")
 
@@ -60,7 +60,7 @@ def table_rows(output: str) -> dict[tuple[str, str], float]:
 
 @needs_data
 def test_every_offline_task_scores_as_our_own_argmax(stories, capsys, monkeypatch):
-    monkeypatch.setenv(lm_eval_runner.EVAL_DATA_ENV, "/nonexistent")  # --eval-data overrides it; restored after
+    monkeypatch.setenv(harness.EVAL_DATA_ENV, "/nonexistent")  # --eval-data overrides it; restored after
     cli.main(["eval", "default", "--tasks", "zero_shot_offline", "--limit", str(LIMIT), "--eval-data", str(EVALS)])
     scores = table_rows(capsys.readouterr().out)
     assert {task for task, _ in scores} == set(OFFLINE_FILES)
@@ -77,7 +77,7 @@ def test_every_offline_task_scores_as_our_own_argmax(stories, capsys, monkeypatc
 
 @needs_data
 def test_offline_rows_are_the_whole_splits(monkeypatch):
-    monkeypatch.setenv(lm_eval_runner.EVAL_DATA_ENV, str(EVALS))
+    monkeypatch.setenv(harness.EVAL_DATA_ENV, str(EVALS))
     for task, (_, split) in OFFLINE_FILES.items():
         assert len(load_offline(task)[split]) == ROWS[task], task
     first = load_offline("hellaswag_offline")["validation"][0]  # lm-eval's preprocessing of the first row
@@ -86,8 +86,8 @@ def test_offline_rows_are_the_whole_splits(monkeypatch):
 
 
 def test_missing_data_folder_is_named_before_any_model_loads(monkeypatch, tmp_path):
-    monkeypatch.delenv(lm_eval_runner.EVAL_DATA_ENV, raising=False)
-    monkeypatch.setattr("hf_attn_patch.converters.convert.load_source", lambda s: pytest.fail("model loaded"))
+    monkeypatch.delenv(harness.EVAL_DATA_ENV, raising=False)
+    monkeypatch.setattr("hf_attn_patch.models.pretrained.load_source", lambda s: pytest.fail("model loaded"))
     with pytest.raises(SystemExit, match=r"piqa_offline read local files: give their folder with --eval-data DIR"):
         cli.main(["eval", "default", "--tasks", "piqa_offline"])
     (tmp_path / "piqa").mkdir()

@@ -1,4 +1,4 @@
-"""The model card `hf-attn convert` writes (converters/hub.py): Hub metadata that huggingface_hub parses into its
+"""The model card `hf-attn convert` writes (hf_attn_patch/hub.py): Hub metadata that huggingface_hub parses into its
 ModelCardData, what the model is, how to load it in each engine, its quality against the source, KV bytes per
 token, the command that made it, and the licence carried from the source."""
 
@@ -14,7 +14,7 @@ from huggingface_hub import ModelCard, ModelCardData
 from hf_attn_patch.cli import build_parser, convert_options, main
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.options import ConvertOptions
-from hf_attn_patch.converters.hub import update_card
+from hf_attn_patch.hub import update_card
 from hf_attn_patch.models import load_default
 
 from ._fast import FAST

@@ -1,5 +1,5 @@
-"""Context retrieval probes (converters/retrieval.py): the items hold what they claim at the stated distance, the
-score is the greedy accuracy computed from full logits, every model answers the same items, bad input is named.
+"""Context retrieval probes (hf_attn_patch/evaluation/retrieval.py): the items hold what they claim at the stated
+distance, the score is the greedy accuracy computed from full logits, every model answers the same items, bad input is named.
 
 stories260k scores near zero on random-token retrieval (it copies stories, not arbitrary tokens), so these tests
 check the machinery; the quality bounds of real conversions are in tests/test_stories15m.py and BENCHMARKS.md.
@@ -10,8 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_attn_patch.converters import retrieval
-from hf_attn_patch.converters.retrieval import (Batch, copy_batch, distances, evaluate_retrieval, induction_batch,
+from hf_attn_patch.evaluation import retrieval
+from hf_attn_patch.evaluation.retrieval import (Batch, copy_batch, distances, evaluate_retrieval, induction_batch,
                                                 known_vocabulary, passkey_batch, score, vocabulary)  # fmt: skip
 
 

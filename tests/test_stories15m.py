@@ -15,8 +15,9 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from hf_attn_patch.converters.calibration import read_calibration_text
-from hf_attn_patch.converters.convert import convert, load_source
-from hf_attn_patch.converters.evaluate import evaluate, windows_of
+from hf_attn_patch.converters.convert import convert
+from hf_attn_patch.models.pretrained import load_source
+from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 
 STORIES15M = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories15m"
 pytestmark = pytest.mark.skipif(not STORIES15M.exists(), reason="../shared/models/stories15m not present")

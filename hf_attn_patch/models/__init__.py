@@ -1,10 +1,11 @@
-"""Per-architecture glue (one table), attention construction from a config, and the bundled models."""
+"""Per-architecture glue (one table), attention construction from a config, and loading models (the bundled ones by
+name, local folders, Hub ids)."""
 
 from __future__ import annotations
 
 from ..attention import GroupedQueryAttention, MultiHeadLatentAttention
 from .architectures import ARCHITECTURES, Architecture, AttentionWeights, architecture_of, attention_spec
-from .pretrained import load_default, load_smollm2
+from .pretrained import load_default, load_smollm2, load_source
 
 
 def build_attention(config, layer_idx: int):
@@ -29,5 +30,6 @@ __all__ = [
     "build_attention",
     "load_default",
     "load_smollm2",
+    "load_source",
     "validate_variant_config",
 ]

@@ -1,4 +1,5 @@
-"""The real models this project ships or can reach offline.
+"""Loading models: by name ('default', 'smollm2'), from a local folder (safetensors only) or a Hub id (load_source),
+and the real models this project ships or can reach offline.
 
 - stories260k (embedded in hf_attn_patch/assets, MIT, llama2.c by Andrej Karpathy): Llama, 5 layers, hidden 64,
   8 query heads, 4 KV heads, vocab 512. The default model of demos and tests.
@@ -71,3 +72,40 @@ def load_smollm2(dtype=None):
 
     path = smollm2_dir()
     return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval(), AutoTokenizer.from_pretrained(path)
+
+
+def load_source(source: str):
+    """(model, tokenizer): 'default' (embedded stories260k), 'smollm2', a local folder (safetensors only), or a Hub id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if source == "default":
+        return load_default()
+    if source == "smollm2":
+        return load_smollm2()
+    check_source_folder(source)
+    try:  # use_safetensors: a folder holding only pickled .bin weights is refused, never unpickled
+        model = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True).eval()
+    except OSError as err:
+        raise ValueError(f"{source!r} is not a model folder, 'default', 'smollm2' or a reachable Hub id ({err})") from err
+    return model, AutoTokenizer.from_pretrained(source)
+
+
+def check_source_folder(source: str) -> None:
+    """A local source folder must hold a config and safetensors weights; pickled .bin weights are refused unread."""
+    folder = Path(source)
+    if source in ("default", "smollm2") or not folder.is_dir():
+        return
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{source!r} is not a model folder: it has no config.json")
+    if not any(folder.glob("*.safetensors")) and any(folder.glob("*.bin")):
+        raise ValueError(
+            f"{source!r} holds only pickled .bin weights, which are refused: unpickling can run arbitrary code. "
+            f"Fix: in an environment you trust, load it once and save it as safetensors: python -c \"from "
+            f"transformers import AutoModelForCausalLM as M; M.from_pretrained('{source}').save_pretrained('{source}-st')\""
+        )
+
+
+def source_folder(source: str) -> Path | None:
+    """The local folder a source is read from, if any ('default' is the package's embedded model)."""
+    folder = Path(DEFAULT_MODEL_DIR) if source == "default" else Path(source)
+    return folder.resolve() if folder.exists() else None

@@ -1,6 +1,6 @@
 """Loaders of the offline zero-shot tasks (the YAMLs next to this file): lm-eval imports this file by its path."""
 
-from hf_attn_patch.converters.lm_eval_runner import load_offline
+from hf_attn_patch.evaluation.harness import load_offline
 
 
 def hellaswag(**kwargs):
