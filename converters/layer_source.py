@@ -1,9 +1,11 @@
 """A source model read one decoder layer at a time from its safetensors files.
 
-The resident parts (token embeddings [V, D], final norm [D], LM head [V, D], tied to the embeddings where the config
-says so) are loaded once; `layer(i)` builds transformers' own decoder layer for the config (LlamaDecoderLayer,
-Qwen2DecoderLayer, ...) with only layer i's weights, read with `safe_open`. The full model is never materialized: its
-skeleton lives on the meta device and costs no memory.
+The resident parts (everything outside the decoder layers: token and position embeddings, final norm, LM head, tied
+to the embeddings where the config says so) are loaded once; `layer(i)` builds transformers' own decoder layer for
+the config (LlamaDecoderLayer, GPT2Block, ...) with only layer i's weights, read with `safe_open`. The full model is
+never materialized: its skeleton lives on the meta device and costs no memory. The skeleton's own forward, with its
+decoder layers stood in for, gives what surrounds the layers for any architecture (layer_stream.LayerRunner):
+the hidden states entering layer 0, each layer's other arguments, and the logits of the last layer's output.
 """
 
 from __future__ import annotations
@@ -19,9 +21,6 @@ from torch import nn
 
 logger = logging.getLogger(__name__)
 
-# Base models whose forward is exactly: embed -> layers (one causal or sliding mask per layer, one rotary embedding)
-# -> norm -> lm_head. Others (embedding scaling, soft-capping, per-layer rotary) would need their own streamed forward.
-STREAMABLE_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
@@ -86,8 +85,9 @@ def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -
 class LayerSource:
     """The source read layer by layer. Build with `LayerSource.open(source, device, dtype)`.
 
-    model: the model with its resident parts loaded and its decoder layers left on the meta device.
-    files: {tensor name: safetensors file}; layer_prefix: the state-dict prefix of the decoder layers."""
+    model: the model with its resident parts loaded and its decoder layers left on the meta device;
+    files: {tensor name: safetensors file}; layers_name: the module name of the decoder layers' ModuleList
+    ('model.layers', 'transformer.h', 'gpt_neox.layers', 'model.decoder.layers')."""
 
     folder: Path
     config: object
@@ -95,42 +95,53 @@ class LayerSource:
     files: dict[str, Path]
     device: torch.device
     dtype: torch.dtype
-    layer_prefix: str = "model.layers."
+    layers_name: str = "model.layers"
 
     @classmethod
     def open(cls, source, device="cpu", dtype=torch.float32, attn_implementation: str = "sdpa") -> "LayerSource":
         """Read the config and the resident parts; no decoder layer is read until `layer(i)`."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
+        from ..models.architectures import architecture_of
+
         folder = resolve_folder(source)
         config = AutoConfig.from_pretrained(folder)
-        if config.model_type not in STREAMABLE_TYPES:
-            raise ValueError(f"model_type={config.model_type!r} cannot be streamed layer by layer; "
-                             f"supported: {list(STREAMABLE_TYPES)}")  # fmt: skip
+        arch = architecture_of(config)  # raises, naming the model_type, for an architecture the package lacks
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
         config = model.config  # carries the attention implementation the decoder layers use
-        device = torch.device(device)
-        files = weight_map(folder)
-        src = cls(folder, config, model, files, device, dtype)
-        base = model.model
-        rotary = type(base.rotary_emb)(config=config)  # inv_freq computed on the CPU, as at the model's construction
-        base.rotary_emb = rotary.to(device)
-        for name in ("embed_tokens", "norm"):
-            part = getattr(base, name)
-            keys = [f"model.{name}.{k}" for k in part.state_dict()]
-            src._check_present(keys)
-            tensors = read_tensors(keys, files, device, dtype)
-            _load_into(part, {k.split(".", 2)[2]: v for k, v in tensors.items()}, f"model.{name}")
-        if src.tied:
-            model.lm_head.weight = base.embed_tokens.weight  # the same Parameter, as transformers ties it
-        else:
-            src._check_present(["lm_head.weight"])
-            head = read_tensors(["lm_head.weight"], files, device, dtype)["lm_head.weight"]
-            _load_into(model.lm_head, {"weight": head}, "lm_head")
-        model.eval()
+        attention = next(n for n, m in model.named_modules() if type(m).__name__ == arch.attention_class)
+        layers_name = attention.rsplit(".", 2)[0]  # <layers>.<i>.<attention>
+        src = cls(folder, config, model.eval(), weight_map(folder), torch.device(device), dtype, layers_name)
+        src._load_resident()
         logger.info("opened %s (%s, %d layers) on %s", folder, config.model_type, config.num_hidden_layers, device)
         return src
+
+    def _load_resident(self) -> None:
+        """Every tensor outside the decoder layers, read and given to the skeleton; the LM head tied to the input
+        embeddings where the config ties them; rotary embeddings (buffers computed, not stored) rebuilt."""
+        prefix = self.layers_name + "."
+        keys = [k for k in self.model.state_dict() if not k.startswith(prefix)]
+        if self.tied:
+            keys = [k for k in keys if k not in self._head_keys()]
+        self._check_present(keys)
+        tensors = read_tensors(keys, self.files, self.device, self.dtype)
+        self.model.load_state_dict(tensors, strict=False, assign=True)
+        if self.tied:
+            self.model.get_output_embeddings().weight = self.model.get_input_embeddings().weight
+        for name, module in list(self.model.named_modules()):
+            if name.startswith(prefix) or not any(b.is_meta for b in module.buffers(recurse=False)):
+                continue
+            if not hasattr(module, "inv_freq"):
+                raise ValueError(f"{name}: buffers {[n for n, _ in module.named_buffers(recurse=False)]} are not "
+                                 f"in the checkpoint and cannot be rebuilt")  # fmt: skip
+            parent, attr = name.rsplit(".", 1)  # inv_freq computed on the CPU, as at the model's construction
+            setattr(self.model.get_submodule(parent), attr, type(module)(config=self.config).to(self.device))
+        self.model.requires_grad_(False)
+
+    def _head_keys(self) -> list[str]:
+        head = self.model.get_output_embeddings()
+        return [f"{n}.weight" for n, m in self.model.named_modules() if m is head]
 
     @property
     def tied(self) -> bool:
@@ -141,6 +152,11 @@ class LayerSource:
     def num_layers(self) -> int:
         return self.config.num_hidden_layers
 
+    @property
+    def layers(self) -> nn.ModuleList:
+        """The skeleton's decoder layers (on the meta device)."""
+        return self.model.get_submodule(self.layers_name)
+
     def _check_present(self, keys: list[str]) -> None:
         missing = [k for k in keys if k not in self.files]
         if missing:
@@ -149,7 +165,7 @@ class LayerSource:
     def layer_keys(self, i: int) -> list[str]:
         """The checkpoint names of layer i's tensors, e.g. 'model.layers.3.self_attn.q_proj.weight' (old checkpoints'
         per-layer 'rotary_emb.inv_freq' left out, as from_pretrained leaves it: the rotary embedding is built once)."""
-        prefix = f"{self.layer_prefix}{i}."
+        prefix = f"{self.layers_name}.{i}."
         return [k for k in self.files if k.startswith(prefix) and not k.endswith("rotary_emb.inv_freq")]
 
     def layer(self, i: int) -> nn.Module:
@@ -157,29 +173,93 @@ class LayerSource:
         on `device` in `dtype`, with no gradients. Input/output: hidden states [B, T, D]."""
         if not 0 <= i < self.num_layers:
             raise ValueError(f"layer index {i} is outside 0..{self.num_layers - 1}")
-        cls = type(self.model.model.layers[i])
+        cls = type(self.layers[i])
         with torch.device("meta"):
             layer = cls(self.config, i)
-        prefix = f"{self.layer_prefix}{i}."
+        prefix = f"{self.layers_name}.{i}."
         tensors = read_tensors(self.layer_keys(i), self.files, self.device, self.dtype)
-        return _load_into(layer, {k[len(prefix):]: v for k, v in tensors.items()}, f"{self.layer_prefix}{i}")
+        return _load_into(layer, {k[len(prefix):]: v for k, v in tensors.items()}, f"{self.layers_name}.{i}")
 
-    def layer_types(self) -> list[str]:
-        """Per layer 'full_attention' or 'sliding_attention', following the base model's forward for the config."""
-        types = getattr(self.config, "layer_types", None)
-        if types is not None:
-            return list(types)
-        sliding = getattr(self.config, "sliding_window", None) is not None  # mistral: one mask kind for all layers
-        return ["sliding_attention" if sliding else "full_attention"] * self.num_layers
+    def layer_calls(self, batch: int, seq_len: int) -> list[tuple[tuple, dict]]:
+        """Per decoder layer, the arguments besides the hidden states (args, kwargs) the model's forward passes it
+        for `batch` windows of seq_len tokens from position 0 (masks, positions, rotary cos/sin), use_cache off."""
+        calls = []
+
+        def record(i, hidden, args, kwargs):
+            calls.append((args, kwargs))
+            return hidden
+
+        self._skeleton_pass(torch.zeros(batch, seq_len, dtype=torch.long, device=self.device), record)
+        return calls
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [B, T, D] of input_ids [B, T]."""
-        return self.model.model.embed_tokens(input_ids.to(self.device))
+        """The hidden states [B, T, D] entering decoder layer 0 for input_ids [B, T] (token, and position, embeddings)."""
+        def first(i, hidden, args, kwargs):
+            raise _Entered(hidden)
+
+        try:
+            self._skeleton_pass(input_ids.to(self.device), first)
+        except _Entered as entered:
+            return entered.hidden
+        raise RuntimeError("the model's forward never called its first decoder layer")
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits [B, T, V] = lm_head(norm(hidden)) of the last layer's output hidden [B, T, D]."""
-        return self.model.lm_head(self.model.model.norm(hidden.to(self.device)))
+        """Logits [B, T, V] of the last decoder layer's output hidden [B, T, D] (final norm and LM head, as the
+        model's forward applies them)."""
+        hidden = hidden.to(self.device)
+
+        def replace(i, h, args, kwargs):
+            return hidden if i == 0 else h
+
+        ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=self.device)
+        return self._skeleton_pass(ids, replace).logits
+
+    @torch.no_grad()
+    def _skeleton_pass(self, input_ids: torch.Tensor, on_call):
+        """The model's forward on input_ids with decoder layer i stood in for by on_call(i, hidden, args, kwargs)."""
+        container = self.layers
+        originals = list(container)
+        for i, layer in enumerate(originals):
+            container[i] = _Stand(i, layer, on_call)
+        try:
+            return self.model(input_ids=input_ids, use_cache=False)
+        finally:
+            for i, layer in enumerate(originals):
+                container[i] = layer
+
+    def resident_state(self) -> dict[str, torch.Tensor]:
+        """The resident tensors by checkpoint name (a tied LM head once, as the embeddings)."""
+        prefix, head = self.layers_name + ".", self._head_keys() if self.tied else []
+        return {k: v for k, v in self.model.state_dict().items() if not k.startswith(prefix) and k not in head}
+
+    def attention(self, layer: nn.Module) -> tuple[str, nn.Module]:
+        """(name, module) of a decoder layer's stock attention ('self_attn', 'attn', 'attention')."""
+        from ..models.architectures import architecture_of
+
+        cls = architecture_of(self.config).attention_class
+        return next((n, m) for n, m in layer.named_children() if type(m).__name__ == cls)
 
     def size_bytes(self) -> int:
         """Bytes of the checkpoint's weights as stored (the sum of its safetensors files)."""
         return sum(p.stat().st_size for p in set(self.files.values()))
+
+
+class _Entered(Exception):
+    """Raised by the first stand-in: the hidden states entering the decoder layers are known."""
+
+    def __init__(self, hidden: torch.Tensor):
+        super().__init__()
+        self.hidden = hidden
+
+
+class _Stand(nn.Module):
+    """Stands in for decoder layer i in the skeleton's forward: returns on_call(i, hidden, args, kwargs)."""
+
+    def __init__(self, index: int, layer: nn.Module, on_call):
+        super().__init__()
+        self.index, self.on_call = index, on_call
+        if hasattr(layer, "attention_type"):  # the model picks each layer's mask by it
+            self.attention_type = layer.attention_type
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return self.on_call(self.index, hidden_states, args, kwargs)

@@ -12,6 +12,7 @@ norm -> lm_head), so the logits equal the whole model's.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import shutil
@@ -127,7 +128,7 @@ class StreamResult:
 
 
 class LayerRunner:
-    """Runs decoder layers over carried windows [N, T, D] in chunks, with the base model's masks and rotary cos/sin.
+    """Runs decoder layers over carried windows [N, T, D] in chunks, with the arguments the model's forward gives them.
 
     One runner serves every track a conversion carries (the source's hidden states and the converted prefix's):
     `embed(input_ids, out)` fills a buffer with token embeddings, `apply(layer, i, inputs, outputs)` writes
@@ -136,39 +137,28 @@ class LayerRunner:
     def __init__(self, src: LayerSource, seq_len: int, chunk_size: int = 8):
         if chunk_size < 1:
             raise ValueError(f"chunk_size={chunk_size} must be >= 1")
-        self.src, self.chunk_size = src, chunk_size
-        self.types = src.layer_types()
-        self.position_ids = torch.arange(seq_len, device=src.device).unsqueeze(0)  # [1, T]: windows start at 0
-        probe = torch.zeros(1, seq_len, src.config.hidden_size, dtype=src.dtype, device=src.device)
-        self.position_embeddings = src.model.model.rotary_emb(probe, self.position_ids)  # (cos, sin) [1, T, d_rot]
-        self._masks: dict[int, dict] = {}  # by chunk batch size
+        self.src, self.seq_len, self.chunk_size = src, seq_len, chunk_size
+        self._calls: dict[int, list] = {}  # by chunk batch size: per layer (args, kwargs)
 
-    def masks(self, hidden: torch.Tensor) -> dict[str, object]:
-        """{'full_attention': mask, 'sliding_attention': mask} for a chunk hidden [B, T, D], as the base model builds
-        them (None where the attention implementation needs none, e.g. sdpa with is_causal)."""
-        from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
-
-        b = hidden.shape[0]
-        if b not in self._masks:
-            kwargs = dict(config=self.src.config, inputs_embeds=hidden, attention_mask=None, past_key_values=None,
-                          position_ids=self.position_ids)  # fmt: skip
-            masks = {"full_attention": create_causal_mask(**kwargs)}
-            if "sliding_attention" in self.types:
-                masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
-            self._masks[b] = masks
-        return self._masks[b]
+    def calls(self, batch: int) -> list[tuple[tuple, dict]]:
+        """Per layer the (args, kwargs) the model's forward passes for `batch` windows (LayerSource.layer_calls)."""
+        if batch not in self._calls:
+            self._calls[batch] = self.src.layer_calls(batch, self.seq_len)
+        return self._calls[batch]
 
     def layer_kwargs(self, i: int) -> dict:
-        """Decoder layer i's arguments besides the hidden states, for a batch of one (they broadcast over a batch):
-        its mask, the rotary (cos, sin) and the positions."""
-        probe = torch.zeros(1, self.position_ids.shape[1], self.src.config.hidden_size, dtype=self.src.dtype,
-                            device=self.src.device)  # fmt: skip
-        return {"attention_mask": self.masks(probe)[self.types[i]], "position_embeddings": self.position_embeddings,
-                "position_ids": self.position_ids}  # fmt: skip
+        """Decoder layer i's arguments besides the hidden states, for a batch of one (they broadcast over a batch),
+        all by name (positional ones bound to the forward's parameter names)."""
+        args, kwargs = self.calls(1)[i]
+        if not args:
+            return dict(kwargs)
+        layer = self.src.layers[i]
+        names = list(inspect.signature(layer.forward).parameters)[1:]  # after hidden_states
+        return {**dict(zip(names, args)), **kwargs}
 
     @torch.no_grad()
     def embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> None:
-        """out [N, T, D] <- token embeddings of input_ids [N, T]."""
+        """out [N, T, D] <- the hidden states entering layer 0 for input_ids [N, T]."""
         for lo in range(0, input_ids.shape[0], self.chunk_size):
             out[lo : lo + self.chunk_size] = self.src.embed(input_ids[lo : lo + self.chunk_size]).to(out.device)
 
@@ -177,8 +167,8 @@ class LayerRunner:
         """outputs [N, T, D] <- decoder layer i (`layer`, on the source's device) applied to inputs [N, T, D]."""
         for lo in range(0, inputs.shape[0], self.chunk_size):
             x = inputs[lo : lo + self.chunk_size].to(self.src.device)
-            y = layer(x, attention_mask=self.masks(x)[self.types[i]], position_embeddings=self.position_embeddings,
-                      position_ids=self.position_ids)  # fmt: skip
+            args, kwargs = self.calls(x.shape[0])[i]
+            y = layer(x, *args, **kwargs)
             outputs[lo : lo + self.chunk_size] = y.to(outputs.device)
 
 

@@ -88,7 +88,8 @@ class ShardedWriter:
     finish(config=..., files=...): writes the last shard, renames the shards to model-0000k-of-0000n.safetensors (or
     model.safetensors when there is one), writes the index and the config, and renames the staging folder to `out`."""
 
-    def __init__(self, out: str | os.PathLike, max_shard_size: int | str = "5GB", overwrite: bool = False):
+    def __init__(self, out: str | os.PathLike, max_shard_size: int | str = "5GB", overwrite: bool = False,
+                 prefix: str | None = None):  # fmt: skip
         self.out = Path(out)
         self.max_bytes = parse_size(max_shard_size)
         if self.out.exists() and not overwrite:
@@ -97,7 +98,8 @@ class ShardedWriter:
             raise ValueError(f"out={str(self.out)!r} exists and is not a folder")
         self.overwrite = overwrite
         self.out.parent.mkdir(parents=True, exist_ok=True)
-        self.staging = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=f".{self.out.name}.staging-"))
+        prefix = prefix or f".{self.out.name}.staging-"  # the staging folder's name prefix
+        self.staging = Path(tempfile.mkdtemp(dir=self.out.parent, prefix=prefix))
         umask = os.umask(0)
         os.umask(umask)
         self.staging.chmod(0o777 & ~umask)  # mkdtemp's 0700 would otherwise become the output's mode
@@ -201,22 +203,25 @@ class ShardedWriter:
         shutil.rmtree(self.staging, ignore_errors=True)
 
 
-def write_streamed(model: torch.nn.Module, out, max_shard_size: int | str = "5GB", overwrite: bool = False) -> Path:
-    """Write an in-memory causal LM layer by layer through ShardedWriter, in its state-dict order, tied weights once
-    (as save_pretrained drops them). A reference for the streamed pipeline and its tests."""
+def state_groups(model: torch.nn.Module):
+    """A whole in-memory causal LM's tensors, one dict per decoder layer (the others one each), in its state-dict
+    order; a tied LM head left out (as save_pretrained drops it)."""
     state = model.state_dict()
-    tied = set()
-    if getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in state:
-        tied.add("lm_head.weight")
+    tied = getattr(model.config, "tie_word_embeddings", False) and "lm_head.weight" in state
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in state.items():
+        if tied and name == "lm_head.weight":
+            continue
+        parts = name.split(".")
+        key = ".".join(parts[:3]) if parts[:2] == ["model", "layers"] else name  # one group per layer
+        groups.setdefault(key, {})[name] = tensor
+    yield from groups.values()
+
+
+def write_streamed(model: torch.nn.Module, out, max_shard_size: int | str = "5GB", overwrite: bool = False) -> Path:
+    """Write an in-memory causal LM layer by layer through ShardedWriter (state_groups)."""
     with ShardedWriter(out, max_shard_size, overwrite) as writer:
-        groups: dict[str, dict[str, torch.Tensor]] = {}
-        for name, tensor in state.items():
-            if name in tied:
-                continue
-            parts = name.split(".")
-            key = ".".join(parts[:3]) if parts[:2] == ["model", "layers"] else name  # one group per layer
-            groups.setdefault(key, {})[name] = tensor
-        for group in groups.values():
+        for group in state_groups(model):
             writer.add(group)
         gen = getattr(model, "generation_config", None)
         return writer.finish(model.config, gen if gen is not None and model.can_generate() else None)

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..kv_memory import dtype_of
+from ..models.architectures import architecture_of, rotary_dim
 from .calibration import StatsAccumulator
 from .layer_stream import Activations, LayerRunner, choose_placement
 from .options import ConvertOptions
@@ -46,6 +48,7 @@ class LayersResult:
     activations: dict = field(default_factory=dict)
     seconds: dict = field(default_factory=dict)
     export: dict | None = None  # the report's "deepseek_v3" section
+    native_config: object = None  # deepseek_v3: the native form's config (config: the export's)
 
 
 class Tracks:
@@ -75,7 +78,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
 
     windows: calibration tokens [n, T] (None: no statistics needed); choices: MLA per-layer ranks / RoPE dims."""
     src, config, n_layers = source.layers, source.config, source.config.num_hidden_layers
-    arch_split = _split_heads(config)
+    arch_split = architecture_of(config).split_heads
     rec = opts.reconstruction
     names = (["source"] if windows is not None else []) + (["converted"] if target.layerwise else []) + \
         (["export"] if export is not None else [])  # fmt: skip
@@ -91,13 +94,14 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
         result.activations = {"placement": tracks.placement, "bytes": tracks.bytes, "tracks": names}
     seconds = {"statistics": 0.0, "closed_form": 0.0, "layerwise": 0.0, "export": 0.0, "read_write": 0.0}
     pairs = [None] * n_layers
+    half = rotary_dim(config) // 2 if architecture_of(config).rotary else 0
     last_fields: dict = {}
     try:
         for i in range(n_layers):
             t = time.perf_counter()
             layer = src.layer(i)
             seconds["read_write"] += time.perf_counter() - t
-            attn_name, attn = _attention(layer)
+            attn_name, attn = src.attention(layer)
             w = arch_split(attn).cpu()
             t = time.perf_counter()
             stats = _statistics(runners.get(BATCH), layer, attn, w, config, i, tracks) if windows is not None else None
@@ -108,7 +112,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             if opts.to == "mla":
                 pairs[i], last_fields = first.fields["mla_rope_pairs"], first.fields
                 new_config = converted_config(config, "mla", mla_layer_fields(last_fields, choices, pairs,
-                                                                                opts.rank_allocation))  # fmt: skip
+                                                                                opts.rank_allocation, half))  # fmt: skip
             else:
                 new_config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads})
             converted = build_layer(layer, i, new_config, attn_name, first.state)
@@ -116,8 +120,8 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             t = time.perf_counter()
             final = first
             if target.layerwise:
-                final = _layerwise(opts, runners[BATCH], layer, converted, attn_name, w, config, choice, first, i,
-                                   tracks, result)  # fmt: skip
+                final = _layerwise(opts, runners[BATCH], layer, converted, f"{src.layers_name}.{i}.{attn_name}", w,
+                                   config, choice, first, i, tracks, result)  # fmt: skip
             seconds["layerwise"] += time.perf_counter() - t
             if opts.to == "mla":
                 result.retained.append(round(first.plan.retained(choice.rank), 4))
@@ -126,7 +130,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             if tracks is not None and "source" in names:
                 tracks["source"].swap()
             t = time.perf_counter()
-            state = {f"model.layers.{i}.{k}": v for k, v in converted.state_dict().items()}
+            state = {f"{src.layers_name}.{i}.{k}": v for k, v in converted.state_dict().items()}
             if export is not None:
                 state = export.layer(i, converted, new_config, runners[1], tracks["export"], state)
             seconds["export"] += time.perf_counter() - t
@@ -141,23 +145,12 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             tracks.close()
     if opts.to == "mla":
         result.config = converted_config(config, "mla", mla_layer_fields(last_fields, choices, pairs,
-                                                                         opts.rank_allocation))  # fmt: skip
+                                                                         opts.rank_allocation, half))  # fmt: skip
         result.pairs = pairs
     else:
         result.config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads})
     result.seconds = {k: round(v, 3) for k, v in seconds.items()}
     return result
-
-
-def _split_heads(config):
-    from ..models.architectures import architecture_of
-
-    return architecture_of(config).split_heads
-
-
-def _attention(layer) -> tuple[str, torch.nn.Module]:
-    """(name, module) of the decoder layer's attention (transformers names it self_attn in every streamable model)."""
-    return "self_attn", layer.self_attn
 
 
 @torch.no_grad()
@@ -174,7 +167,7 @@ def _statistics(runner: LayerRunner, layer, attn, w, config, i: int, tracks: Tra
     return acc.stats()
 
 
-def _layerwise(opts, runner: LayerRunner, layer, converted, attn_name, w, config, choice, first: LayerResult, i: int,
+def _layerwise(opts, runner: LayerRunner, layer, converted, name: str, w, config, choice, first: LayerResult, i: int,
                tracks: Tracks, result: LayersResult) -> LayerResult:  # fmt: skip
     """Propagate (recompute the closed form from the converted prefix's statistics, kept if better held-in) and / or
     reconstruct layer i in place (reconstruct.fit_layer); then advance the converted track through it."""
@@ -188,9 +181,32 @@ def _layerwise(opts, runner: LayerRunner, layer, converted, attn_name, w, config
     h_src, h_new = tracks["source"].current, tracks["converted"].current
     kw = runner.layer_kwargs(i)
     rec = opts.reconstruction
-    fit = fit_layer(f"model.layers.{i}.{attn_name}", layer, converted, h_src, h_new, kw, kw, config, relift=relift,
+    fit = fit_layer(name, layer, converted, h_src, h_new, kw, kw, config, relift=relift,
                     steps=rec.steps, lr=rec.lr, batch_size=BATCH, target=rec.target)  # fmt: skip
     result.fits.append(fit)
     runner.apply(converted, i, tracks["converted"].current, tracks["converted"].spare)
     tracks["converted"].swap()
     return kept["result"] if fit.propagated_kept else first
+
+
+def convert_layers(source: Source, opts: ConvertOptions, target: Target, windows: torch.Tensor | None, plan,
+                   write, native: bool = False) -> LayersResult:  # fmt: skip
+    """The layer loop, the resident parts (embeddings, final norm, LM head unless tied) written after it, and the
+    config of what was written (`result.config`: the deepseek_v3 export's, unless `native`: the native form, which
+    healing loads whole)."""
+    from .stages.export import LayerExport
+
+    src = source.layers
+    export = None
+    if opts.format == "deepseek_v3" and not native:
+        mode = "fit" if (dtype_of(opts.dtype) if opts.dtype is not None else src.dtype) == torch.float16 else "linear"
+        export = LayerExport(src, opts.engine, target.export_rope, mode, plan.stride, windows)
+    result = run_layers(source, opts, target, windows, plan.choices, write, export)
+    if export is not None:
+        write(export.resident())
+        result.native_config, result.config = result.config, export.config
+        return result
+    write(src.resident_state())
+    if target.stock_format and not native:
+        del result.config.attention_variant  # a plain config: our module's weight names are the stock ones
+    return result

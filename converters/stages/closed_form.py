@@ -91,13 +91,16 @@ def converted_config(config, variant: str, fields: dict):
     return new
 
 
-def mla_layer_fields(last_fields: dict, choices: list[LayerChoice], pairs: list, allocation: str) -> dict:
+def mla_layer_fields(last_fields: dict, choices: list[LayerChoice], pairs: list, allocation: str,
+                     half: int) -> dict:  # fmt: skip
     """Config fields of an MLA conversion: lift_plan's (the same for every layer but the RoPE pairs), the largest
     rank and RoPE dims, and the per-layer lists (ranks: allocations but uniform; RoPE dims: sensitivity).
-    pairs: per layer its kept frequencies (None for a layer not converted yet: any valid list stands in)."""
+    pairs: per layer its kept frequencies (None for a layer not converted yet: a valid multiset of frequencies
+    < half, the source's RoPE pairs per head, stands in)."""
     ranks, ropes = [c.rank for c in choices], [c.rope_dim for c in choices]
     fields = dict(last_fields)
-    fields["mla_rope_pairs"] = [p if p is not None else list(range(r // 2)) for p, r in zip(pairs, ropes)] \
+    fields["mla_rope_pairs"] = [p if p is not None else sorted(j % half for j in range(r // 2))
+                                for p, r in zip(pairs, ropes)] \
         if max(ropes) else None  # fmt: skip
     fields["kv_lora_rank"] = max(ranks)
     fields["qk_rope_head_dim"] = max(ropes)

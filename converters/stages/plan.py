@@ -78,8 +78,9 @@ def layer_statistics(source: Source, windows: torch.Tensor, measure=None) -> Ite
         runner.embed(windows, tracks["source"].current)
         for i in range(src.num_layers):
             layer = src.layer(i)
-            w = split(layer.self_attn).cpu()
-            stats = _statistics(runner, layer, layer.self_attn, w, config, i, tracks)
+            attn = src.attention(layer)[1]
+            w = split(attn).cpu()
+            stats = _statistics(runner, layer, attn, w, config, i, tracks)
             tracks["source"].swap()
             yield i, layer, w, stats
             del layer

@@ -48,14 +48,14 @@ class Measurement:
     @torch.no_grad()
     def layer(self, l: int, layer: torch.nn.Module, candidates: LayerCandidates) -> list[float]:
         """KL per candidate of layer l (an exact candidate: 0, not run); `layer`: the source's decoder layer l."""
-        source_attn = layer.self_attn
+        name, source_attn = self.src.attention(layer)
         outs, lossy = [], [k for k, c in enumerate(candidates.options) if not c.exact]
         try:
             for k in lossy:
-                layer.self_attn = candidates.module(k).to(self.src.device)
+                setattr(layer, name, candidates.module(k).to(self.src.device))
                 outs.append(self._apply(layer, l, self.hidden))
         finally:
-            layer.self_attn = source_attn
+            setattr(layer, name, source_attn)
         for j in range(l + 1, self.src.num_layers):
             if not outs:
                 break

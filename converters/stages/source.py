@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 
 from ...devices import resolve_device
-from ...models.pretrained import DEFAULT_MODEL_DIR
+from ...models.pretrained import DEFAULT_MODEL_DIR, check_source_folder
 from ..layer_source import LayerSource, weight_map
 
 logger = logging.getLogger(__name__)
@@ -49,17 +49,9 @@ def source_folder(source: str) -> Path:
         from ...models.pretrained import smollm2_dir
 
         return smollm2_dir()
-    folder = Path(source)
-    if folder.exists():
-        if not folder.is_dir() or not (folder / "config.json").is_file():
-            raise ValueError(f"{source!r} is not a model folder: it has no config.json")
-        if not any(folder.glob("*.safetensors")) and any(folder.glob("*.bin")):
-            raise ValueError(
-                f"{source!r} holds only pickled .bin weights, which are refused: unpickling can run arbitrary code. "
-                f"Fix: in an environment you trust, load it once and save it as safetensors: python -c \"from "
-                f"transformers import AutoModelForCausalLM as M; M.from_pretrained('{source}').save_pretrained('{source}-st')\""
-            )
-        return folder
+    check_source_folder(source)  # a folder without config.json, or with only pickled weights, is refused
+    if Path(source).is_dir():
+        return Path(source)
     from huggingface_hub import snapshot_download
 
     try:

@@ -11,6 +11,7 @@ from ...models.architectures import architecture_of, head_dim, rotary_dim
 from ..budgets import candidate_grid
 from ..deepseek_export import check_source, engine_shape
 from ..options import ConvertOptions
+from .source import Source
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +49,10 @@ def auto_reconstruct_steps(kv_share: float) -> int:
     return AUTO_RECONSTRUCT_STEPS[0] if kv_share >= 0.5 else AUTO_RECONSTRUCT_STEPS[1]
 
 
-def resolve_target(config, first_layer_weights, opts: ConvertOptions, given: dict) -> Target:
+def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
     """The Target; fills opts.method (GQA with per-head q/k norms: 'mean') and reconstruction.steps ("auto").
-    first_layer_weights: AttentionWeights of layer 0 (its q/k norms); given: the options as the user gave them."""
+    given: the options as the user gave them."""
+    config = source.config
     arch = architecture_of(config)
     if arch.replaces_stock:
         raise ValueError(f"model_type={config.model_type!r} is already MLA: there is nothing to convert")
@@ -64,7 +66,7 @@ def resolve_target(config, first_layer_weights, opts: ConvertOptions, given: dic
     if opts.to in ("gqa", "mqa"):
         if source_kv % opts.kv_heads:
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
-        if opts.method != "mean" and first_layer_weights.q_norm is not None:
+        if opts.method != "mean" and arch.split_heads(source.layers.attention(source.layers.layer(0))[1]).q_norm is not None:
             if given.get("method") is not None:  # asked for by name: refused before calibrating
                 raise ValueError(f"method={opts.method!r} with per-head q/k norms ({config.model_type}) is not "
                                  f"supported: use method='mean'")  # fmt: skip
