@@ -13,6 +13,7 @@ from transformers import LogitsProcessorList
 
 from hf_attn_patch.grammar import (
     ChoiceLogitsProcessor,
+    GrammarConstrainedLogitsProcessor,
     GrammarError,
     GrammarLogitsProcessor,
     GrammarSpec,
@@ -70,11 +71,11 @@ SCHEMAS = {
             "word": {"type": "string", "pattern": "^[àéîõü€日本]{1,4}$"},
             "free": {"type": "string", "maxLength": 4}},
         "required": ["word", "free"], "additionalProperties": False}, BACKENDS),
-    "oneof_allof": ({  # features only llguidance enforces (xgrammar: GrammarError)
+    "oneof_allof": ({  # xgrammar: widened (oneOf as anyOf, allOf dropped) and checked exactly
         "type": "object", "properties": {
             "a": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 2}]},
             "b": {"allOf": [{"type": "integer", "maximum": 50}, {"minimum": 40}]}},
-        "required": ["a", "b"], "additionalProperties": False}, ["llguidance"]),
+        "required": ["a", "b"], "additionalProperties": False}, BACKENDS),
 }
 
 
@@ -230,9 +231,12 @@ def test_unsupported_features_raise_at_construction(stories):
     with pytest.raises(GrammarError, match=r"'\$ref' at #/properties/a"):
         JSONSchemaLogitsProcessor({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, tok,
                                   backend="llguidance")
-    with pytest.raises(GrammarError, match="'not'"):
-        JSONSchemaLogitsProcessor({"type": "object", "properties": {"x": {"not": {"type": "string"}}}}, tok,
-                                  backend="xgrammar")
+    widened = JSONSchemaLogitsProcessor({"type": "object", "properties": {"x": {"not": {"type": "string"}}}}, tok,
+                                        backend="xgrammar")  # widened and checked, as with llguidance
+    assert widened.grammars[0].widened == {"not": ["#/properties/x"]} and widened.grammars[0].checks is not None
+    with pytest.raises(GrammarError, match="tagged_json .* needs the llguidance backend"):
+        GrammarConstrainedLogitsProcessor(GrammarSpec.tagged_json({"type": "object"}, "<a>", "</a>"), tok,
+                                          backend="xgrammar")
     with pytest.raises(GrammarError, match="look-around"):
         RegexLogitsProcessor(r"(?=a)b", tok, backend="llguidance")
     with pytest.raises(GrammarError):

@@ -103,6 +103,47 @@ def test_replay_valid_allowed_invalid_caught(stories, family):
         assert not _replay(grammar, json.dumps(v)), (family, v)
 
 
+# keywords xgrammar 0.2.9 compiles but does not enforce, or narrows (schema_relax.py): (schema, valid, invalid)
+XGRAMMAR_WIDENED = {
+    "pattern_with_length": ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, ["ab"], ["abcd", "A"]),
+    "allOf": ({"allOf": [{"type": "integer", "maximum": 50}, {"minimum": 40}]}, [45], [30, 60]),
+    "patternProperties": ({"type": "object", "patternProperties": {"^x": {"type": "integer"}},
+                           "additionalProperties": False}, [{"x1": 1}], [{"y": 1}, {"x": "s"}]),
+    "enum_of_objects": ({"enum": [{"a": 1}, [1, 2], "s"]}, [{"a": 1}, [1, 2], "s"], [{"a": 2}]),
+    "format_regex": ({"type": "string", "format": "regex", "maxLength": 9}, ["a+"], ["("]),
+}
+
+
+@pytest.mark.parametrize("family", list(FAMILIES) + list(XGRAMMAR_WIDENED))
+def test_xgrammar_backend_widens_and_checks(stories, family):
+    """The xgrammar backend goes through the same widening + exact checks: valid instances replay to EOS, invalid
+    ones are caught, for every keyword family and for what xgrammar itself does not enforce."""
+    schema, valid, invalid = {**FAMILIES, **XGRAMMAR_WIDENED}[family]
+    grammar = compile_grammar(GrammarSpec.json_schema(schema), stories[1], backend="xgrammar")
+    assert grammar.backend_name == "xgrammar"
+    for v in valid:
+        assert _replay(grammar, json.dumps(v)), (family, v)
+    for v in invalid:
+        assert not _replay(grammar, json.dumps(v)), (family, v)
+
+
+@pytest.mark.parametrize("family", ["not", "uniqueItems", "oneOf", "dependentRequired"])
+def test_xgrammar_generate_retries_and_validates(random_llama, stories, family):
+    """generate(response_format=..., grammar_backend="xgrammar") with a random model: rows that end validate
+    (rows whose retries ran out excepted, as with llguidance: rare here)."""
+    schema = FAMILIES[family][0]
+    tok = stories[1]
+    torch.manual_seed(5)
+    prompt = torch.tensor([[tok.bos_token_id]] * 4)
+    out = random_llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=60, do_sample=True,
+                                response_format={"type": "json_schema", "json_schema": {"schema": schema}},
+                                tokenizer=tok, grammar_backend="xgrammar", eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.eos_token_id)  # fmt: skip
+    ended = [row[1:].tolist() for row in out if tok.eos_token_id in row[1:].tolist()]
+    valid = [_is_valid(schema, tok.decode(ids[: ids.index(tok.eos_token_id)])) for ids in ended]
+    assert len(ended) >= 3 and sum(valid) >= len(ended) - 1, (family, valid)
+
+
 def test_failing_close_is_masked_not_the_value(stories):
     """The token closing a governed value with an invalid value is masked; the value may go on (x: 3 -> 3x)."""
     schema = {"type": "object", "properties": {"x": {"type": "integer", "not": {"const": 3}}}, "required": ["x"],

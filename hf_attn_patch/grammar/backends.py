@@ -201,7 +201,9 @@ class XGrammarBackend:
         self._xgr = xgrammar
 
     def compile(self, spec: GrammarSpec, adapter: TokenizerAdapter, *, separators=(", ", ": "),
-                whitespace_flexible: bool = False):
+                whitespace_flexible: bool = False, json_options: dict | None = None):
+        """json_options: llguidance's; none apply here. A JSON Schema reaches us widened (schema_relax.py): the
+        keyword check below is the guard that nothing xgrammar would not enforce gets through unchecked."""
         xgr = self._xgr
         compiler = adapter.xgrammar_compiler()
         try:

@@ -36,7 +36,7 @@ class CompiledGrammar:
         return self.checks.notes if self.checks is not None else ()
 
     def __init__(self, spec: GrammarSpec, backend, adapter: TokenizerAdapter, compiled, compile_seconds: float,
-                 checks=None, widened=None):
+                 checks=None, widened=None, banned=()):
         self.spec = spec
         self.backend = backend
         self.adapter = adapter
@@ -44,6 +44,7 @@ class CompiledGrammar:
         self.compile_seconds = compile_seconds
         self.checks = checks
         self.widened = widened
+        self.banned = tuple(adapter.special_token_ids) + tuple(banned)
 
     @property
     def backend_name(self) -> str:
@@ -54,7 +55,7 @@ class CompiledGrammar:
         if self.checks is not None:
             matcher = CheckedMatcher(matcher, self.checks)
         return GrammarState(matcher, self.adapter.eos_token_ids, self.adapter.vocab_size,
-                            backend=self.backend.name, banned_token_ids=self.adapter.special_token_ids)
+                            backend=self.backend.name, banned_token_ids=self.banned)
 
 
 def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_token_id=None,
@@ -81,7 +82,10 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
                 return hit
     t0 = time.perf_counter()
     checks = widened = None
-    if spec.kind in ("json_schema", "tagged_json") and be.name == "llguidance":
+    if spec.kind == "tagged_json" and be.name != "llguidance":
+        raise GrammarError(f"tagged_json (tool_choice 'auto') needs the llguidance backend (a Lark grammar with "
+                           f"%json); {be.name} has no such grammar")
+    if spec.kind in ("json_schema", "tagged_json"):
         schema, tags = (spec.source, None) if spec.kind == "json_schema" else (spec.source[0], spec.source[1:])
 
         def compile_fn(relaxed_schema, options):
@@ -90,14 +94,20 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
                               whitespace_flexible=whitespace_flexible, json_options=options)
 
         check_schema(schema)
-        compiled, relaxed = relax_and_compile(schema, compile_fn, known_formats())
+        compiled, relaxed = relax_and_compile(schema, compile_fn, known_formats(), be.name)
         checks = schema_checks_for(schema, relaxed, adapter.token_bytes(), frame=tags)
         widened = relaxed.dropped
         for note in relaxed.notes:
             logger.warning("json_schema: %s", note)
     else:
         compiled = be.compile(spec, adapter, separators=tuple(separators), whitespace_flexible=whitespace_flexible)
-    result = CompiledGrammar(spec, be, adapter, compiled, time.perf_counter() - t0, checks=checks, widened=widened)
+    banned = ()
+    if be.name == "xgrammar" and spec.kind in ("json_schema", "json_object"):
+        # xgrammar 0.2.9 lets raw control characters into JSON strings (invalid JSON): tokens with them are masked
+        keep = b"\t\n\r" if whitespace_flexible else b""
+        banned = tuple(i for i, t in enumerate(adapter.token_bytes()) if any(b < 0x20 and b not in keep for b in t))
+    result = CompiledGrammar(spec, be, adapter, compiled, time.perf_counter() - t0, checks=checks, widened=widened,
+                             banned=banned)
     logger.debug("compiled %s with %s in %.1f ms", spec.kind, be.name, 1e3 * result.compile_seconds)
     if cache:
         with _LOCK:

@@ -5,7 +5,14 @@ Every change widens the set of accepted instances (a dropped ``not``, ``if`` / `
 compiled as ``anyOf``), so the grammar never masks a valid instance; what the grammar no longer enforces is checked
 exactly by :mod:`.schema_checks` at the close of the sub-value it governs. ``modified`` holds the ``id()`` of every
 subschema dict of the ORIGINAL schema whose own keywords were widened (the root's when the whole schema had to be
-widened). A subschema that admits no value (``not: {}``) is compiled exactly, as an empty ``enum``.
+widened). A subschema that admits no value (``not: {}``) is compiled exactly, as an empty ``enum`` (llguidance; for
+xgrammar, which refuses an empty enum, it is widened to any value and checked).
+
+Per backend (``relax_and_compile(..., backend=)``): llguidance refuses the keywords of DROP_KEYS and formats outside
+BACKEND_FORMATS. xgrammar 0.2.9 compiles more without error but does not enforce it, or wrongly narrows it (found by
+replaying valid and invalid instances): the same DROP_KEYS, ``oneOf`` (rewritten as ``anyOf``), ``allOf`` of several
+subschemas (merged into one when their keywords are disjoint, else only the first kept), ``multipleOf`` with a non-integer, ``minLength`` / ``maxLength`` beside a ``pattern``,
+``patternProperties``, ``enum`` / ``const`` with an object or array value, and formats outside XGRAMMAR_FORMATS.
 """
 
 from __future__ import annotations
@@ -27,6 +34,9 @@ DROP_KEYS = ("not", "if", "then", "else", "dependencies", "dependentSchemas", "d
 # Formats llguidance enforces itself (others are dropped from the grammar and checked here, or reported as unknown).
 BACKEND_FORMATS = frozenset(("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
                              "uri"))
+# Formats xgrammar 0.2.9 enforces (each replayed with a valid and an invalid string); others are widened.
+XGRAMMAR_FORMATS = frozenset(("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
+                              "uri", "uri-reference", "json-pointer"))
 # Keys whose value is a map name -> subschema / a subschema / a list of subschemas.
 MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 ONE_KEYS = ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else", "contains",
@@ -35,6 +45,7 @@ LIST_KEYS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
+_XGRAMMAR_FEATURE = re.compile(r"JSON Schema feature '([^']+)'")
 
 
 @dataclass
@@ -77,9 +88,11 @@ def _escape(name) -> str:
 class _Relaxer:
     """Builds a widened copy of the original schema; records which original subschemas it widened."""
 
-    def __init__(self, original: dict, known_formats):
+    def __init__(self, original: dict, known_formats, backend: str = "llguidance"):
         self.original = original
         self.known_formats = known_formats
+        self.xgrammar = backend == "xgrammar"
+        self.backend_formats = XGRAMMAR_FORMATS if self.xgrammar else BACKEND_FORMATS
         self.drop = set(DROP_KEYS)
         self.formats_dropped: set = set()
         self.drop_patterns = False
@@ -92,8 +105,12 @@ class _Relaxer:
             changed = []
             if sub.get("not") in ({}, True):  # admits no value: said exactly (llguidance knows an empty enum)
                 sub.clear()
-                sub["enum"] = []
-                continue
+                if not self.xgrammar:
+                    sub["enum"] = []
+                    continue
+                changed.append("not")  # xgrammar refuses an empty enum: any value, checked
+            if self.xgrammar:
+                self._xgrammar(sub, changed)
             for key in list(sub):
                 if key in self.drop and not (key == "uniqueItems" and sub[key] is False):
                     changed.append(key)
@@ -103,7 +120,7 @@ class _Relaxer:
             if "oneOf" in sub:  # compiled as anyOf (coerce_one_of): exclusivity is checked
                 changed.append("oneOf")
             fmt = sub.get("format")
-            if isinstance(fmt, str) and (fmt not in BACKEND_FORMATS or fmt in self.formats_dropped):
+            if isinstance(fmt, str) and (fmt not in self.backend_formats or fmt in self.formats_dropped):
                 del sub["format"]
                 changed.append("format")
                 if fmt not in self.known_formats:
@@ -121,7 +138,8 @@ class _Relaxer:
                 del sub["patternProperties"]  # dropping it alone would narrow additionalProperties: drop both
                 sub.pop("additionalProperties", None)
                 changed.append("patternProperties")
-            if "minProperties" in sub or "maxProperties" in sub:  # llguidance: only with every property required
+            # llguidance: min / maxProperties only with every property required
+            if not self.xgrammar and ("minProperties" in sub or "maxProperties" in sub):
                 props = sub.get("properties") if isinstance(sub.get("properties"), dict) else {}
                 required = set(sub.get("required") or []) if isinstance(sub.get("required"), list) else set()
                 if not set(props) <= required or sub.get("additionalProperties", True) is not False:
@@ -135,6 +153,40 @@ class _Relaxer:
                     out.dropped.setdefault(key, []).append(path)
         return relaxed
 
+    @staticmethod
+    def _xgrammar(sub: dict, changed: list) -> None:
+        """Keywords xgrammar compiles but does not enforce, or narrows (module docstring): widened in place."""
+        if isinstance(sub.get("oneOf"), list):  # as anyOf (beside an anyOf: dropped, wider still)
+            one = sub.pop("oneOf")
+            sub.setdefault("anyOf", one)
+            changed.append("oneOf")
+        parts = sub.get("allOf")
+        if isinstance(parts, list) and len(parts) > 1:
+            keys = [set(p) for p in parts if isinstance(p, dict)]
+            if (len(keys) == len(parts) and sum(map(len, keys)) == len(set().union(*keys))
+                    and not set().union(*keys) & {"$ref", "additionalItems", "allOf"}):
+                sub["allOf"] = [{k: v for p in parts for k, v in p.items()}]  # disjoint keywords: one subschema
+            else:
+                sub["allOf"] = parts[:1]  # its first subschema: a superset
+            changed.append("allOf")
+        if "pattern" in sub:
+            for key in ("minLength", "maxLength"):
+                if key in sub:
+                    del sub[key]
+                    changed.append(key)
+        if "patternProperties" in sub:
+            del sub["patternProperties"]  # dropping it alone would narrow additionalProperties: drop both
+            sub.pop("additionalProperties", None)
+            changed.append("patternProperties")
+        if sub.get("enum") == []:  # refused by xgrammar: any value, checked (the check fails every value)
+            del sub["enum"]
+            changed.append("enum")
+        for key in ("enum", "const"):
+            values = sub.get(key) if key == "enum" else [sub.get(key)]
+            if key in sub and isinstance(values, list) and any(isinstance(v, (dict, list)) for v in values):
+                del sub[key]
+                changed.append(key)
+
     def widen_from_error(self, message: str) -> bool:
         """Widen further after a backend error; False if the message names nothing more to widen."""
         m = _UNIMPLEMENTED.search(message)
@@ -143,6 +195,10 @@ class _Relaxer:
             if keys:
                 self.drop |= keys
                 return True
+        m = _XGRAMMAR_FEATURE.search(message)
+        if m and m.group(1) not in self.drop:
+            self.drop.add(m.group(1))
+            return True
         m = _UNKNOWN_FORMAT.search(message)
         if m and m.group(1).strip("\"'") not in self.formats_dropped:
             self.formats_dropped.add(m.group(1).strip("\"'"))
@@ -173,7 +229,7 @@ def check_refs(schema: dict) -> None:
                 raise GrammarError(f"json_schema: '$ref' at {path}: {ref!r} names nothing in the schema") from None
 
 
-def relax_and_compile(schema: dict, compile_fn, known_formats) -> tuple[object, Relaxed]:
+def relax_and_compile(schema: dict, compile_fn, known_formats, backend: str = "llguidance") -> tuple[object, Relaxed]:
     """compile_fn(schema dict, extra backend options) -> compiled (raises GrammarError). Widen until it compiles.
 
     Order: the keywords the backend is known to refuse; then what each error names (keywords, formats, regexes);
@@ -182,7 +238,7 @@ def relax_and_compile(schema: dict, compile_fn, known_formats) -> tuple[object, 
     """
     check_refs(schema)
     out = Relaxed(schema)
-    relaxer = _Relaxer(schema, known_formats)
+    relaxer = _Relaxer(schema, known_formats, backend)
     options = {"coerce_one_of": True}
     last = None
     for _ in range(12):
