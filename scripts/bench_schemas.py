@@ -276,21 +276,30 @@ def generate(compiled: list, tok, max_new_tokens: int) -> dict:
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                                  do_sample=True, logits_processor=LogitsProcessorList([structural_bias, proc]),
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-        reason = proc.finish_reasons[0]  # None when EOS was sampled last (the processor is not called after it)
-        if reason is None:
-            reason = "eos" if out[0, -1].item() == tok.eos_token_id else "length"
-        key = reason.split(":")[0] if reason.split(":")[0] in counts else "dead_end"
-        counts[key] += 1
-        if reason == "eos":
-            text = tok.decode(out[0, 1:], skip_special_tokens=True)
-            try:
-                ok = validator(schema).is_valid(json.loads(text))
-            except ValueError:
-                ok = False
-            counts["eos_valid"] += ok
-            counts["eos_with_checks"] += grammar.checks is not None
-            if not ok:
-                bad.append((name, text[:200]))
+        tally(counts, bad, name, schema, proc, out[0, 1:].tolist(), tok, other="dead_end")
+    return finish_tally(counts, bad, t0)
+
+
+def tally(counts: dict, bad: list, name: str, schema: dict, proc, new: list[int], tok, other: str) -> None:
+    """Count one generated answer by its end (a reason outside `counts` counts as `other`); validate it when it
+    ended with EOS (kept in `bad` when invalid)."""
+    reason = proc.finish_reasons[0]  # None when EOS was sampled last (the processor is not called after it)
+    reason = (reason or ("eos" if new and new[-1] == tok.eos_token_id else "length")).split(":")[0]
+    counts[reason if reason in counts else other] += 1
+    if reason != "eos":
+        return
+    text = tok.decode(new, skip_special_tokens=True)
+    try:
+        ok = validator(schema).is_valid(json.loads(text))
+    except ValueError:
+        ok = False
+    counts["eos_valid"] += ok
+    counts["eos_with_checks"] += proc.grammars[0].checks is not None
+    if not ok:
+        bad.append((name, text[:200]))
+
+
+def finish_tally(counts: dict, bad: list, t0: float) -> dict:
     counts["seconds"] = round(time.perf_counter() - t0, 1)
     counts["eos_valid_pct"] = round(100.0 * counts["eos_valid"] / max(counts["eos"], 1), 2)
     counts["invalid_examples"] = bad[:5]
@@ -327,24 +336,8 @@ def generate_smollm2(sample: list, max_new_tokens: int) -> dict:
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, logits_processor=[proc], eos_token_id=tok.eos_token_id,
                                  pad_token_id=tok.eos_token_id)
-        new = out[0, ids.shape[1]:].tolist()
-        reason = proc.finish_reasons[0] or ("eos" if new and new[-1] == tok.eos_token_id else "length")
-        reason = reason.split(":")[0]
-        counts[reason if reason in counts else "length"] += 1
-        if reason == "eos":
-            text = tok.decode(new, skip_special_tokens=True)
-            try:
-                ok = validator(schema).is_valid(json.loads(text))
-            except ValueError:
-                ok = False
-            counts["eos_valid"] += ok
-            counts["eos_with_checks"] += proc.grammars[0].checks is not None
-            if not ok:
-                bad.append((name, text[:200]))
-    counts["seconds"] = round(time.perf_counter() - t0, 1)
-    counts["eos_valid_pct"] = round(100.0 * counts["eos_valid"] / max(counts["eos"], 1), 2)
-    counts["invalid_examples"] = bad[:5]
-    return counts
+        tally(counts, bad, name, schema, proc, out[0, ids.shape[1]:].tolist(), tok, other="length")
+    return finish_tally(counts, bad, t0)
 
 
 if __name__ == "__main__":
