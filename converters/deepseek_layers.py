@@ -83,7 +83,7 @@ def export_config(src, source_config, shape: ExportShape, stride: int):
         pad_token_id=src.pad_token_id, bos_token_id=src.bos_token_id, eos_token_id=src.eos_token_id,
         tie_word_embeddings=False,  # an lm_head of its own: engines differ on tied DeepSeek heads
         rope_interleave=True, attention_bias=False, num_mtp_layers=0,
-        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        rope_parameters={"rope_type": "default", "rope_theta": theta}, architectures=["DeepseekV3ForCausalLM"],
     )  # fmt: skip
     return config, {"theta": theta, **rope_report}
 

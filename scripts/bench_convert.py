@@ -36,7 +36,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
-from hf_attn_patch.converters.convert import _heal, convert, heal_layerwise
+from hf_attn_patch.converters.convert import convert
+from hf_attn_patch.converters.stages.heal import distill, heal_layerwise
 from hf_attn_patch.models.pretrained import load_source
 from hf_attn_patch.converters.options import ConvertOptions
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
@@ -173,7 +174,7 @@ def _run(name, options, sets, source, first, base, heal, samples, tokenizer) -> 
             heal_cpu, heal_wall = time.process_time(), time.perf_counter()
             if opts.healing.layerwise_steps:  # convert()'s first healing stage, on its calibration windows
                 heal_layerwise(source, model, samples, opts.healing.layerwise_steps)
-            healed = _heal(model, source, tokenizer, read_calibration_text(None), opts, samples)
+            healed = distill(model, source, tokenizer, opts, samples)
             heal_cpu, heal_wall = time.process_time() - heal_cpu, time.perf_counter() - heal_wall
             row["healed"] = dict(kv=kv, **_measure(model, sets, source, first, base), cpu=cpu + heal_cpu,
                                  wall=wall + heal_wall, heal_cpu=heal_cpu, heal_lr=healed["lr"],

@@ -250,12 +250,12 @@ def test_layerwise_healing_stage_options(tmp_path, one_torch_thread):
 def test_layerwise_healing_stage_runs_before_a_deepseek_v3_export(tmp_path, one_torch_thread, monkeypatch):
     """format='deepseek_v3': the layer-wise stage fits the native MLA form, then the export (its latent-norm fit sees
     the fitted weights), then KL healing on the stock model; it was silently skipped before."""
-    from hf_attn_patch.converters import convert as convert_module
+    from hf_attn_patch.converters.stages import heal as heal_stage
 
     calls = []
     for name, tag in (("heal_layerwise", "layerwise"), ("to_deepseek_v3", "export")):
-        original = getattr(convert_module, name)
-        monkeypatch.setattr(convert_module, name, lambda *a, _f=original, _t=tag, **k: calls.append(_t) or _f(*a, **k))
+        original = getattr(heal_stage, name)
+        monkeypatch.setattr(heal_stage, name, lambda *a, _f=original, _t=tag, **k: calls.append(_t) or _f(*a, **k))
     report = convert("default", tmp_path / "ds", to="mla", kv_budget=0.5, format="deepseek_v3", heal_steps=1,
                      heal_lr=1e-4, calib_samples=4, calib_len=64, **FAST)  # fmt: skip
     assert calls == ["layerwise", "export"]

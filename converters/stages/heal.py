@@ -51,8 +51,7 @@ def heal_whole(source: Source, native_folder: Path, opts: ConvertOptions, window
         if windows is None:
             windows = calibration_windows(calibration_text(opts.calibration), source.tokenizer,
                                           opts.calibration.samples, opts.calibration.length)  # fmt: skip
-        fits = sequential(teacher, student, windows, steps=heal.layerwise_steps, lr=LAYERWISE_LR, target="block")
-        layerwise = {"steps": heal.layerwise_steps, "lr": LAYERWISE_LR, **summary(fits)}
+        layerwise = heal_layerwise(teacher, student, windows, heal.layerwise_steps)
     report = distill(student, teacher, source.tokenizer, opts,
                      windows if opts.calibration.source == "teacher" else None)  # fmt: skip
     export = None
@@ -61,6 +60,13 @@ def heal_whole(source: Source, native_folder: Path, opts: ConvertOptions, window
         student, export = to_deepseek_v3(student, windows, stride, teacher.config, opts.engine, export_rope,
                                          "fit" if final_dtype == torch.float16 else "linear")  # fmt: skip
     return Healed(student, report, layerwise, export)
+
+
+def heal_layerwise(teacher, student, windows: torch.Tensor, steps: int) -> dict:
+    """Healing's first stage (reconstruct target "block"): every attention layer of `student` fitted, layer by layer,
+    so that its decoder layer's output matches the teacher's on the calibration windows; a summary for the report."""
+    fits = sequential(teacher, student, windows, steps=steps, lr=LAYERWISE_LR, target="block")
+    return {"steps": steps, "lr": LAYERWISE_LR, **summary(fits)}
 
 
 def distill(student, teacher, tokenizer, opts: ConvertOptions, samples: torch.Tensor | None = None) -> dict:
