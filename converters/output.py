@@ -1,19 +1,15 @@
-"""The output folder of a conversion: checked before any work, written into a staging sibling and renamed when
-complete (never a half-written OUT); staging folders left by killed conversions are removed."""
+"""The output folder of a conversion: checked before any work (check_output); it is written into a staging sibling
+named by STAGING and renamed when complete (stages/write.py), and staging folders left by killed conversions are
+removed."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
-from ..extras import available
-from ..hub import model_card
 from ..models.pretrained import source_folder
-from .heal import plot_curve
 
 logger = logging.getLogger(__name__)
 
@@ -61,24 +57,3 @@ def _alive(pid: int) -> bool:
         return True
     return True
 
-
-def write_atomically(model, tokenizer, report: dict, out: Path, max_shard_size: str) -> None:
-    """Save into a temporary sibling folder, then rename it to `out`: never a half-written output."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=out.parent, prefix=STAGING.format(name=out.name, pid=os.getpid())))
-    try:
-        model.save_pretrained(staging, max_shard_size=max_shard_size)
-        tokenizer.save_pretrained(staging)
-        (staging / "conversion_report.json").write_text(json.dumps(report, indent=2, default=str))
-        if "heal" in report and available("plot"):  # the held-in curve of healing (matplotlib: optional)
-            h = report["heal"]
-            plot_curve(h["losses"], h["held_in_kl"], h["best_step"], h["lr"], staging / "heal_curve.png")
-        (staging / "README.md").write_text(model_card(report))
-        umask = os.umask(0)
-        os.umask(umask)
-        staging.chmod(0o777 & ~umask)  # mkdtemp made it 0700: the finished folder gets ordinary permissions
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(staging, out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
