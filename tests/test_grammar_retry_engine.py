@@ -242,3 +242,23 @@ def test_server_auto_tool_call_with_a_checked_schema(random_llama, stories):
     choice = body["choices"][0]
     if choice["finish_reason"] == "tool_calls":
         assert _is_valid(params, choice["message"]["tool_calls"][0]["function"]["arguments"])
+
+
+def test_engine_rewinds_a_hybrid_model_by_recomputing(stories, one_torch_thread):
+    """A model with constant-state layers (LFM2's short convolutions) cannot cut its state back: a rewound request
+    is released and recomputed from its start. Its logprobs are still the model's own (atol 1e-4, as above)."""
+    from .test_engine_hybrid import hybrid_model
+
+    tok = stories[1]
+    model = hybrid_model("lfm2", vocab_size=512, initializer_range=0.02)
+    schema = FAMILIES["format_checked_here"][0]
+    engine = Engine(model, tok, block_size=4)
+    outs = _run(engine, tok, schema, logprobs=0)
+    assert sum(o.metrics["grammar_retries"] for o in outs) >= 1
+    for out in outs:
+        assert out.finish_reason in ("stop", "check_failed", "length")
+        if out.finish_reason == "stop":
+            assert _is_valid(schema, out.text), out.text
+        ref = _model_logprobs(model, out.prompt_token_ids + out.token_ids)
+        for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert abs(entry.logprob - float(ref[j, token])) < 1e-4, (j, out.request_id)

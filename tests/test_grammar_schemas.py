@@ -144,6 +144,22 @@ def test_xgrammar_generate_retries_and_validates(random_llama, stories, family):
     assert len(ended) >= 3 and sum(valid) >= len(ended) - 1, (family, valid)
 
 
+def test_enum_items_under_unique_items_do_not_get_stuck(random_llama, stories):
+    """An item of a uniqueItems array of enum strings is masked where it starts to repeat one ("appl" once "apple"
+    is in), and a new item once every string is in, rather than at its closing quote when no other completion is
+    left: with the processor alone (no retry), every row ends with EOS and validates."""
+    tok = stories[1]
+    schema = {"type": "array", "items": {"enum": ["apple", "apricot", "banana"]}, "minItems": 3, "uniqueItems": True}
+    grammar = compile_grammar(GrammarSpec.json_schema(schema), tok)
+    for v in (["apple", "banana", "apricot"], ["apricot", "apple", "banana"]):
+        assert _replay(grammar, json.dumps(v)), v
+    for v in (["apple", "apple", "banana"], ["apple", "banana", "apricot", "apple"], ["apple", "banana"]):
+        assert not _replay(grammar, json.dumps(v)), v
+    proc = JSONSchemaLogitsProcessor(schema, tok)
+    rows = _generate(random_llama, tok, proc, 8, 60, seed=0)
+    assert all(ended and _is_valid(schema, text) for text, ended in rows), (rows, proc.finish_reasons)
+
+
 def test_failing_close_is_masked_not_the_value(stories):
     """The token closing a governed value with an invalid value is masked; the value may go on (x: 3 -> 3x)."""
     schema = {"type": "object", "properties": {"x": {"type": "integer", "not": {"const": 3}}}, "required": ["x"],

@@ -637,6 +637,11 @@ class CheckedMatcher:
             if fail:
                 forbidden.append(t)
                 self.last_failure = fail
+        if self._in_unique_enum_array(state, text):  # an item that can only repeat one: masked where it starts
+            done = set(forbidden)
+            for t in np.flatnonzero(allowed).tolist():
+                if t not in done and self._futile_item(state, text, t):
+                    forbidden.append(t)
         if forbidden:
             for t in forbidden:
                 words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
@@ -646,6 +651,56 @@ class CheckedMatcher:
                 self.failed = self.last_failure  # out of attempts, or no continuation left: the row fails
                 self.failed_at = len(self.hist) - 1
                 bitmask[index].zero_()
+
+    def _unique_enum(self, frame, full: bytes):
+        """Items of the array `frame` (a scanner frame) under uniqueItems whose schema allows only the strings of an
+        enum / const: (those strings, the array's path), else None."""
+        if frame[0] != "a":
+            return None
+        path = self._concrete(frame[2], full)
+        if not self.checks.roots_at(path)[1]:
+            return None
+        allowed = None
+        for node in self.checks.nodes_at(path + (frame[5],)):
+            values = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node \
+                else None
+            if values is not None:
+                strings = {v for v in values if isinstance(v, str)}
+                if len(strings) < len(values):
+                    return None  # other kinds of values: left to the close check
+                allowed = strings if allowed is None else allowed & strings
+        return (allowed, path) if allowed is not None else None
+
+    def _in_unique_enum_array(self, state, text: bytes) -> bool:
+        return isinstance(state, tuple) and bool(state[0]) and self._unique_enum(state[0][-1], text) is not None
+
+    def _futile_item(self, state, text: bytes, token: int) -> bool:
+        """Whether `token` leaves a string item of a uniqueItems array of enum strings open with a prefix that only
+        items already in the array complete, or starts a new item when every string is in the array already (every
+        completion repeats one: the close would fail later)."""
+        new, fail = self._check_token(state, text, token)
+        if fail or not isinstance(new, tuple) or not new[0]:
+            return False
+        full = text + self.checks.token_bytes[token]
+        frame, scalar = new[0][-1], new[1]
+        if scalar is None and frame[3] != "v" or scalar is not None and (scalar[0] != "s" or scalar[2]):
+            return False  # neither inside a string item nor right after a comma (where an item must follow)
+        start = scalar[1] if scalar is not None else len(full)
+        found = self._unique_enum(frame, full)
+        prefix = full[start:]
+        if found is None or b"\\" in prefix:
+            return False
+        try:
+            present = json.loads(full[frame[1]: start].rstrip(b" \t\n\r,") + b"]")
+        except ValueError:
+            return False
+        left = [v for v in found[0] if v not in present]
+        forms = {json.dumps(v, ensure_ascii=a).encode() for v in left for a in (True, False)}
+        if any(f.startswith(prefix) for f in forms):
+            return False
+        self.last_failure = f"'uniqueItems' at the array {_pointer(found[1])} (item {frame[5]} can only repeat one)"
+        self.fail_start = frame[1]
+        return True
 
     def _gate_failure(self) -> str | None:
         """None if the whole text validates against the whole schema (cached per length)."""
