@@ -150,7 +150,7 @@ def sample_from_teacher(teacher, prompts: torch.Tensor, length: int, seed: int =
         raise ValueError(f"prompt length {prompts.shape[1]} must be in 1..length-1 = {length - 1}")
     if not 0 < top_p <= 1:
         raise ValueError(f"top_p={top_p!r} must be in (0, 1]")
-    device = next(teacher.parameters()).device
+    device = input_device(teacher)
     generator = torch.Generator(device="cpu").manual_seed(seed)
     eos = getattr(teacher.config, "eos_token_id", None)
     eos = [eos] if isinstance(eos, int) else list(eos or [])
@@ -172,6 +172,16 @@ def sample_from_teacher(teacher, prompts: torch.Tensor, length: int, seed: int =
             ids = torch.cat((ids, step_input), dim=1)
         out.append(ids.cpu())
     return torch.cat(out)
+
+
+def input_device(model) -> torch.device:
+    """Where a model takes its inputs: its parameters' device, or for a model dispatched by accelerate (weights
+    offloaded to the CPU or disk, on the meta device until used) the device its first module runs on."""
+    placed = getattr(model, "hf_device_map", None)
+    if placed:
+        first = next(iter(placed.values()))
+        return torch.device("cpu" if first in ("cpu", "disk") else first)
+    return next(model.parameters()).device
 
 
 class StatsAccumulator:
