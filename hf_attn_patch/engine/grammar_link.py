@@ -1,5 +1,6 @@
 """Requests' grammars in the engine: compile per request, then mask a step's sampling rows through one BatchMatcher
-(grammar/matcher.py: the same masks, bitmask op and dead-end policy as generate() and speculative decoding)."""
+(grammar/matcher.py: the same masks, bitmask op and dead-end policy as generate() and speculative decoding). A request
+whose exact JSON Schema check failed is rewound by core.py through grammar/retry.py's RowRetry, generate()'s policy."""
 
 from __future__ import annotations
 
