@@ -3,7 +3,7 @@ token each step) vs our MultiHeadLatentAttention, naive path and absorbed path (
 PagedKVCache; same weights, in one process.
 
     .venv/bin/python scripts/bench_mla_decode.py [--contexts 1024 4096 16384] [--steps 30] [--threads 2]
-        [--clock wall|thread]
+        [--clock wall|thread] [--profile N]
 
 Model: DeepSeek-V3 layout, 2 layers, hidden 512, 8 heads, kv_lora_rank 128, rope 32, nope 64, v 64 (RESEARCH.md's
 configuration), fp32 on CPU, batch 1. Each cache is prefilled once, in chunks of 512 tokens (our model with
@@ -12,7 +12,9 @@ crops the cache back, so every step sees the same context and a change in the ma
 Prints ms per decoded token (median over rounds) and the speed-up of the faster absorbed column over stock: the
 median of the per-round ratios, with their interquartile range. `--clock thread` (with `--threads 1`) times the CPU
 time of the one thread that runs every op instead of the wall clock: on a machine shared with other work, the time
-spent waiting for a core drops out.
+spent waiting for a core drops out. `--profile N` then profiles 10 more steps of every column (torch.profiler) and
+prints each one's N costliest ops per step (self CPU time, calls, input shapes): what one column runs that another
+does not.
 """
 
 from __future__ import annotations
@@ -68,6 +70,40 @@ def decode_rounds(models: dict, layers: list, context: int, steps: int, clock) -
     return times
 
 
+def profile_columns(models: dict, layers: list, context: int, top: int) -> None:
+    """Print, per column, the `top` ops by self CPU time per decoded token (10 steps on the caches of a fresh
+    prefill), with calls per step and input shapes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    steps = 10
+    caches = {}
+    with torch.no_grad():
+        ids = torch.randint(0, models["stock"].config.vocab_size, (1, context + 1))
+        for column, (model_name, kind, absorb) in COLUMNS.items():
+            for layer in layers:
+                layer.absorb = absorb or "auto"
+            model = models[model_name]
+            if (model_name, kind) not in caches:
+                cache = PagedKVCache(model.config) if kind == "paged" else DynamicCache(config=model.config)
+                for start in range(0, context, PREFILL_CHUNK):
+                    model(ids[:, start : min(start + PREFILL_CHUNK, context)], past_key_values=cache)
+                caches[model_name, kind] = cache
+            cache = caches[model_name, kind]
+            for _ in range(2):  # warm-up
+                model(ids[:, context:], past_key_values=cache)
+                cache.crop(-1)
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                for _ in range(steps):
+                    model(ids[:, context:], past_key_values=cache)
+                    cache.crop(-1)
+            events = prof.key_averages(group_by_input_shape=True)
+            total = sum(e.self_cpu_time_total for e in events) / steps / 1e3
+            print(f"\n{column} at {context}: {total:.2f} ms self CPU per token (profiled, crop included)")
+            for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+                print(f"  {e.self_cpu_time_total / steps / 1e3:8.3f} ms {e.count / steps:6.1f}x  {e.key:<36} "
+                      f"{str(e.input_shapes)[:70]}")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--contexts", type=int, nargs="+", default=[1024, 4096, 16384])
@@ -75,7 +111,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
                         help="thread: CPU time of the calling thread (needs --threads 1)")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after timing, print the N costliest ops per token of every column (torch.profiler)")
     args = parser.parse_args()
+    if args.profile < 0:
+        parser.error(f"--profile must be >= 0, got {args.profile}")
     for name in ("steps", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -108,6 +148,8 @@ def main() -> None:
             f"{context:>8}" + "".join(f"{statistics.median(times[column]):>16.2f}" for column in COLUMNS)
             + f"{median:>8.1f}x{f'({q1:.1f}-{q3:.1f})':>14}", flush=True,
         )  # fmt: skip
+    for context in args.contexts if args.profile else ():
+        profile_columns({"stock": stock, "ours": ours}, layers, context, args.profile)
 
 
 if __name__ == "__main__":
