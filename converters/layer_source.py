@@ -187,9 +187,14 @@ class LayerSource:
 
         def record(i, hidden, args, kwargs):
             calls.append((args, kwargs))
+            if i == self.num_layers - 1:  # the final norm and the LM head are not needed (logits: B x T x V)
+                raise _Entered(hidden)
             return hidden
 
-        self._skeleton_pass(torch.zeros(batch, seq_len, dtype=torch.long, device=self.device), record)
+        try:
+            self._skeleton_pass(torch.zeros(batch, seq_len, dtype=torch.long, device=self.device), record)
+        except _Entered:
+            pass
         return calls
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -245,7 +250,7 @@ class LayerSource:
 
 
 class _Entered(Exception):
-    """Raised by the first stand-in: the hidden states entering the decoder layers are known."""
+    """Raised by a stand-in: the rest of the skeleton's forward is not needed (`hidden`: what it was given)."""
 
     def __init__(self, hidden: torch.Tensor):
         super().__init__()
