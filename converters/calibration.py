@@ -255,3 +255,18 @@ def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[s
         for handle in handles:
             handle.remove()
     return {name: a.stats() for name, a in acc.items() if a.n}
+
+
+@torch.no_grad()
+def track_statistics(runner, layer, attn, w, config, i: int, track) -> LayerStats:
+    """LayerStats of decoder layer i's attention `attn` (weights w) over the carried source track
+    (layer_stream.Activations) while runner (a layer_stream.LayerRunner) advances it: the layer's output goes into the
+    spare buffer; the hook sees each batch of windows as the whole model's forward (collect_stats) did."""
+    acc = StatsAccumulator(w, config)
+    hook = attn.register_forward_pre_hook(lambda m, a, kw: acc.add(a[0] if a else kw["hidden_states"]),
+                                          with_kwargs=True)  # fmt: skip
+    try:
+        runner.apply(layer, i, track.current, track.spare)
+    finally:
+        hook.remove()
+    return acc.stats()

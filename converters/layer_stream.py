@@ -28,6 +28,7 @@ from .layer_source import LayerSource
 logger = logging.getLogger(__name__)
 
 PLACEMENTS = ("device", "cpu", "disk")
+BATCH = 4  # windows per layer call in a conversion: the batches its whole-model passes ran (statistics, fits)
 
 
 def available_cpu_bytes() -> int:
@@ -104,6 +105,27 @@ class Activations:
         if self.tmpdir is not None:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
+
+
+class Tracks:
+    """The carried hidden states: {name: Activations}, placed together (device, cpu or disk)."""
+
+    def __init__(self, names: list[str], shape, dtype, device, placement: str | None = None):
+        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
+        placement = placement or choose_placement(nbytes, device, buffers=2 * len(names))
+        if placement == "device" and torch.device(device).type == "cpu":
+            placement = "cpu"
+        self.placement, self.bytes = placement, 2 * len(names) * nbytes
+        self.stores = {n: Activations.allocate(shape, dtype, placement, device) for n in names}
+        logger.info("carrying %d track(s) %s (%.1f MB) on %s", len(names), tuple(shape), self.bytes / 2**20, placement)
+
+    def __getitem__(self, name: str) -> Activations:
+        return self.stores[name]
+
+    def close(self) -> None:
+        for store in self.stores.values():
+            store.close()
+
 
 
 @dataclass

@@ -21,8 +21,8 @@ import torch
 
 from ..kv_memory import dtype_of
 from ..models.architectures import architecture_of, rotary_dim
-from .calibration import StatsAccumulator
-from .layer_stream import Activations, LayerRunner, choose_placement
+from .calibration import track_statistics
+from .layer_stream import BATCH, LayerRunner, Tracks
 from .options import ConvertOptions
 from .reconstruct import LayerFit, fit_layer
 from .stages.closed_form import (LayerChoice, LayerResult, build_layer, closed_form, converted_config,
@@ -32,7 +32,6 @@ from .stages.target import Target
 
 logger = logging.getLogger(__name__)
 
-BATCH = 4  # windows per layer call: the batches every whole-model pass ran (statistics, reconstruction)
 
 
 @dataclass
@@ -49,26 +48,6 @@ class LayersResult:
     seconds: dict = field(default_factory=dict)
     export: dict | None = None  # the report's "deepseek_v3" section
     native_config: object = None  # deepseek_v3: the native form's config (config: the export's)
-
-
-class Tracks:
-    """The carried hidden states: {name: Activations}, placed together (device, cpu or disk)."""
-
-    def __init__(self, names: list[str], shape, dtype, device, placement: str | None = None):
-        nbytes = int(torch.Size(shape).numel()) * torch.empty((), dtype=dtype).element_size()
-        placement = placement or choose_placement(nbytes, device, buffers=2 * len(names))
-        if placement == "device" and torch.device(device).type == "cpu":
-            placement = "cpu"
-        self.placement, self.bytes = placement, 2 * len(names) * nbytes
-        self.stores = {n: Activations.allocate(shape, dtype, placement, device) for n in names}
-        logger.info("carrying %d track(s) %s (%.1f MB) on %s", len(names), tuple(shape), self.bytes / 2**20, placement)
-
-    def __getitem__(self, name: str) -> Activations:
-        return self.stores[name]
-
-    def close(self) -> None:
-        for store in self.stores.values():
-            store.close()
 
 
 def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: torch.Tensor | None,
@@ -104,7 +83,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             attn_name, attn = src.attention(layer)
             w = arch_split(attn).cpu()
             t = time.perf_counter()
-            stats = _statistics(runners.get(BATCH), layer, attn, w, config, i, tracks) if windows is not None else None
+            stats = track_statistics(runners.get(BATCH), layer, attn, w, config, i, tracks["source"]) if windows is not None else None
             seconds["statistics"] += time.perf_counter() - t
             t = time.perf_counter()
             choice = choices[i] if choices is not None else None
@@ -151,20 +130,6 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
         result.config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads})
     result.seconds = {k: round(v, 3) for k, v in seconds.items()}
     return result
-
-
-@torch.no_grad()
-def _statistics(runner: LayerRunner, layer, attn, w, config, i: int, tracks: Tracks):
-    """LayerStats of layer i's attention input over the source track, while the layer advances the track (its
-    output into the spare buffer): the hook sees each batch of BATCH windows as the whole model's forward did."""
-    acc = StatsAccumulator(w, config)
-    hook = attn.register_forward_pre_hook(lambda m, a, kw: acc.add(a[0] if a else kw["hidden_states"]),
-                                          with_kwargs=True)  # fmt: skip
-    try:
-        runner.apply(layer, i, tracks["source"].current, tracks["source"].spare)
-    finally:
-        hook.remove()
-    return acc.stats()
 
 
 def _layerwise(opts, runner: LayerRunner, layer, converted, name: str, w, config, choice, first: LayerResult, i: int,

@@ -17,6 +17,8 @@ from typing import Iterator
 import torch
 
 from ...models.architectures import architecture_of, rotary_dim
+from ..calibration import track_statistics
+from ..layer_stream import BATCH, LayerRunner, Tracks
 from ..budgets import MEASURE_TOKENS, LayerCandidates, allocation_report, budget_values, candidate_grid, choose
 from ..deepseek_export import stock_frequencies
 from ..methods import LatentPlan, allocate_ranks, ranked_components
@@ -67,9 +69,6 @@ def plan_layers(source: Source, opts: ConvertOptions, target: Target, windows: t
 def layer_statistics(source: Source, windows: torch.Tensor, measure=None) -> Iterator[tuple]:
     """(i, decoder layer i, its AttentionWeights on the CPU, its LayerStats) for every layer, in order: the source
     track carried (one layer resident), as pipeline.run_layers computes them."""
-    from ..pipeline import BATCH, Tracks, _statistics
-    from ..layer_stream import LayerRunner
-
     src, config = source.layers, source.config
     split = architecture_of(config).split_heads
     tracks = Tracks(["source"], (*windows.shape, config.hidden_size), src.dtype, src.device)
@@ -80,7 +79,7 @@ def layer_statistics(source: Source, windows: torch.Tensor, measure=None) -> Ite
             layer = src.layer(i)
             attn = src.attention(layer)[1]
             w = split(attn).cpu()
-            stats = _statistics(runner, layer, attn, w, config, i, tracks)
+            stats = track_statistics(runner, layer, attn, w, config, i, tracks["source"])
             tracks["source"].swap()
             yield i, layer, w, stats
             del layer
