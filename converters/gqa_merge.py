@@ -54,11 +54,10 @@ import torch
 
 from ..models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
 from .calibration import LayerStats
+from .gqa_blocks import Block, join_rope, split_rope
 from .mla_lift import with_bias_column
 
 GQA_METHODS = ("pca", "aligned", "mean")  # the first is the default: best measured (BENCHMARKS.md, README)
-_METRIC_FLOOR = 1e-6  # added to consumer metrics (times their mean diagonal): heads nobody reads still count a little
-_RIDGE = 1e-9  # ridge of the refit regressions (times the mean diagonal of E[k^ k^H]): numerical only
 _REGROUP_TOLERANCE = 1e-6  # retained-energy fraction another partition must gain over the one by index
 _MAX_PARTITIONS = 2000  # enumerate every equal-size partition up to this many, else build groups greedily
 
@@ -122,76 +121,10 @@ def _by_index(source_kv: int, kv_heads: int) -> list[list[int]]:
 
 
 @dataclass
-class _Block:
-    """One block of every source KV head and its consumers (float64; complex for a RoPE frequency).
-
-    rows [H_kv, n, D+1] (augmented [W b]); consumers [H, n, m] (query rows, m = D+1, or o_proj columns transposed,
-    m = D); whitened [H_kv*n, D+1] = rows_g premultiplied by M_g^1/2; gram = whitened S whitened^H; cov: S in the
-    block's dtype;
-    weight: share of a block's energy in the score (1/2 on a RoPE frequency: the phase average of Re^2 of a complex
-    product; 1 on real dims).
-    """
-
-    family: str  # "k" or "v"
-    rows: torch.Tensor
-    consumers: torch.Tensor
-    whitened: torch.Tensor
-    gram: torch.Tensor
-    cov: torch.Tensor
-    weight: float
-
-    @classmethod
-    def of(cls, family: str, rows, consumers, consumers_read_inputs: bool, cov) -> "_Block":
-        """M_g = sum over g's consumers of c_h Sigma c_h^H (+ _METRIC_FLOOR); Sigma = S for consumers reading the
-        inputs (queries), the identity otherwise (o_proj columns)."""
-        kv, n, _ = rows.shape
-        cov = cov.to(rows.dtype)  # no copy when it is already
-        read = consumers @ cov if consumers_read_inputs else consumers
-        metric = (read @ consumers.mH).view(kv, -1, n, n).sum(1)
-        floor = _METRIC_FLOOR * metric.diagonal(dim1=-2, dim2=-1).real.mean() + 1e-300
-        metric = metric + floor * torch.eye(n, dtype=metric.dtype)
-        e, u = torch.linalg.eigh(metric)
-        root = (u * e.clamp_min(0).sqrt()[..., None, :].to(u.dtype)) @ u.mH
-        whitened = (root @ rows).reshape(kv * n, -1)
-        gram = whitened @ cov @ whitened.mH
-        return cls(family, rows, consumers, whitened, gram, cov, 0.5 if rows.is_complex() else 1.0)
-
-    def span(self, group) -> list[int]:
-        """Rows of whitened / gram that belong to the heads of `group`."""
-        n = self.rows.shape[1]
-        return [g * n + d for g in group for d in range(n)]
-
-    def principal(self, group) -> tuple[torch.Tensor, torch.Tensor]:
-        """(top n principal directions [G*n, n] of the group's whitened block, all eigenvalues ascending)."""
-        idx = self.span(group)
-        e, u = torch.linalg.eigh(self.gram[idx][:, idx])
-        return u[:, -self.rows.shape[1] :], e
-
-    def merge(self, group, method: str, refit: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """(merged rows [n, D+1], back maps R_g [n, n] with k_g ~ R_g k^ for each head of the group)."""
-        rows = self.rows[list(group)]
-        if method == "pca":
-            directions, _ = self.principal(group)
-            merged = directions.mH @ self.whitened[self.span(group)]
-            # The whitening sets each merged row's scale (sqrt of its consumers' energy). Bring every row to the
-            # group's mean row energy, so healing's per-weight steps meet weights of the source's size; the refit
-            # below absorbs any scale exactly.
-            target = (rows @ self.cov @ rows.mH).diagonal(dim1=-2, dim2=-1).real.mean()
-            energy = (merged @ self.cov @ merged.mH).diagonal().real
-            merged = merged * (target / energy.clamp_min(1e-300)).sqrt()[:, None].to(merged.dtype)
-        else:  # aligned: polar factor R_j of k_j S k_0^H, aligned rows R_j^H k_j, averaged
-            turns = [torch.eye(rows.shape[1], dtype=rows.dtype)] + [_polar(r @ self.cov @ rows[0].mH) for r in rows[1:]]
-            merged = torch.stack([t.mH @ r for t, r in zip(turns, rows)]).mean(0)
-            if not refit:
-                return merged, turns
-        return merged, [_regression(r, merged, self.cov) for r in rows]
-
-
-@dataclass
 class _Layer:
     """One layer in blocks: K blocks (RoPE frequencies, then the non-RoPE dims), then the V block."""
 
-    blocks: list[_Block]
+    blocks: list[Block]
     half: int  # RoPE frequencies per head
     per_kv: int  # query heads per source KV head
     cov: torch.Tensor  # S [D+1, D+1]
@@ -210,9 +143,9 @@ class _Layer:
         v = with_bias_column(w.v_w, w.v_b).view(source_kv, d_h, -1)
         o_t = w.o_w.to(torch.float64).view(-1, heads, d_h).permute(1, 2, 0)  # [H, d_h, D]: O_h^T
         cov_c = cov.to(torch.complex128) if half else None  # one copy shared by the RoPE blocks
-        blocks = [_Block.of("k", kb, qb, True, cov_c if kb.is_complex() else cov)
-                  for kb, qb in zip(_split(k, half), _split(q, half))]  # fmt: skip
-        blocks.append(_Block.of("v", v, o_t, False, cov))
+        blocks = [Block.of("k", kb, qb, True, cov_c if kb.is_complex() else cov)
+                  for kb, qb in zip(split_rope(k, half), split_rope(q, half))]  # fmt: skip
+        blocks.append(Block.of("v", v, o_t, False, cov))
         return cls(blocks, half, heads // source_kv, cov)
 
     def loss(self, group) -> float:
@@ -267,8 +200,8 @@ class _Layer:
             new_blocks.append(torch.stack(merged))
             new_consumers.append(consumers)
         order = [h for group in groups for g in group for h in range(g * p, (g + 1) * p)]
-        k, v = _join(new_blocks[:-1], self.half), new_blocks[-1]  # [kv, d_h, D+1]
-        q = _join(new_consumers[:-1], self.half)[order]  # [H, d_h, D+1]
+        k, v = join_rope(new_blocks[:-1], self.half), new_blocks[-1]  # [kv, d_h, D+1]
+        q = join_rope(new_consumers[:-1], self.half)[order]  # [H, d_h, D+1]
         o_t = new_consumers[-1]  # [H, d_h, D], original head order
         o_b = w.o_b
         if o_b is not None and (refit or method == "pca"):
@@ -297,34 +230,6 @@ class _Layer:
             g = h // self.per_kv
             error += source.consumers[h].t() @ (source.rows[g] @ mean_x) - o_t_new[h].t() @ (v_new[new_of[g]] @ mean_x)
         return error
-
-
-def _split(rows: torch.Tensor, half: int) -> list[torch.Tensor]:
-    """[N, d_h, m] -> blocks: [N, 1, m] complex per RoPE frequency (dim i + i * dim i + half), then [N, n, m] real
-    non-RoPE dims (if any)."""
-    blocks = [torch.complex(rows[:, i], rows[:, i + half])[:, None] for i in range(half)]
-    return blocks + ([rows[:, 2 * half :]] if rows.shape[1] > 2 * half else [])
-
-
-def _join(blocks: list[torch.Tensor], half: int) -> torch.Tensor:
-    """Inverse of _split: [N, d_h, m] real."""
-    complex_part = torch.cat(blocks[:half], dim=1) if half else None
-    parts = [complex_part.real, complex_part.imag] if half else []
-    return torch.cat(parts + blocks[half:], dim=1)
-
-
-def _polar(m: torch.Tensor) -> torch.Tensor:
-    """Unitary R maximizing Re tr(R^H m) (U V^H of svd(m)); m = A S B^H makes R^H A the Procrustes fit of B."""
-    u, _, vh = torch.linalg.svd(m)
-    return u @ vh
-
-
-def _regression(source: torch.Tensor, merged: torch.Tensor, cov: torch.Tensor) -> torch.Tensor:
-    """R [n, n] minimizing E|source x~ - R merged x~|^2: E[k k^H] (E[k^ k^H] + ridge)^-1 (rows [n, D+1]; cov: S
-    in their dtype)."""
-    cross, auto = source @ cov @ merged.mH, merged @ cov @ merged.mH
-    ridge = _RIDGE * auto.diagonal().real.mean() + 1e-300
-    return torch.linalg.solve(auto + ridge * torch.eye(len(auto), dtype=auto.dtype), cross.mH).mH
 
 
 def _partition_count(n: int, size: int) -> int:
