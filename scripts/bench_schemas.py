@@ -1,7 +1,7 @@
 """Structured output on real-world JSON Schemas (JSONSchemaBench / MaskBench): ours (widened grammar + exact checks)
 against llguidance alone, on a fixed seeded random sample.
 
-    python scripts/bench_schemas.py /path/to/jsonschemabench/git-dir --n 1000 --seed 0 --generate 200
+    python scripts/bench_schemas.py /path/to/jsonschemabench/git-dir --n 1000 --seed 0 --generate 200 --engine 200
 
 The mirror is a git directory of github.com/guidance-ai/jsonschemabench (read with git; no work tree needed); the
 schemas and their valid / invalid test instances come from maskbench/data/*.json. Figures:
@@ -15,6 +15,9 @@ schemas and their valid / invalid test instances come from maskbench/data/*.json
 - generation: a random-weight llama over the tokenizer's vocabulary samples under the processor, with +4 added to
   the logits of EOS and of the tokens holding '"', ']' or '}' (else the nearly uniform random model writes strings
   far longer than the token limit); the outputs that end with EOS are validated with jsonschema (formats checked);
+- engine (--engine N): the same random model and bias in the engine, one request per schema (response_format): a
+  request whose check leaves no valid continuation is rewound and decodes again (up to 3 times), else it ends
+  check_failed; the outputs that end with "stop" are validated; --replay 0 skips the replays (generation only);
 - mask time per token: ours against the plain path (the same compiled grammar without checks), on the valid replays,
   for schemas that need no checks and for those that do. The machine may be shared: ratios are within one process.
 """
@@ -133,6 +136,9 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--smollm2", type=int, default=0,
                     help="also generate with SmolLM2-135M-Instruct (greedy, chat prompt) on this many schemas")
+    ap.add_argument("--engine", type=int, default=0,
+                    help="also generate with the random model in the engine (retries) on this many schemas")
+    ap.add_argument("--replay", type=int, default=1, help="0: compile only, no replays (for the generation figures)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     logging.getLogger("hf_attn_patch").setLevel(logging.ERROR)
@@ -167,7 +173,7 @@ def main():
             compiled_ok.append((name, schema, ours))
             stats["with_checks"] += ours.checks is not None
         locator = None
-        for test in tests:
+        for test in tests if args.replay else ():
             ids = encode(adapter, json.dumps(test["data"], ensure_ascii=False))
             if test["valid"] and isinstance(test["data"], (dict, list)):  # also try the schema's property order
                 try:
@@ -212,6 +218,7 @@ def main():
 
     gen = generate(compiled_ok[: args.generate], tok, args.max_new_tokens) if args.generate else {}
     gen_smol = generate_smollm2(sample[: args.smollm2], args.max_new_tokens) if args.smollm2 else {}
+    gen_engine = generate_engine(compiled_ok[: args.engine], tok, args.max_new_tokens) if args.engine else {}
     s = stats
     pct = lambda a, b: round(100.0 * a / max(b, 1), 2)  # noqa: E731
     figures = {
@@ -232,6 +239,7 @@ def main():
                             "plain": round(1e6 * times["plain_check"] / max(steps["check"], 1), 1)}},
         "generation": gen,
         "generation_smollm2": gen_smol,
+        "generation_engine": gen_engine,
         "replay_seconds": round(replay_seconds, 1),
         "refusals": refusals[:20],
     }
@@ -243,23 +251,64 @@ def main():
         Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
 
 
-def generate(compiled: list, tok, max_new_tokens: int) -> dict:
-    """A random-weight llama samples under each grammar; outputs that end with EOS are validated."""
+def random_model(tok):
+    """(random-weight tiny llama over the tokenizer's vocabulary, seed 0; the structural logit bias [V]: +4 on EOS
+    and on the tokens holding '"', ']' or '}')."""
     import transformers
-    from transformers import LogitsProcessorList
-
-    from hf_attn_patch.grammar import GrammarConstrainedLogitsProcessor
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096)
     model = transformers.LlamaForCausalLM(config).eval()
     bias = torch.zeros(len(tok))
-    adapter = get_adapter(tok)
-    for t, data in enumerate(adapter.token_bytes()):
+    for t, data in enumerate(get_adapter(tok).token_bytes()):
         if any(c in data for c in b'"]}'):
             bias[t] = 4.0
     bias[tok.eos_token_id] = 4.0
+    return model, bias
+
+
+def generate_engine(compiled: list, tok, max_new_tokens: int) -> dict:
+    """The same random model and bias (a hook on its head) in the engine, one request per schema
+    (response_format, sampled, seed = its index), all in one batch: the engine rewinds a request whose check left
+    no valid continuation and decodes on (finish_reason check_failed once 3 retries are spent)."""
+    from hf_attn_patch.engine import Engine, SamplingParams
+
+    model, bias = random_model(tok)
+    model.lm_head.register_forward_hook(lambda module, args, logits: logits + bias[: logits.shape[-1]])
+    engine = Engine(model, tok, max_num_seqs=256, max_batch_tokens=2048)
+    counts = {"schemas": len(compiled), "stop": 0, "stop_valid": 0, "check_failed": 0, "length": 0,
+              "requests_rewound": 0, "rewinds": 0, "seconds": 0.0}
+    bad = []
+    t0 = time.perf_counter()
+    params = [SamplingParams(max_tokens=max_new_tokens, temperature=1.0, seed=i,
+                             response_format={"type": "json_schema", "json_schema": {"schema": schema}})
+              for i, (_, schema, _) in enumerate(compiled)]
+    outs = engine.generate([[tok.bos_token_id or 1]] * len(compiled), params)
+    for (name, schema, _), out in zip(compiled, outs):
+        counts[out.finish_reason if out.finish_reason in counts else "length"] += 1
+        counts["requests_rewound"] += out.metrics["grammar_retries"] > 0
+        counts["rewinds"] += out.metrics["grammar_retries"]
+        if out.finish_reason == "stop":
+            try:
+                ok = validator(schema).is_valid(json.loads(out.text))
+            except ValueError:
+                ok = False
+            counts["stop_valid"] += ok
+            if not ok:
+                bad.append((name, out.text[:200]))
+    counts["seconds"] = round(time.perf_counter() - t0, 1)
+    counts["invalid_examples"] = bad[:5]
+    return counts
+
+
+def generate(compiled: list, tok, max_new_tokens: int) -> dict:
+    """A random-weight llama samples under each grammar; outputs that end with EOS are validated."""
+    from transformers import LogitsProcessorList
+
+    from hf_attn_patch.grammar import GrammarConstrainedLogitsProcessor
+
+    model, bias = random_model(tok)
 
     def structural_bias(input_ids, scores):
         return scores + bias[: scores.shape[-1]]
