@@ -147,3 +147,22 @@ def test_absorbed_attention_forms_agree(length, masked, monkeypatch):
         got["sdpa"] = layer._absorbed(q_nope, q_rope, c, k_rope, mask)[0]
     for name, out in got.items():  # fp32 against float64: sums of ~160 products of entries ~1-10, atol 1e-5
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0, msg=name)
+
+
+def test_gemm_attention_rule(monkeypatch):
+    """CPU fp32 decode rows take the GEMMs; long prefills, dropout, half precision and (with one thread) caches past
+    GEMM_ONE_THREAD_TOKENS keep SDPA."""
+    c = torch.zeros(1, 1, 64, 8)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert mla._gemm_attention(c, 8, 0.0)
+        assert not mla._gemm_attention(c, mla.GEMM_ATTENTION_ROWS + 1, 0.0)
+        assert not mla._gemm_attention(c, 8, 0.1)
+        assert not mla._gemm_attention(c.bfloat16(), 8, 0.0)
+        monkeypatch.setattr(mla, "GEMM_ONE_THREAD_TOKENS", 63)
+        assert not mla._gemm_attention(c, 8, 0.0)
+        torch.set_num_threads(2)
+        assert mla._gemm_attention(c, 8, 0.0)
+    finally:
+        torch.set_num_threads(threads)
