@@ -262,3 +262,23 @@ def test_engine_rewinds_a_hybrid_model_by_recomputing(stories, one_torch_thread)
         ref = _model_logprobs(model, out.prompt_token_ids + out.token_ids)
         for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
             assert abs(entry.logprob - float(ref[j, token])) < 1e-4, (j, out.request_id)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_speculative_generate_every_family(random_llama, stories, family, caplog, one_torch_thread):
+    """Speculative generate() (prompt lookup) per keyword family: a row that ends either validates or was retried
+    until its budget ran out (MAX_RETRIES retries logged for it)."""
+    tok = stories[1]
+    schema = FAMILIES[family][0]
+    prompt = torch.tensor([[tok.bos_token_id]] * 4)
+    torch.manual_seed(3)
+    with caplog.at_level(logging.INFO, logger="hf_attn_patch.grammar.retry"):
+        out = random_llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=60,
+                                    do_sample=True, response_format=_fmt(schema), tokenizer=tok,
+                                    eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+                                    prompt_lookup_num_tokens=3)  # fmt: skip
+    logged = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
+    for r, row in enumerate(out):
+        ids = row[1:].tolist()
+        if tok.eos_token_id in ids and not _is_valid(schema, tok.decode(ids[: ids.index(tok.eos_token_id)])):
+            assert sum(m.startswith(f"grammar row {r}:") for m in logged) == MAX_RETRIES, (family, r, logged)

@@ -253,7 +253,8 @@ def test_budget_runs_out_with_a_distinct_finish_reason(random_llama, stories):
 @pytest.mark.parametrize("family", ["not", "uniqueItems", "oneOf", "dependentSchemas"])
 def test_speculative_decoding_validates(stories, family):
     """Speculative generate() (early-exit drafter): drafts are cut by the same checked matcher. Families whose
-    checks always leave a valid continuation here (no check_failed end to tell apart in the returned tensor)."""
+    checks always leave a valid continuation here (no check_failed end to tell apart in the returned tensor; the
+    retry of rows whose check failed: tests/test_grammar_retry_engine.py)."""
     model, tok = stories
     schema = FAMILIES[family][0]
     fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
@@ -267,7 +268,7 @@ def test_speculative_decoding_validates(stories, family):
         assert not ended or _is_valid(schema, text), (family, text)
 
 
-@pytest.mark.parametrize("family", ["not", "dependentSchemas", "contains", "multipleOf_float", "unknown_format"])
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_engine_response_format_validates(stories, family):
     from hf_attn_patch.engine import Engine, SamplingParams
 
@@ -281,8 +282,8 @@ def test_engine_response_format_validates(stories, family):
     for out in outs:
         if out.finish_reason == "stop":
             assert _is_valid(schema, out.text), (family, out.text)
-        else:
-            assert out.finish_reason in ("length", "check_failed"), out.finish_reason
+        else:  # check_failed only once the rewinds are spent
+            assert out.finish_reason == "length" or out.metrics["grammar_retries"] == 3, (out.finish_reason, out.text)
 
 
 # ------------------------------------------------------------------------------------- generate() retry
