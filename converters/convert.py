@@ -19,10 +19,9 @@ from pathlib import Path
 import torch
 
 from ..hub import push
-from .layer_writer import ShardedWriter
 from .options import ConvertOptions
 from .output import check_output
-from .pipeline import convert_layers
+from .pipeline import convert_layers, write_native
 from .stages.heal import heal_whole
 from .stages.plan import plan_layers
 from .stages.report import Clock, build_report
@@ -51,7 +50,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
         healed = None
         if opts.healing.steps:
             with tempfile.TemporaryDirectory(prefix="hf-attn-native-") as tmp:
-                layers = clock.run("layers", _write_native, src, opts, target, cal.windows, plan, Path(tmp) / "native")
+                layers = clock.run("layers", write_native, src, opts, target, cal.windows, plan, Path(tmp) / "native")
                 healed = clock.run("heal", heal_whole, src, Path(tmp) / "native", opts, cal.windows, plan.stride,
                                    target.export_rope)  # fmt: skip
             if target.stock_format:
@@ -71,14 +70,6 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     if out_opts.push_to_hub is not None:
         report["hub"] = push(out, out_opts.push_to_hub, private=out_opts.private, client=hub_client)
     return report
-
-
-def _write_native(src, opts, target, windows, plan, folder: Path):
-    """The native converted model into `folder` (for healing to load whole); the layer loop's result."""
-    with ShardedWriter(folder, opts.output.max_shard_size) as writer:
-        layers = convert_layers(src, opts, target, windows, plan, writer.add, native=True)
-        writer.finish(layers.config, src.generation_config)
-    return layers
 
 
 def _is_main_process() -> bool:

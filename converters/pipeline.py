@@ -23,6 +23,7 @@ from ..kv_memory import dtype_of
 from ..models.architectures import architecture_of, rotary_dim
 from .calibration import track_statistics
 from .layer_stream import BATCH, LayerRunner, Tracks
+from .layer_writer import ShardedWriter
 from .options import ConvertOptions
 from .reconstruct import LayerFit, fit_layer
 from .stages.closed_form import (LayerChoice, LayerResult, build_layer, closed_form, converted_config,
@@ -175,3 +176,12 @@ def convert_layers(source: Source, opts: ConvertOptions, target: Target, windows
     if target.stock_format and not native:
         del result.config.attention_variant  # a plain config: our module's weight names are the stock ones
     return result
+
+
+def write_native(source: Source, opts: ConvertOptions, target: Target, windows: torch.Tensor | None, plan,
+                 folder) -> LayersResult:  # fmt: skip
+    """The native converted model written into `folder` (for healing, or an export, to load whole)."""
+    with ShardedWriter(folder, opts.output.max_shard_size) as writer:
+        layers = convert_layers(source, opts, target, windows, plan, writer.add, native=True)
+        writer.finish(layers.config, source.generation_config)
+    return layers

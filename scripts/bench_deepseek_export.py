@@ -21,11 +21,32 @@ import tempfile
 import torch
 
 import hf_attn_patch  # noqa: F401 - builds the native MLA model
-from hf_attn_patch.converters import convert as convert_module
-from hf_attn_patch.converters.convert import convert
+from hf_attn_patch.converters.options import ConvertOptions
+from hf_attn_patch.converters.pipeline import write_native
+from hf_attn_patch.converters.stages.plan import plan_layers
+from hf_attn_patch.converters.stages.source import open_source
+from hf_attn_patch.converters.stages.target import resolve_target
+from hf_attn_patch.converters.stages.windows import calibrate
 from hf_attn_patch.models.pretrained import load_source
 from hf_attn_patch.converters.deepseek_export import to_deepseek_v3
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
+
+
+def native_conversion(source: str, options: dict):
+    """(the native MLA model the export starts from, its calibration windows, the RoPE stride, the source's config,
+    the engine, the export's RoPE dims): convert()'s stages with the layer loop's native form written to a temporary
+    folder and loaded whole."""
+    from transformers import AutoModelForCausalLM
+
+    opts = ConvertOptions.from_flat(**options)
+    src = open_source(source, opts.device)
+    target = resolve_target(src, opts, options)
+    cal = calibrate(src, opts, True)
+    plan = plan_layers(src, opts, target, cal.windows)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_native(src, opts, target, cal.windows, plan, f"{tmp}/native")
+        native = AutoModelForCausalLM.from_pretrained(f"{tmp}/native").eval()
+    return native, cal.windows, plan.stride, src.config, opts.engine, target.export_rope
 
 
 def main() -> None:
@@ -42,21 +63,10 @@ def main() -> None:
     ap.add_argument("--reconstruct-steps", default="auto", help="as hf-attn convert (default auto)")
     args = ap.parse_args()
 
-    captured = {}
-    export = convert_module.to_deepseek_v3
-
-    def capture(native, windows, *rest):
-        captured.update(native=copy.deepcopy(native), windows=windows, rest=rest)
-        return export(native, windows, *rest)
-
-    convert_module.to_deepseek_v3 = capture
-    with tempfile.TemporaryDirectory() as tmp:
-        report = convert(args.source, f"{tmp}/ds", to="mla", kv_budget=args.kv_budget, format="deepseek_v3",
-                         calib_source=args.calib_source,
-                         reconstruct_steps=args.reconstruct_steps if args.reconstruct_steps == "auto"
-                         else int(args.reconstruct_steps))  # fmt: skip
-    convert_module.to_deepseek_v3 = export
-    native, calib, (stride, config, engine, rope_dim, _) = captured["native"], captured["windows"], captured["rest"]
+    options = dict(to="mla", kv_budget=args.kv_budget, format="deepseek_v3", calib_source=args.calib_source,
+                   reconstruct_steps=args.reconstruct_steps if args.reconstruct_steps == "auto"
+                   else int(args.reconstruct_steps))  # fmt: skip
+    native, calib, stride, config, engine, rope_dim = native_conversion(args.source, options)
     linear, lin_report = to_deepseek_v3(native, calib, stride, config, engine, rope_dim, "linear")
     fit, fit_report = to_deepseek_v3(native, calib, stride, config, engine, rope_dim, "fit")
 
@@ -87,7 +97,6 @@ def main() -> None:
                           "max_relative_deviation": lin_report["latent_norm"]["max_relative_deviation_calibration"]},
         "export_fit": {**ev(fit), "calib_kl": fit_report["kl_to_native_per_token"]},
         "eps_change_only": ev(eps_only),
-        "convert_report_kl": report["deepseek_v3"]["kl_to_native_per_token"],
     }  # fmt: skip
     for name in ("export_linear", "export_fit"):
         out[name]["ppl_vs_native"] = out[name]["ppl"] / out["native"]["ppl"]
