@@ -123,15 +123,18 @@ def test_engine_streams_a_checked_request_whole_at_its_end(random_llama, stories
 
 def test_server_response_format_retries(random_llama, stories):
     """The OpenAI server (response_format json_schema) answers with the engine's retried requests: valid JSON."""
-    from ._server import http, running
+    from ._server import http, running, sse
 
     tok = stories[1]
     schema = FAMILIES["format_checked_here"][0]
+    request = {"prompt": [tok.bos_token_id], "max_tokens": 60, "temperature": 1.0, "seed": 1,
+               "response_format": _fmt(schema)}
     with running(Engine(random_llama, tok, block_size=8)) as (port, _):
-        status, body = http(port, "/v1/completions", {"prompt": [tok.bos_token_id], "max_tokens": 60,
-                                                      "temperature": 1.0, "seed": 1, "n": 6,
-                                                      "response_format": _fmt(schema)})  # fmt: skip
+        status, body = http(port, "/v1/completions", {**request, "n": 6})
+        events = sse(port, "/v1/completions", {**request, "stream": True})
     assert status == 200, body
+    streamed = "".join(e["choices"][0]["text"] for e in events if e != "[DONE]")
+    assert streamed == body["choices"][0]["text"]  # the same seed; streamed whole at its end
     reasons = [c["finish_reason"] for c in body["choices"]]
     assert reasons.count("stop") >= 5, reasons
     for choice in body["choices"]:
