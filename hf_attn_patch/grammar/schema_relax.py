@@ -11,8 +11,9 @@ xgrammar, which refuses an empty enum, it is widened to any value and checked).
 Per backend (``relax_and_compile(..., backend=)``): llguidance refuses the keywords of DROP_KEYS and formats outside
 BACKEND_FORMATS. xgrammar 0.2.9 compiles more without error but does not enforce it, or wrongly narrows it (found by
 replaying valid and invalid instances): the same DROP_KEYS, ``oneOf`` (rewritten as ``anyOf``), ``allOf`` of several
-subschemas (merged into one when their keywords are disjoint, else only the first kept), ``multipleOf`` with a non-integer, ``minLength`` / ``maxLength`` beside a ``pattern``,
-``patternProperties``, ``enum`` / ``const`` with an object or array value, and formats outside XGRAMMAR_FORMATS.
+subschemas (merged into one when their keywords are disjoint, else only the first kept), ``multipleOf`` with a
+non-integer, ``minLength`` / ``maxLength`` beside a ``pattern``, ``patternProperties``, ``enum`` / ``const`` with an
+object or array value, an empty ``enum``, and formats outside XGRAMMAR_FORMATS.
 """
 
 from __future__ import annotations
