@@ -13,7 +13,6 @@ from transformers import LogitsProcessorList
 
 from hf_attn_patch.grammar import (
     ChoiceLogitsProcessor,
-    GrammarConstrainedLogitsProcessor,
     GrammarError,
     GrammarLogitsProcessor,
     GrammarSpec,
@@ -234,9 +233,6 @@ def test_unsupported_features_raise_at_construction(stories):
     widened = JSONSchemaLogitsProcessor({"type": "object", "properties": {"x": {"not": {"type": "string"}}}}, tok,
                                         backend="xgrammar")  # widened and checked, as with llguidance
     assert widened.grammars[0].widened == {"not": ["#/properties/x"]} and widened.grammars[0].checks is not None
-    with pytest.raises(GrammarError, match="tagged_json .* needs the llguidance backend"):
-        GrammarConstrainedLogitsProcessor(GrammarSpec.tagged_json({"type": "object"}, "<a>", "</a>"), tok,
-                                          backend="xgrammar")
     with pytest.raises(GrammarError, match="look-around"):
         RegexLogitsProcessor(r"(?=a)b", tok, backend="llguidance")
     with pytest.raises(GrammarError):

@@ -178,10 +178,12 @@ def test_speculative_generate_retries(random_llama, stories, drafter, caplog, on
 
 
 # --------------------------------------------------------------------------------- tool_choice "auto" (tagged_json)
+@pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_auto_tool_calls_are_widened_and_checked(stories, family):
-    """tool_choice "auto" compiles the tools' schemas like response_format (widened + checked, no refusal): every
-    valid call replays to EOS, every invalid one is stopped before its end, and free text stays free."""
+def test_auto_tool_calls_are_widened_and_checked(stories, family, backend):
+    """tool_choice "auto" compiles the tools' schemas like response_format (widened + checked, no refusal), with
+    either backend: every valid call replays to EOS, every invalid one is stopped before its end, and free text
+    stays free."""
     from hf_attn_patch.engine.tools import read_tools
     from hf_attn_patch.grammar import GrammarSpec, compile_grammar
 
@@ -195,8 +197,9 @@ def test_auto_tool_calls_are_widened_and_checked(stories, family):
     plan = read_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
                        "tool_choice": "auto"})
     grammar = compile_grammar(GrammarSpec.tagged_json(plan.grammar["schema"], plan.grammar["open"],
-                                                      plan.grammar["close"]), tok)
-    assert grammar.checks is not None and grammar.widened
+                                                      plan.grammar["close"]), tok, backend=backend)
+    assert grammar.backend_name == backend
+    assert grammar.checks is not None or backend == "xgrammar" and family == "format_checked_here"  # it knows it
 
     def call(value):
         return "<tool_call>" + json.dumps({"name": "f", "arguments": wrap(value)}) + "</tool_call>"

@@ -211,6 +211,16 @@ class XGrammarBackend:
                 _check_xgrammar_schema(spec.source)
                 return compiler.compile_json_schema(spec.source, any_whitespace=whitespace_flexible,
                                                     separators=tuple(separators), strict_mode=True)
+            if spec.kind == "tagged_json":  # text, or open tag + the schema's JSON + close tag
+                schema, open_tag, close_tag = spec.source
+                _check_xgrammar_schema(schema)
+                first = "\\" + open_tag[0] if open_tag[0] in "\\]^-" else open_tag[0]
+                body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=whitespace_flexible,
+                                                    separators=tuple(separators), strict_mode=True)
+                call = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_tag)}"), body,
+                                          xgr.Grammar.from_ebnf(f"root ::= {json.dumps(close_tag)}"))
+                text = xgr.Grammar.from_ebnf(f"root ::= [^{first}] [^\\0]*")
+                return compiler.compile_grammar(xgr.Grammar.union(text, call))
             if spec.kind == "json_object":
                 return compiler.compile_json_schema({"type": "object"}, any_whitespace=whitespace_flexible,
                                                     separators=tuple(separators), strict_mode=False)

@@ -82,9 +82,6 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
                 return hit
     t0 = time.perf_counter()
     checks = widened = None
-    if spec.kind == "tagged_json" and be.name != "llguidance":
-        raise GrammarError(f"tagged_json (tool_choice 'auto') needs the llguidance backend (a Lark grammar with "
-                           f"%json); {be.name} has no such grammar")
     if spec.kind in ("json_schema", "tagged_json"):
         schema, tags = (spec.source, None) if spec.kind == "json_schema" else (spec.source[0], spec.source[1:])
 
@@ -102,9 +99,9 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
     else:
         compiled = be.compile(spec, adapter, separators=tuple(separators), whitespace_flexible=whitespace_flexible)
     banned = ()
-    if be.name == "xgrammar" and spec.kind in ("json_schema", "json_object"):
+    if be.name == "xgrammar" and spec.kind in ("json_schema", "json_object", "tagged_json"):
         # xgrammar 0.2.9 lets raw control characters into JSON strings (invalid JSON): tokens with them are masked
-        keep = b"\t\n\r" if whitespace_flexible else b""
+        keep = b"\t\n\r" if whitespace_flexible or spec.kind == "tagged_json" else b""
         banned = tuple(i for i, t in enumerate(adapter.token_bytes()) if any(b < 0x20 and b not in keep for b in t))
     result = CompiledGrammar(spec, be, adapter, compiled, time.perf_counter() - t0, checks=checks, widened=widened,
                              banned=banned)
