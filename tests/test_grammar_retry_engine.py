@@ -288,3 +288,22 @@ def test_speculative_generate_every_family(random_llama, stories, family, caplog
         ids = row[1:].tolist()
         if tok.eos_token_id in ids and not _is_valid(schema, tok.decode(ids[: ids.index(tok.eos_token_id)])):
             assert sum(m.startswith(f"grammar row {r}:") for m in logged) == MAX_RETRIES, (family, r, logged)
+
+
+def test_engine_rewinds_a_sliding_window_model(stories, one_torch_thread):
+    """Mistral with a window of 4 and blocks of 2: blocks slide out of the window as a request grows, so a rewind
+    behind them recomputes the request; a short one just cuts. Logprobs are the model's own (atol 1e-4)."""
+    tok = stories[1]
+    model = tiny_model("mistral", vocab_size=512, sliding_window=4, seed=3)
+    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6},
+                                               "b": {"type": "string", "format": "json-pointer", "maxLength": 4}},
+              "required": ["a", "b"], "additionalProperties": False}  # b's value is rewound, well past the window
+    engine = Engine(model, tok, block_size=2)
+    outs = _run(engine, tok, schema, logprobs=0)
+    assert sum(o.metrics["grammar_retries"] for o in outs) >= 1
+    for out in outs:
+        if out.finish_reason == "stop":
+            assert _is_valid(schema, out.text), out.text
+        ref = _model_logprobs(model, out.prompt_token_ids + out.token_ids)
+        for j, (token, entry) in enumerate(zip(out.token_ids, out.logprobs)):
+            assert abs(entry.logprob - float(ref[j, token])) < 1e-4, (j, out.request_id)

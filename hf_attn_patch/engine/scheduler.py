@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..cache.block_pool import NULL_BLOCK
 from ..cache.manager import KVManager
 from .params import SamplingParams
 
@@ -105,10 +106,11 @@ class Scheduler:
         """Forget the K/V of positions >= num_tokens (a grammar retry took tokens back). Blocks wholly past them are
         released; a kept block named in the prefix cache stays named and is copied before the next write into it
         (KVManager.crop), so other sequences sharing it never see the new tokens. Constant-state layers cannot cut
-        their state back: such a request is released and recomputes from its start, as after a preemption."""
+        their state back, and a sliding window may have freed keys the position needs again: such a request is
+        released and recomputes from its start, as after a preemption."""
         if request.computed <= num_tokens:
             return
-        if self.kv.states is not None:
+        if self.kv.states is not None or self._window_freed(request, num_tokens):
             if request in self.running:
                 self.running.remove(request)
                 self._release(request)
@@ -120,6 +122,18 @@ class Scheduler:
         request.computed = num_tokens
 
     # -- helpers ---------------------------------------------------------------------------------------------
+
+    def _window_freed(self, request: Request, num_tokens: int) -> bool:
+        """Whether a window group freed a block that position `num_tokens` attends to (keys > num_tokens - w)."""
+        size = self.kv.block_size
+        for g in self.kv.groups:
+            if g is None:
+                continue
+            table = self.kv.table(request.id, g)
+            first = max(0, num_tokens - g + 1) // size
+            if any(b == NULL_BLOCK for b in table[first: num_tokens // size + 1]):
+                return True
+        return False
 
     def _take(self, request: Request, budget: int) -> int:
         need = request.remaining
