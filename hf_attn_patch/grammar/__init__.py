@@ -4,7 +4,8 @@ Backends: llguidance (default) and xgrammar, imported lazily. See processors.py 
 contract (speculative decoding, beam search) and state.py for the generate()-independent GrammarState.
 JSON Schema keywords llguidance refuses (not, if / then / else, dependencies, oneOf exclusivity, uniqueItems,
 contains, unknown formats, ...) are widened for the grammar (schema_relax.py) and checked exactly with jsonschema
-where the sub-value they govern closes (schema_checks.py); generate() retries rows whose check failed (retry.py).
+where the sub-value they govern closes (schema_checks.py); a row whose check failed is rolled back and decoded again
+by one policy on every path: generate(), speculative decoding and the engine (retry.py).
 """
 
 from .compiler import CompiledGrammar, compile_grammar
