@@ -637,6 +637,7 @@ class CheckedMatcher:
             if fail:
                 forbidden.append(t)
                 self.last_failure = fail
+        checked = len(forbidden)  # closes that failed: attempts; the pruning below is exact and costs none
         if self._in_unique_enum_array(state, text):  # an item that can only repeat one: masked where it starts
             done = set(forbidden)
             for t in np.flatnonzero(allowed).tolist():
@@ -645,7 +646,7 @@ class CheckedMatcher:
         if forbidden:
             for t in forbidden:
                 words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
-            self.attempts += 1
+            self.attempts += checked > 0
             if self.attempts >= self.checks.max_attempts or not (
                     words.any() or self.m.is_accepting() and self._gate_failure() is None):
                 self.failed = self.last_failure  # out of attempts, or no continuation left: the row fails
