@@ -42,7 +42,8 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     torch.manual_seed(opts.seed)
     src = open_source(source, opts.device)
     clock = Clock(src.device)
-    target = clock.run("target", resolve_target, src, opts, options)
+    target = clock.run("target", resolve_target, src, opts, options)  # refuses a bad source before any weight
+    clock.run("resident", src.layers.load_resident)
     cal = clock.run("calibration", calibrate, src, opts, target.needs_stats)
     plan = clock.run("plan", plan_layers, src, opts, target, cal.windows)
     out_opts = opts.output

@@ -98,8 +98,10 @@ class LayerSource:
     layers_name: str = "model.layers"
 
     @classmethod
-    def open(cls, source, device="cpu", dtype=torch.float32, attn_implementation: str = "sdpa") -> "LayerSource":
-        """Read the config and the resident parts; no decoder layer is read until `layer(i)`."""
+    def open(cls, source, device="cpu", dtype=torch.float32, attn_implementation: str = "sdpa",
+             resident: bool = True) -> "LayerSource":  # fmt: skip
+        """Read the config and (unless resident=False: later, by load_resident()) the resident parts; no decoder
+        layer is read until `layer(i)`."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
         from ..models.architectures import architecture_of
@@ -113,11 +115,12 @@ class LayerSource:
         attention = next(n for n, m in model.named_modules() if type(m).__name__ == arch.attention_class)
         layers_name = attention.rsplit(".", 2)[0]  # <layers>.<i>.<attention>
         src = cls(folder, config, model.eval(), weight_map(folder), torch.device(device), dtype, layers_name)
-        src._load_resident()
+        if resident:
+            src.load_resident()
         logger.info("opened %s (%s, %d layers) on %s", folder, config.model_type, config.num_hidden_layers, device)
         return src
 
-    def _load_resident(self) -> None:
+    def load_resident(self) -> None:
         """Every tensor outside the decoder layers, read and given to the skeleton; the LM head tied to the input
         embeddings where the config ties them; rotary embeddings (buffers computed, not stored) rebuilt."""
         prefix = self.layers_name + "."

@@ -76,13 +76,14 @@ def checkpoint_dtype(folder: Path, config) -> torch.dtype:
 
 
 def open_source(source: str, device: str) -> Source:
-    """The Source (resident parts read, no decoder layer) on resolve_device(device)."""
+    """The Source on resolve_device(device): its config, tokenizer and skeleton; no weight is read yet (the
+    resident parts: Source.layers.load_resident(), once the target is checked)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     folder = source_folder(source)
     dtype = checkpoint_dtype(folder, AutoConfig.from_pretrained(folder))
     where = resolve_device(device)
-    layers = LayerSource.open(folder, where, dtype)
+    layers = LayerSource.open(folder, where, dtype, resident=False)
     try:
         generation = GenerationConfig.from_pretrained(folder)
     except OSError:
