@@ -91,8 +91,10 @@ def test_stories15m_streamed_equals_in_memory(tmp_path, case, one_torch_thread):
 
 @pytest.mark.smollm2
 def test_smollm2_streamed_within_fp32_noise(tmp_path, one_torch_thread):
-    """One SmolLM2-135M case: MLA 50% by sensitivity, text calibration, one reconstruction step per layer."""
-    options = dict(to="mla", kv_budget=0.5, calib_source="text", calib_samples=2, calib_len=64, reconstruct_steps=1)
+    """One SmolLM2-135M case (kept short): MLA 50% with uniform ranks, text calibration, propagated statistics and one
+    reconstruction step per layer."""
+    options = dict(to="mla", kv_budget=0.5, rank_allocation="uniform", calib_source="text", calib_samples=2,
+                   calib_len=64, reconstruct_steps=1, propagate=True)  # fmt: skip
     (got, got_config), (want, want_config), *_ = both("smollm2", tmp_path, options)
     assert got.keys() == want.keys() and got_config == want_config
     for name in want:  # fp32: the same ops; a differing reduction order would stay within a few ulps of the values
