@@ -141,28 +141,33 @@ def test_absorbed_attention_forms_agree(length, masked, monkeypatch):
 
     assert mla._joint_rows(c, k_rope) is not None and mla._joint_rows(c.clone(), k_rope.clone()) is None
     forms = {"joint rows": (c, k_rope), "separate": (c.clone(), k_rope.clone())}
-    with torch.no_grad():
-        got = {name: layer._absorbed(q_nope, q_rope, *cache, mask)[0] for name, cache in forms.items()}
-        monkeypatch.setattr(mla, "GEMM_ATTENTION_ROWS", 0)
-        got["sdpa"] = layer._absorbed(q_nope, q_rope, c, k_rope, mask)[0]
+    calls, threads = [], torch.get_num_threads()
+    monkeypatch.setattr(mla, "_joint_rows", lambda *a, _f=mla._joint_rows: calls.append(1) or _f(*a))
+    torch.set_num_threads(2)  # the GEMMs run with more than one thread
+    try:
+        with torch.no_grad():
+            got = {name: layer._absorbed(q_nope, q_rope, *cache, mask)[0] for name, cache in forms.items()}
+            assert len(calls) == 2  # both took the GEMMs
+            monkeypatch.setattr(mla, "GEMM_ATTENTION_ROWS", 0)
+            got["sdpa"] = layer._absorbed(q_nope, q_rope, c, k_rope, mask)[0]
+    finally:
+        torch.set_num_threads(threads)
     for name, out in got.items():  # fp32 against float64: sums of ~160 products of entries ~1-10, atol 1e-5
         torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0, msg=name)
 
 
-def test_gemm_attention_rule(monkeypatch):
-    """CPU fp32 decode rows take the GEMMs; long prefills, dropout, half precision and (with one thread) caches past
-    GEMM_ONE_THREAD_TOKENS keep SDPA."""
+def test_gemm_attention_rule():
+    """CPU fp32 decode rows with more than one thread take the GEMMs; long prefills, dropout, half precision and a
+    single thread keep SDPA."""
     c = torch.zeros(1, 1, 64, 8)
     threads = torch.get_num_threads()
     try:
-        torch.set_num_threads(1)
+        torch.set_num_threads(2)
         assert mla._gemm_attention(c, 8, 0.0)
         assert not mla._gemm_attention(c, mla.GEMM_ATTENTION_ROWS + 1, 0.0)
         assert not mla._gemm_attention(c, 8, 0.1)
         assert not mla._gemm_attention(c.bfloat16(), 8, 0.0)
-        monkeypatch.setattr(mla, "GEMM_ONE_THREAD_TOKENS", 63)
+        torch.set_num_threads(1)
         assert not mla._gemm_attention(c, 8, 0.0)
-        torch.set_num_threads(2)
-        assert mla._gemm_attention(c, 8, 0.0)
     finally:
         torch.set_num_threads(threads)

@@ -220,18 +220,16 @@ class MultiHeadLatentAttention(nn.Module):
 
 
 GEMM_ATTENTION_ROWS = 256  # query rows (heads x new tokens) up to which CPU attention over the latent uses GEMMs
-GEMM_ONE_THREAD_TOKENS = 8192  # with one thread, cached tokens up to which the GEMMs still beat SDPA
 
 
 def _gemm_attention(c: torch.Tensor, rows: int, dropout) -> bool:
-    """Whether attention over the latent runs as GEMMs + softmax: on CPU in fp32/fp64 without dropout, for at most
-    GEMM_ATTENTION_ROWS query rows. CPU SDPA splits its work by query block, so a decode's few rows run on one
-    thread, while the GEMMs split the cached tokens across threads. With one thread, SDPA's one pass over a long
-    cache reads less than the GEMMs' two (measured: GEMMs 5-13% faster up to 8K tokens, 5% slower at 16K).
-    Long absorbed prefills keep SDPA's blockwise softmax."""
-    return (c.device.type == "cpu" and c.dtype in (torch.float32, torch.float64) and not dropout
-            and rows <= GEMM_ATTENTION_ROWS
-            and (c.shape[2] <= GEMM_ONE_THREAD_TOKENS or torch.get_num_threads() > 1))  # fmt: skip
+    """Whether attention over the latent runs as GEMMs + softmax: on CPU in fp32/fp64 without dropout, with more
+    than one thread, for at most GEMM_ATTENTION_ROWS query rows. CPU SDPA splits its work by query block, so a
+    decode's few rows run on one thread, while the GEMMs split the cached tokens across threads. With one thread
+    SDPA's single pass over the cache wins (the GEMMs read it twice: 8% slower at 4K tokens, 10% at 16K, in
+    scripts/bench_mla_decode.py). Long absorbed prefills keep SDPA's blockwise softmax."""
+    return (c.is_cpu and c.dtype in (torch.float32, torch.float64) and not dropout and rows <= GEMM_ATTENTION_ROWS
+            and torch.get_num_threads() > 1)  # fmt: skip
 
 
 def _joint_rows(c: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor | None:
