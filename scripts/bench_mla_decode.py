@@ -3,7 +3,7 @@ token each step) vs our MultiHeadLatentAttention, naive path and absorbed path (
 PagedKVCache; same weights, in one process.
 
     .venv/bin/python scripts/bench_mla_decode.py [--contexts 1024 4096 16384] [--steps 30] [--threads 2]
-        [--clock wall|thread] [--profile N]
+        [--clock wall|thread] [--warm] [--profile N]
 
 Model: DeepSeek-V3 layout, 2 layers, hidden 512, 8 heads, kv_lora_rank 128, rope 32, nope 64, v 64 (RESEARCH.md's
 configuration), fp32 on CPU, batch 1. Each cache is prefilled once, in chunks of 512 tokens (our model with
@@ -12,9 +12,11 @@ crops the cache back, so every step sees the same context and a change in the ma
 Prints ms per decoded token (median over rounds) and the speed-up of the faster absorbed column over stock: the
 median of the per-round ratios, with their interquartile range. `--clock thread` (with `--threads 1`) times the CPU
 time of the one thread that runs every op instead of the wall clock: on a machine shared with other work, the time
-spent waiting for a core drops out. `--profile N` then profiles 10 more steps of every column (torch.profiler) and
-prints each one's N costliest ops per step (self CPU time, calls, input shapes): what one column runs that another
-does not.
+spent waiting for a core drops out. `--warm` runs an untimed step of the same column right before each timed one, so
+each column is timed in steady state, its weights in cache as in a real decode loop (without it, each step follows
+another column's, which has evicted them; that costs the smaller absorbed model more). `--profile N` then profiles
+10 more steps of every column (torch.profiler) and prints each one's N costliest ops per step (self CPU time, calls,
+input shapes): what one column runs that another does not.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ COLUMNS = {  # column: (model, cache, absorb mode of our layers)
 }
 
 
-def decode_rounds(models: dict, layers: list, context: int, steps: int, clock) -> dict[str, list[float]]:
+def decode_rounds(models: dict, layers: list, context: int, steps: int, clock, warm: bool = False) -> dict:
     """ms per decoded token of every column, one list entry per round (two warm-up rounds dropped)."""
     torch.manual_seed(0)
     ids = torch.randint(0, models["stock"].config.vocab_size, (1, context + 1))
@@ -61,6 +63,9 @@ def decode_rounds(models: dict, layers: list, context: int, steps: int, clock) -
                 for layer in layers if absorb else ():
                     layer.absorb = absorb
                 cache = caches[model_name, kind]
+                if warm:  # an untimed step of this column first: its weights in cache, as in a decode loop
+                    models[model_name](ids[:, context:], past_key_values=cache)
+                    cache.crop(-1)
                 start = clock()
                 models[model_name](ids[:, context:], past_key_values=cache)
                 elapsed = clock() - start
@@ -111,6 +116,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--clock", choices=("wall", "thread"), default="wall",
                         help="thread: CPU time of the calling thread (needs --threads 1)")
+    parser.add_argument("--warm", action="store_true",
+                        help="time each column after an untimed step of its own (steady state, weights in cache)")
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after timing, print the N costliest ops per token of every column (torch.profiler)")
     args = parser.parse_args()
@@ -136,10 +143,10 @@ def main() -> None:
     ours = to_variant(stock, "mla")
     layers = [m for m in ours.modules() if isinstance(m, MultiHeadLatentAttention)]
     print(f"torch {torch.__version__}, {args.threads} threads, fp32, batch 1, {args.clock} clock, ms per decoded token "
-          f"(median of {args.steps} rounds)")  # fmt: skip
+          f"(median of {args.steps} rounds{', each after a warm-up step' if args.warm else ''})")  # fmt: skip
     print(f"{'context':>8}" + "".join(f"{column:>16}" for column in COLUMNS) + f"{'x stock':>9}{'(IQR)':>14}")
     for context in args.contexts:
-        times = decode_rounds({"stock": stock, "ours": ours}, layers, context, args.steps, clock)
+        times = decode_rounds({"stock": stock, "ours": ours}, layers, context, args.steps, clock, args.warm)
         ratios = sorted(
             s / min(a, p) for s, a, p in zip(times["stock"], times["ours absorbed"], times["absorbed+paged"])
         )
