@@ -1,38 +1,68 @@
-"""What loses retrieval in an MLA conversion: levers of the closed form, each measured on held-in teacher samples and
-on the retrieval probes, in one run.
+"""What loses retrieval in an MLA conversion: the conversion's stages added one at a time, and candidate fixes, each
+measured on held-in teacher samples and on the retrieval probes.
 
     OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_retrieval_levers.py [--source smollm2] [--kv-budget 0.5]
-        [--items 4] [--largest 1024] [--levers baseline,rope_context,calib_1024] [--out scripts/bench_retrieval_levers.json]
+        [--items 16] [--smallest 64] [--largest 1024] [--tasks passkey,copy] [--levers closed,teacher,...]
+        [--keep DIR] [--out scripts/bench_retrieval_levers.json]
 
-Levers (the closed form only: text calibration, uniform ranks, no reconstruction, so that each costs minutes):
-    baseline      calib_len 256 (32 windows): the calibration windows, and L = 256 in the RoPE split's score
-                  energy x 2(1 - sinc(theta L))
-    rope_context  the same windows, L = the source's context (max_position_embeddings) in that score
-    calib_1024    8 windows of 1024 tokens (the same 8,192 tokens), L = 1024 follows calib_len
+Every lever states all its options (nothing rides on convert()'s defaults):
+    closed          text calibration (32 x 256), uniform ranks, no reconstruction: the closed form
+    teacher         + teacher-sample calibration (32 x 256 samples of the source)
+    teacher_sens    + sensitivity rank allocation (per-layer RoPE dims / ranks by measured KL)
+    teacher_rec60   teacher calibration, uniform ranks, reconstruction 60 steps / layer
+    sens_rec20      teacher + sensitivity + reconstruction 20
+    default         teacher + sensitivity + reconstruction 60: the CLI's defaults
+    measure_1024    default, the sensitivity KL measured on 1024 calibration tokens (budgets.MEASURE_TOKENS; 256 in
+                    the library) instead of one window
+    calib_512       default, 16 x 512 calibration windows (the same 8,192 tokens; L = 512 in the RoPE score)
+    calib_1024      default, 8 x 1024 windows (L = 1024)
+    sens_m512       teacher_sens (no reconstruction), the sensitivity KL measured on 512 tokens (2 windows)
+    sens_floor      teacher_sens (no reconstruction), no layer below 0.75 x the uniform share (budgets.SIZE_FACTORS
+                    without 0.5)
+    rope_context    teacher_rec60 with L = the source's context (max_position_embeddings) in the RoPE split's score
+                    energy x 2(1 - sinc(theta L)) instead of calib_len
 Held-in measure (chosen on, never the probes): mean KL(source || converted) per token on 4 samples of the source
 itself, 512 tokens long, prompted by calibration-corpus windows after those calibrated on; split into positions
-< 256 and >= 256 (what a 256-token calibration never sees). Evaluation: retrieval accuracy per distance (passkey,
-copy, induction; the source's vocabulary, seed 0).
+< 256 and >= 256. Evaluation: retrieval accuracy per distance (hf_attn_patch/evaluation/retrieval.py; the source's
+vocabulary, seed 0). --keep DIR: converted models are kept in DIR/<lever> and reused when present.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
-from hf_attn_patch.converters import methods
+from hf_attn_patch.converters import budgets, methods
 from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
 from hf_attn_patch.converters.convert import convert
-from hf_attn_patch.models.pretrained import load_source
+from hf_attn_patch.converters.stages import plan as plan_stage
 from hf_attn_patch.evaluation.retrieval import evaluate_retrieval, known_vocabulary, retained
+from hf_attn_patch.models.pretrained import load_source
 
-LEVERS = {"baseline": {}, "rope_context": {"rope_context": True}, "calib_1024": {"calib_len": 1024, "calib_samples": 8}}
+CLOSED = {"calib_source": "text", "rank_allocation": "uniform", "reconstruct_steps": 0}
+DEFAULT = {"calib_source": "teacher", "rank_allocation": "sensitivity", "reconstruct_steps": 60}
+LEVERS = {
+    "closed": CLOSED,
+    "teacher": {**CLOSED, "calib_source": "teacher"},
+    "teacher_sens": {**DEFAULT, "reconstruct_steps": 0},
+    "teacher_rec60": {**DEFAULT, "rank_allocation": "uniform"},
+    "sens_rec20": {**DEFAULT, "reconstruct_steps": 20},
+    "default": DEFAULT,
+    "measure_1024": {**DEFAULT, "measure_tokens": 1024},
+    "calib_512": {**DEFAULT, "calib_len": 512, "calib_samples": 16},
+    "calib_1024": {**DEFAULT, "calib_len": 1024, "calib_samples": 8},
+    "rope_context": {**DEFAULT, "rank_allocation": "uniform", "rope_context": True},
+    "sens_m512": {**DEFAULT, "reconstruct_steps": 0, "measure_tokens": 512},
+    "sens_floor": {**DEFAULT, "reconstruct_steps": 0, "size_factors": (0.75, 1.0, 1.25, 1.5, 2.0)},
+}
 
 
 @torch.no_grad()
@@ -47,18 +77,79 @@ def position_kl(model, source, windows: torch.Tensor, split: int = 256) -> dict[
     return {f"<{split}": float(kl[:, :split].mean()), f">={split}": float(kl[:, split:].mean()), "all": float(kl.mean())}
 
 
+def converted(source_name: str, source, lever: str, kv_budget: float, keep: Path | None):
+    """The lever's conversion (kept in keep/<lever> and reused when present), and its report."""
+    folder = keep / lever if keep is not None else Path(tempfile.mkdtemp()) / lever
+    if not (folder / "conversion_report.json").exists():
+        options = dict(LEVERS[lever])
+        rope_context = options.pop("rope_context", False)
+        measure_tokens = options.pop("measure_tokens", budgets.MEASURE_TOKENS)
+        size_factors = options.pop("size_factors", budgets.SIZE_FACTORS)
+        original = methods.rotated_components
+        original_tokens, original_sizes = budgets.MEASURE_TOKENS, budgets.SIZE_FACTORS
+        if rope_context:
+            context = source.config.max_position_embeddings
+            methods.rotated_components = lambda w, config, stats, _context: original(w, config, stats, context)
+        budgets.MEASURE_TOKENS, budgets.SIZE_FACTORS = measure_tokens, size_factors
+        plan_stage.MEASURE_TOKENS = measure_tokens  # imported by name there
+        try:
+            convert(source_name, folder, to="mla", kv_budget=kv_budget, overwrite=True, **options)
+        finally:
+            methods.rotated_components = original
+            budgets.MEASURE_TOKENS, budgets.SIZE_FACTORS = original_tokens, original_sizes
+            plan_stage.MEASURE_TOKENS = original_tokens
+    report = json.loads((folder / "conversion_report.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(folder).eval()
+    if keep is None:
+        shutil.rmtree(folder.parent, ignore_errors=True)
+    return model, report
+
+
+def plot(rows: list[dict], png: str) -> None:
+    """One panel per task: the accuracy retained (conversion / source) against distance, one line per lever."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tasks = [t for t in rows[0]["retrieval"]["accuracy"]]
+    fig, axes = plt.subplots(1, len(tasks), figsize=(5.5 * len(tasks), 4), squeeze=False)
+    for ax, task in zip(axes[0], tasks):
+        for i, row in enumerate(rows):
+            if task not in row.get("retained", {}):  # the source, or a lever measured on other tasks
+                continue
+            points = sorted((int(d), v) for d, v in row["retained"][task].items() if v is not None)
+            ax.plot([d for d, _ in points], [v for _, v in points], marker="o", label=row["lever"], color=f"C{i}")
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(-0.05, 1.15)
+        ax.axhline(0.95, color="grey", lw=0.8, ls="--")
+        ax.set(title=f"{task}: retained (conversion / source)", xlabel="distance (tokens)", ylabel="retained")
+    handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines() if not h.get_label().startswith("_")}
+    axes[0][0].legend(handles.values(), handles.keys(), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--source", default="smollm2")
     parser.add_argument("--kv-budget", type=float, default=0.5)
-    parser.add_argument("--items", type=int, default=4)
-    parser.add_argument("--smallest", type=int, default=16, help="shortest retrieval distance (default 16)")
-    parser.add_argument("--tasks", default="passkey,copy,induction", help="retrieval tasks (comma-separated)")
+    parser.add_argument("--items", type=int, default=16)
+    parser.add_argument("--smallest", type=int, default=64, help="shortest retrieval distance (default 64)")
+    parser.add_argument("--tasks", default="passkey,copy", help="retrieval tasks (comma-separated)")
     parser.add_argument("--largest", type=int, default=1024)
     parser.add_argument("--levers", default=",".join(LEVERS))
+    parser.add_argument("--keep", help="folder: converted models kept in KEEP/<lever> and reused when present")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(Path(__file__).with_name("bench_retrieval_levers.json")))
+    parser.add_argument("--plot", help="only draw --out's rows to this PNG (retained accuracy per distance) and exit")
     args = parser.parse_args()
+    if args.plot:
+        plot(json.loads(Path(args.out).read_text()), args.plot)
+        return
+    unknown = [lever for lever in args.levers.split(",") if lever not in LEVERS]
+    if unknown:
+        parser.error(f"--levers: {unknown} not in {list(LEVERS)}")
     torch.set_num_threads(args.threads)
     source, tokenizer = load_source(args.source)
     text = read_calibration_text(None)
@@ -71,29 +162,37 @@ def main() -> None:
     vocab = known_vocabulary(source, tokenizer)
     probe = dict(items=args.items, largest=args.largest, smallest=args.smallest, vocab=vocab,
                  tasks=tuple(args.tasks.split(",")))  # fmt: skip
-    base = evaluate_retrieval(source, tokenizer, **probe)
-    rows = [{"lever": "source", "retrieval": base.to_dict()}]
-    print("source", base.to_dict(), flush=True)
-    original = methods.rotated_components
+    out = Path(args.out)
+    rows = json.loads(out.read_text()) if out.exists() else []
+    key = {"items": args.items, "tasks": args.tasks, "smallest": args.smallest, "largest": args.largest}
+    rows = [r for r in rows if r.get("probe") == key]  # rows of other probe settings are dropped
+    base_row = next((r for r in rows if r["lever"] == "source"), None)
+    if base_row is None:
+        base = evaluate_retrieval(source, tokenizer, **probe)
+        rows.append({"lever": "source", "probe": key, "retrieval": base.to_dict()})
+        out.write_text(json.dumps(rows, indent=1))
+    else:  # the source's figures, as computed by an earlier run with the same probes
+        acc = {t: {int(d): v for d, v in a.items()} for t, a in base_row["retrieval"]["accuracy"].items()}
+        base = type("R", (), {"accuracy": acc})()
+    print("source", {t: list(a.values()) for t, a in base.accuracy.items()}, flush=True)
+    keep = Path(args.keep) if args.keep else None
     for lever in args.levers.split(","):
-        options = dict(LEVERS[lever])
-        if options.pop("rope_context", False):
-            context = source.config.max_position_embeddings
-            methods.rotated_components = lambda w, config, stats, _context: original(w, config, stats, context)
-        try:
-            with tempfile.TemporaryDirectory() as tmp:
-                convert(args.source, Path(tmp) / "o", to="mla", kv_budget=args.kv_budget, rank_allocation="uniform",
-                        **options)  # fmt: skip
-                model = AutoModelForCausalLM.from_pretrained(Path(tmp) / "o").eval()
-        finally:
-            methods.rotated_components = original
+        started = time.perf_counter()
+        model, report = converted(args.source, source, lever, args.kv_budget, keep)
         kl = position_kl(model, source, held)
         result = evaluate_retrieval(model, tokenizer, **probe)
-        keep = retained(result, base)
-        rows.append({"lever": lever, "options": LEVERS[lever], "held_in_kl": kl, "retrieval": result.to_dict(),
-                     "retained": {t: {str(d): v for d, v in r.items()} for t, r in keep.items()}})  # fmt: skip
-        print(lever, "held-in KL", {k: round(v, 4) for k, v in kl.items()}, result.to_dict(), flush=True)
-        Path(args.out).write_text(json.dumps(rows, indent=1))
+        keep_share = retained(result, base)
+        layerwise = report.get("layerwise", {})
+        rows = [r for r in (json.loads(out.read_text()) if out.exists() else rows) if r["lever"] != lever]
+        rows.append({"lever": lever, "probe": key, "options": LEVERS[lever], "held_in_kl": kl,
+                     "conversion_wall_s": report.get("wall_time_s"),
+                     "reconstruction_error": [layerwise.get("mean_closed_form_error"), layerwise.get("mean_error")],
+                     "budgets": [(b["rope_dim"], b["kv_lora_rank"]) for b in report.get("budgets", {}).get("layers", [])],
+                     "retrieval": result.to_dict(),
+                     "retained": {t: {str(d): v for d, v in r.items()} for t, r in keep_share.items()}})  # fmt: skip
+        print(lever, "held-in KL", {k: round(v, 4) for k, v in kl.items()}, result.to_dict(),
+              f"{time.perf_counter() - started:.0f} s", flush=True)  # fmt: skip
+        out.write_text(json.dumps(rows, indent=1))
 
 
 if __name__ == "__main__":
