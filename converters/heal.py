@@ -10,7 +10,7 @@ the student and the teacher are sharded over the processes instead (FSDP2, heal_
 windows, for models no single device holds. DeepSpeed (ZeRO-3) and FSDP1 are refused (heal_fsdp.launch_mode).
 
 Low-precision weights (a bf16 or fp16 model, as a 7B source is): Adam steps fp32 master copies of the trainable
-weights and every step rounds them into the model (_MasterWeights); stepping a bf16 weight directly loses every
+weights and every step rounds them into the model (MasterWeights); stepping a bf16 weight directly loses every
 update below half its ulp.
 
 Never worse on held-in data: with `held_in` windows (never trained on), the mean KL there is measured before the
@@ -35,7 +35,8 @@ from tqdm.auto import tqdm
 
 from ..attention import GroupedQueryAttention, MultiHeadLatentAttention
 from ..models.architectures import architecture_of
-from .heal_fsdp import FSDP_DIR, LOW_PRECISION, Sharded, launch_mode
+from .heal_fsdp import FSDP_DIR, Sharded, launch_mode
+from .heal_masters import MasterWeights, load_tensors, save_tensors
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         student, teacher, params = sharded.student, sharded.teacher, sharded.params
     else:
         student.to(accelerator.device)  # before the masters are copied: they live where their weights do
-    masters = _MasterWeights(params)  # sharded: the trainable weights themselves (fp32 already)
+    masters = MasterWeights(params)  # sharded: the trainable weights themselves (fp32 already)
     optimizer = torch.optim.AdamW(masters.tensors, lr=1e-4 if lr == "auto" else lr, weight_decay=0.0)
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -129,9 +130,9 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         accelerator.load_state(str(ckpt))
         start_step = int((ckpt / "step.txt").read_text())
         if (ckpt / MASTERS_FILE).exists():
-            masters.restore(_load_tensors(ckpt / MASTERS_FILE, len(params)))
+            masters.restore(load_tensors(ckpt / MASTERS_FILE, len(params)))
         if (ckpt / BEST_FILE).exists():
-            saved, best_state = json.loads((ckpt / BEST_META).read_text()), _load_tensors(ckpt / BEST_FILE, len(params))
+            saved, best_state = json.loads((ckpt / BEST_META).read_text()), load_tensors(ckpt / BEST_FILE, len(params))
     result = HealResult(steps=0, tokens=0, seconds=0.0)
     started = time.perf_counter()
     held = None if held_in is None else held_in.to(accelerator.device)
@@ -185,9 +186,9 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
                 continue
             accelerator.save_state(str(ckpt))
             if masters.separate and accelerator.is_main_process:
-                _save_tensors(masters.tensors, ckpt / MASTERS_FILE)
+                save_tensors(masters.tensors, ckpt / MASTERS_FILE)
             if best_state is not None and accelerator.is_main_process:
-                _save_tensors(best_state, ckpt / BEST_FILE)
+                save_tensors(best_state, ckpt / BEST_FILE)
                 (ckpt / BEST_META).write_text(json.dumps(meta))
             (ckpt / "step.txt").write_text(str(result.steps))
     accelerator.wait_for_everyone()
@@ -256,57 +257,6 @@ def _held_in_kl(student, teacher, held: torch.Tensor) -> float:
         total += float((log_p.exp() * (log_p - log_q)).sum())
         count += log_p.shape[0] * log_p.shape[1]
     return total / count
-
-
-class _MasterWeights:
-    """The tensors the optimizer steps: each trainable weight itself, or an fp32 copy of a bf16 / fp16 one.
-
-    A bf16 weight w moves only by steps above half its ulp, |w| 2^-9: AdamW's ~lr steps at lr 1e-5 on weights
-    ~0.05 (half ulp ~1e-4) round away (measured on stories260k in bf16: 95% of the attention weights never moved in
-    10 steps). The copy accumulates them; step() rounds it into the model, so the weights follow the fp32 path."""
-
-    def __init__(self, params: list[torch.nn.Parameter]):
-        self.params = params
-        self.tensors = [p.detach().float().requires_grad_(True) if p.dtype in LOW_PRECISION else p for p in params]
-        self.separate = any(m is not p for m, p in zip(self.tensors, self.params))
-
-    def step(self, optimizer) -> None:
-        """Gradients (already averaged over processes) to the masters, one optimizer step, masters to the model."""
-        for p, m in zip(self.params, self.tensors):
-            if m is not p:
-                m.grad, p.grad = (None if p.grad is None else p.grad.float()), None
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        self._push()
-
-    def copy(self) -> list[torch.Tensor]:
-        return [m.detach().clone() for m in self.tensors]
-
-    @torch.no_grad()
-    def restore(self, state: list[torch.Tensor]) -> None:
-        for m, saved in zip(self.tensors, state):
-            m.copy_(saved)
-        self._push()
-
-    @torch.no_grad()
-    def _push(self) -> None:
-        for p, m in zip(self.params, self.tensors):
-            if m is not p:
-                p.copy_(m)
-
-
-def _save_tensors(tensors: list[torch.Tensor], path: Path) -> None:
-    """A list of tensors as one safetensors file (keys p0, p1, ...)."""
-    from safetensors.torch import save_file
-
-    save_file({f"p{i}": t.detach().contiguous() for i, t in enumerate(tensors)}, str(path))
-
-
-def _load_tensors(path: Path, count: int) -> list[torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(path))
-    return [tensors[f"p{i}"] for i in range(count)]
 
 
 def plot_curve(losses: list[float], held_in: list[tuple[int, float]], best_step: int, lr: float, path) -> None:
