@@ -85,7 +85,7 @@ def _offloaded(source: Source, budget: int):
     from transformers import AutoModelForCausalLM
 
     folder = tempfile.TemporaryDirectory(prefix="hf-attn-offload-")
-    where = source.device.index or 0 if source.device.type == "cuda" else "cpu"
+    where = (source.device.index or 0) if source.device.type == "cuda" else "cpu"
     max_memory = {where: budget} if where != "cpu" else {"cpu": budget}
     if where != "cpu":
         max_memory["cpu"] = memory_budget(torch.device("cpu"))
