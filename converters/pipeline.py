@@ -59,7 +59,6 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
     windows: calibration tokens [n, T] (None: no statistics needed); choices: MLA per-layer ranks / RoPE dims."""
     src, config, n_layers = source.layers, source.config, source.config.num_hidden_layers
     arch_split = architecture_of(config).split_heads
-    rec = opts.reconstruction
     names = (["source"] if windows is not None else []) + (["converted"] if target.layerwise else []) + \
         (["export"] if export is not None else [])  # fmt: skip
     tracks, runners = None, {}
@@ -76,6 +75,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
     pairs = [None] * n_layers
     half = rotary_dim(config) // 2 if architecture_of(config).rotary else 0
     last_fields: dict = {}
+    gqa_config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads}) if opts.to != "mla" else None
     try:
         for i in range(n_layers):
             t = time.perf_counter()
@@ -94,7 +94,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
                 new_config = converted_config(config, "mla", mla_layer_fields(last_fields, choices, pairs,
                                                                                 opts.rank_allocation, half))  # fmt: skip
             else:
-                new_config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads})
+                new_config = gqa_config
             converted = build_layer(layer, i, new_config, attn_name, first.state)
             seconds["closed_form"] += time.perf_counter() - t
             t = time.perf_counter()
@@ -128,7 +128,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
                                                                          opts.rank_allocation, half))  # fmt: skip
         result.pairs = pairs
     else:
-        result.config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads})
+        result.config = gqa_config
     result.seconds = {k: round(v, 3) for k, v in seconds.items()}
     return result
 
