@@ -1,7 +1,7 @@
 """The options of `convert()`: nested dataclasses, each validated on construction.
 
-    ConvertOptions(to, kv_heads, kv_lora_rank, rope_dim, kv_budget, method, regroup, rank_allocation, format, engine,
-                   seed, device, dtype,
+    ConvertOptions(to, kv_heads, kv_lora_rank, rope_dim, kv_budget, method, regroup, rank_allocation, rope_context,
+                   format, engine, seed, device, dtype,
                    calibration: CalibrationOptions(data, split, column, samples, length, source, propagate),
                    reconstruction: ReconstructionOptions(steps, lr, target),
                    healing: HealingOptions(steps, lr, data, held_in, batch_size, train, layerwise_steps,
@@ -170,7 +170,7 @@ SECTIONS = {"calibration": CalibrationOptions, "reconstruction": ReconstructionO
 # -> (section, field), or None for a field of ConvertOptions itself.
 FLAT_NAMES = {
     "to": None, "kv_heads": None, "kv_lora_rank": None, "rope_dim": None, "kv_budget": None, "method": None,
-    "regroup": None, "rank_allocation": None,
+    "regroup": None, "rank_allocation": None, "rope_context": None,
     "calib_data": ("calibration", "data"), "calib_split": ("calibration", "split"),
     "calib_column": ("calibration", "column"), "calib_samples": ("calibration", "samples"),
     "calib_len": ("calibration", "length"), "calib_source": ("calibration", "source"),
@@ -207,6 +207,8 @@ class ConvertOptions:
     regroup: bool | None = None  # gqa aligned / pca: group KV heads by similarity, not by index (default True)
     rank_allocation: str | None = None  # mla with kv_budget: sensitivity (budgets.py; default with a native format),
     # uniform (the default otherwise) or energy (measured worse)
+    rope_context: int | None = None  # mla: L, the distances (tokens) the RoPE split keeps rotation for: a dropped
+    # component costs energy x 2(1 - sinc(theta L)) (methods.py); default: the source's max_position_embeddings
     format: str = "auto"  # native: our config fields; stock: plain config (llama-family GQA); deepseek_v3 (MLA)
     engine: str | None = None  # deepseek_v3: the engine whose MLA shapes the export takes (default llama.cpp)
     seed: int = 0
@@ -276,6 +278,7 @@ class ConvertOptions:
                 raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
         _positive_int("kv_heads", self.kv_heads)
         _positive_int("kv_lora_rank", self.kv_lora_rank)
+        _positive_int("rope_context", self.rope_context)
         if self.rope_dim is not None and (not isinstance(self.rope_dim, int) or self.rope_dim < 0 or self.rope_dim % 2):
             raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")
         if self.dtype is not None:
@@ -289,7 +292,7 @@ class ConvertOptions:
 
     def _refuse_inapplicable(self) -> None:
         """An option the chosen target or method would ignore is an error (it was given for a reason)."""
-        mla_only = [n for n in ("kv_lora_rank", "rope_dim", "kv_budget") if getattr(self, n) is not None]
+        mla_only = [n for n in ("kv_lora_rank", "rope_dim", "kv_budget", "rope_context") if getattr(self, n) is not None]
         if self.to != "mla" and mla_only:
             raise ValueError(f"{mla_only[0]}={getattr(self, mla_only[0])!r} applies to to='mla' only, not to={self.to!r}")
         if self.to == "mla" and self.kv_heads is not None:

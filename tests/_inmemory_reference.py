@@ -123,6 +123,7 @@ def convert_in_memory(source: str, **options):
         if deepseek:
             check_source(config, rope_dim)
         sensitivity = opts.rank_allocation == "sensitivity"
+        context = opts.rope_context or config.max_position_embeddings  # the RoPE score's L (the library's default)
         if sensitivity:  # the candidate grid is checked against the budget before calibrating
             candidate_grid(config, opts.kv_budget, opts.rope_dim)
         windows, stats = _calibrate(model, tokenizer, text(), opts, report)
@@ -131,10 +132,10 @@ def convert_in_memory(source: str, **options):
         rope_dims = [rope_dim] * len(weights)
         if sensitivity:  # per-layer RoPE dims and ranks (or the exact layer) by measured KL
             plans, ranks, rope_dims, report["budgets"] = allocate(
-                model, layers, weights, stats, windows, config, opts.kv_budget, opts.method, opts.calib_len,
+                model, layers, weights, stats, windows, config, opts.kv_budget, opts.method, context,
                 opts.rope_dim)  # fmt: skip
         else:
-            ranked = {name: ranked_components(opts.method, w, config, stats[name], opts.calib_len) if rope_dim
+            ranked = {name: ranked_components(opts.method, w, config, stats[name], context) if rope_dim
                       else None for name, w in weights.items()}  # fmt: skip
             if deepseek:  # one component per frequency 0, s, 2s, ...: the frequencies a stock RoPE key can turn at
                 frequencies, stride = stock_frequencies(list(ranked.values()), rotary_dim(config) // 2, rope_dim // 2)
@@ -168,7 +169,7 @@ def convert_in_memory(source: str, **options):
                 freqs, layer_rope = per_layer_pairs[index[name]] or [], rope_dims[index[name]]
                 exact = sensitivity and report["budgets"]["layers"][index[name]]["choice"] != "mla"
                 plan = plans[name] if exact else plan_layer(opts.method, weights[name], config, layer_stats, layer_rope,
-                                                            opts.calib_len, frequencies=freqs if layer_rope else None)  # fmt: skip
+                                                            context, frequencies=freqs if layer_rope else None)  # fmt: skip
                 return lift_plan(plan, weights[name], config, ranks[index[name]])[0]
 
             _layerwise(model, new, windows, relift if opts.propagate else None, opts, report)

@@ -102,6 +102,8 @@ def test_each_options_section_names_the_field_and_value(section, fields, message
         (dict(to="mqa", kv_budget=0.5), "kv_budget=0.5 applies to to='mla' only"),
         (dict(to="mla", kv_budget=0.5, regroup=True), "regroup=True applies to"),
         (dict(to="mla", kv_budget=0.5, engine="vllm"), "engine='vllm' applies to format='deepseek_v3' only"),
+        (dict(to="gqa", kv_heads=2, rope_context=4096), "rope_context=4096 applies to to='mla' only"),
+        (dict(to="mla", kv_budget=0.5, rope_context=0), "rope_context=0 must be a positive integer"),
     ],
 )  # fmt: skip
 def test_checks_across_sections(flat, message):

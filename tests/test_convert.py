@@ -242,6 +242,34 @@ def test_rotated_rope_key_is_exact_when_kv_heads_share_their_pairs():
     assert error["calibrated"] < 1e-4 and error["mha2mla"] > 1e-3  # measured 1.3e-7 and 6.5e-3
 
 
+def test_rope_context_scores_the_rotation_lost_over_that_many_tokens():
+    """A RoPE component left unrotated scores its energy x 2(1 - sinc(theta L)): the mean over distances d uniform in
+    [0, L] of |1 - exp(i theta d)|^2, the score error of dropping its rotation. Scored over L = 4096 instead of 64,
+    every component's score scales by exactly that ratio, so slow frequencies (theta x 64 << 1) rank higher."""
+    from hf_attn_patch.converters.calibration import collect_stats
+    from hf_attn_patch.converters.methods import inverse_frequencies, rotated_components
+
+    torch.manual_seed(0)
+    model = tiny_model("llama")  # head_dim 8: 4 RoPE frequencies
+    w = architecture_of(model.config).split_heads(model.model.layers[0].self_attn)
+    stats = next(iter(collect_stats(model, torch.randint(3, 97, (4, 16)), progress=False).values()))
+    theta = inverse_frequencies(model.config)
+
+    def loss(freq: int, context: int) -> float:  # the mean over d in [0, L] of |1 - e^{i theta d}|^2, numerically
+        d = torch.linspace(0, context, 200_001, dtype=torch.float64)
+        return float((2 - 2 * torch.cos(theta[freq] * d)).mean())
+
+    short, long = rotated_components(w, model.config, stats, 64), rotated_components(w, model.config, stats, 4096)
+    by_component = {(c.freq, tuple(c.mix.tolist())): score for score, c in short}
+    assert len(by_component) == len(long) == len(short)
+    for score, c in long:  # the same components (the basis change does not depend on L), rescaled
+        expected = by_component[(c.freq, tuple(c.mix.tolist()))] * loss(c.freq, 4096) / loss(c.freq, 64)
+        assert score == pytest.approx(expected, rel=1e-4)  # the numerical mean's own error ~1e-6 of 2
+    slowest = max(range(len(theta)), key=lambda i: -theta[i])
+    rank = lambda scored: [c.freq for _, c in scored].index(slowest)  # noqa: E731
+    assert rank(long) < rank(short)
+
+
 def test_calibration_from_a_datasets_dataset(tmp_path):
     """--calib-data takes a save_to_disk folder or a .jsonl data file (datasets works offline on local files)."""
     datasets = pytest.importorskip("datasets")

@@ -47,10 +47,9 @@ def mla_plan(opts: ConvertOptions, w, config, stats: LayerStats, choice: LayerCh
     """The layer's LatentPlan from `stats` (the RoPE components ranked once, as every allocation ranks them)."""
     if choice.exact:
         return exact_plan(w, config)
-    context = opts.calibration.length
-    ranked = ranked_components(opts.method, w, config, stats, context) if choice.rope_dim else None
-    return plan_layer(opts.method, w, config, stats, choice.rope_dim, context, frequencies=choice.frequencies,
-                      ranked=ranked)  # fmt: skip
+    ranked = ranked_components(opts.method, w, config, stats, opts.rope_context) if choice.rope_dim else None
+    return plan_layer(opts.method, w, config, stats, choice.rope_dim, opts.rope_context,
+                      frequencies=choice.frequencies, ranked=ranked)  # fmt: skip
 
 
 def closed_form(opts: ConvertOptions, w, config, stats: LayerStats | None, choice: LayerChoice | None) -> LayerResult:
@@ -73,7 +72,7 @@ def relifted(opts: ConvertOptions, w, config, stats: LayerStats, choice: LayerCh
         plan = first.plan
     else:
         pairs = first.fields["mla_rope_pairs"] or []
-        plan = plan_layer(opts.method, w, config, stats, choice.rope_dim, opts.calibration.length,
+        plan = plan_layer(opts.method, w, config, stats, choice.rope_dim, opts.rope_context,
                           frequencies=pairs if choice.rope_dim else None)  # fmt: skip
     state, fields = lift_plan(plan, w, config, choice.rank)
     return LayerResult(state, plan=plan, fields=fields)

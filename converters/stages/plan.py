@@ -56,7 +56,7 @@ def plan_layers(source: Source, opts: ConvertOptions, target: Target, windows: t
         ranks = allocate_ranks(energies, target.kv_lora_rank * n)
         plan = Plan([LayerChoice(target.rope_dim, r) for r in ranks])
     elif opts.format == "deepseek_v3":  # one component per frequency 0, s, 2s, ...: what a stock RoPE key turns at
-        ranked = [ranked_components(opts.method, w, source.config, stats, opts.calibration.length)
+        ranked = [ranked_components(opts.method, w, source.config, stats, opts.rope_context)
                   for _, _, w, stats in layer_statistics(source, windows)]  # fmt: skip
         frequencies, stride = stock_frequencies(ranked, rotary_dim(source.config) // 2, target.rope_dim // 2)
         plan = Plan([LayerChoice(target.rope_dim, target.kv_lora_rank, frequencies) for _ in range(n)], stride=stride)
@@ -99,7 +99,7 @@ def _sensitivity(source: Source, opts: ConvertOptions, windows: torch.Tensor) ->
     measurement = Measurement(source.layers, windows[:count])
     options, kl = [], []
     for i, layer, w, stats in layer_statistics(source, windows):
-        candidates = LayerCandidates(i, w, config, stats, opts.method, opts.calibration.length, grid)
+        candidates = LayerCandidates(i, w, config, stats, opts.method, opts.rope_context, grid)
         options.append(candidates.options)
         kl.append(measurement.layer(i, layer, candidates))
     chosen = choose([[(c.values, kl[l][k]) for k, c in enumerate(row)] for l, row in enumerate(options)], total)
