@@ -20,16 +20,23 @@ Every lever states all its options (nothing rides on convert()'s defaults):
     sens_floor      teacher_sens (no reconstruction), no layer below 0.75 x the uniform share (budgets.SIZE_FACTORS
                     without 0.5)
     rope_context    teacher_rec60 with L = the source's context (max_position_embeddings) in the RoPE split's score
-                    energy x 2(1 - sinc(theta L)) instead of calib_len
+                    energy x 2(1 - sinc(theta L)) instead of the 256-token calibration window (rope_context; the
+                    levers above state rope_context=256, the score's L before that option existed)
+    default_context default (sensitivity + reconstruction 60) with L = the source's context in the RoPE score
+    default_l1024   default with L = 1024 in the RoPE score
+    calib_1024_context  teacher_rec60 on 8 x 1024 windows with L = the source's context in the RoPE score
 Held-in measure (chosen on, never the probes): mean KL(source || converted) per token on 4 samples of the source
-itself, 512 tokens long, prompted by calibration-corpus windows after those calibrated on; split into positions
-< 256 and >= 256. Evaluation: retrieval accuracy per distance (hf_attn_patch/evaluation/retrieval.py; the source's
+itself, --held-in-len (2048) tokens long, prompted by calibration-corpus windows after the 8,192 tokens calibrated on;
+split into positions < 256, 256-511, 512-1023 and >= 1024; "all" (every position alike) is the figure levers are
+compared by. Teacher calibration samples are cached beside --out (safetensors) and reused by
+every lever with the same windows and seed: sampling is a conversion's costliest step on a CPU after sensitivity. Evaluation: retrieval accuracy per distance (hf_attn_patch/evaluation/retrieval.py; the source's
 vocabulary, seed 0). --keep DIR: converted models are kept in DIR/<lever> and reused when present.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import shutil
 import tempfile
@@ -40,15 +47,18 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
-from hf_attn_patch.converters import budgets, methods
+from hf_attn_patch.converters import budgets
 from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.stages import plan as plan_stage
+from hf_attn_patch.converters.stages import windows as windows_stage
 from hf_attn_patch.evaluation.retrieval import evaluate_retrieval, known_vocabulary, retained
 from hf_attn_patch.models.pretrained import load_source
 
-CLOSED = {"calib_source": "text", "rank_allocation": "uniform", "reconstruct_steps": 0}
-DEFAULT = {"calib_source": "teacher", "rank_allocation": "sensitivity", "reconstruct_steps": 60}
+WINDOW = 256  # the calibration length: the RoPE score's L before rope_context existed
+CLOSED = {"calib_source": "text", "rank_allocation": "uniform", "reconstruct_steps": 0, "rope_context": WINDOW}
+DEFAULT = {"calib_source": "teacher", "rank_allocation": "sensitivity", "reconstruct_steps": 60, "rope_context": WINDOW}
+CONTEXT = {"rope_context": None}  # the library's default: the source's max_position_embeddings
 LEVERS = {
     "closed": CLOSED,
     "teacher": {**CLOSED, "calib_source": "teacher"},
@@ -57,24 +67,47 @@ LEVERS = {
     "sens_rec20": {**DEFAULT, "reconstruct_steps": 20},
     "default": DEFAULT,
     "measure_1024": {**DEFAULT, "measure_tokens": 1024},
-    "calib_512": {**DEFAULT, "calib_len": 512, "calib_samples": 16},
-    "calib_1024": {**DEFAULT, "calib_len": 1024, "calib_samples": 8},
-    "rope_context": {**DEFAULT, "rank_allocation": "uniform", "rope_context": True},
+    "calib_512": {**DEFAULT, "calib_len": 512, "calib_samples": 16, "rope_context": 512},
+    "calib_1024": {**DEFAULT, "calib_len": 1024, "calib_samples": 8, "rope_context": 1024},
+    "rope_context": {**DEFAULT, "rank_allocation": "uniform", **CONTEXT},
     "sens_m512": {**DEFAULT, "reconstruct_steps": 0, "measure_tokens": 512},
     "sens_floor": {**DEFAULT, "reconstruct_steps": 0, "size_factors": (0.75, 1.0, 1.25, 1.5, 2.0)},
+    "default_context": {**DEFAULT, **CONTEXT},
+    "default_l1024": {**DEFAULT, "rope_context": 1024},
+    "calib_1024_context": {**DEFAULT, "rank_allocation": "uniform", "calib_len": 1024, "calib_samples": 8, **CONTEXT},
 }
+HELD_IN_BINS = (256, 512, 1024)
 
 
 @torch.no_grad()
-def position_kl(model, source, windows: torch.Tensor, split: int = 256) -> dict[str, float]:
-    """Mean KL(source || model) per token at positions < split and >= split."""
+def position_kl(model, source, windows: torch.Tensor, bins: tuple[int, ...] = HELD_IN_BINS) -> dict[str, float]:
+    """Mean KL(source || model) per token in position bins: < bins[0], bins[0]..bins[1]-1, ..., >= bins[-1]."""
     kls = []
     for w in windows:
         p = source(w[None]).logits[0].log_softmax(-1)
         q = model(w[None]).logits[0].log_softmax(-1)
         kls.append((p.exp() * (p - q)).sum(-1))
     kl = torch.stack(kls)  # [n, T]
-    return {f"<{split}": float(kl[:, :split].mean()), f">={split}": float(kl[:, split:].mean()), "all": float(kl.mean())}
+    edges = (0, *[b for b in bins if b < kl.shape[1]], kl.shape[1])
+    out = {f"{lo}-{hi - 1}": float(kl[:, lo:hi].mean()) for lo, hi in zip(edges, edges[1:])}
+    return {**out, "all": float(kl.mean())}
+
+
+def cached_samples(folder: Path, sample):
+    """teacher_windows with a safetensors cache in `folder`, keyed by the prompt windows, the length and the seed."""
+    from safetensors.torch import load_file, save_file
+
+    def cached(teacher, text_windows: torch.Tensor, seed: int = 0, progress: bool = True) -> torch.Tensor:
+        digest = hashlib.sha256(text_windows.numpy().tobytes()).hexdigest()[:16]
+        path = folder / f"teacher_{tuple(text_windows.shape)[0]}x{text_windows.shape[1]}_s{seed}_{digest}.safetensors"
+        if path.exists():
+            return load_file(path)["windows"]
+        windows = sample(teacher, text_windows, seed=seed, progress=progress)
+        save_file({"windows": windows.contiguous()}, str(path) + ".part")
+        Path(str(path) + ".part").rename(path)
+        return windows
+
+    return cached
 
 
 def converted(source_name: str, source, lever: str, kv_budget: float, keep: Path | None):
@@ -82,20 +115,14 @@ def converted(source_name: str, source, lever: str, kv_budget: float, keep: Path
     folder = keep / lever if keep is not None else Path(tempfile.mkdtemp()) / lever
     if not (folder / "conversion_report.json").exists():
         options = dict(LEVERS[lever])
-        rope_context = options.pop("rope_context", False)
         measure_tokens = options.pop("measure_tokens", budgets.MEASURE_TOKENS)
         size_factors = options.pop("size_factors", budgets.SIZE_FACTORS)
-        original = methods.rotated_components
         original_tokens, original_sizes = budgets.MEASURE_TOKENS, budgets.SIZE_FACTORS
-        if rope_context:
-            context = source.config.max_position_embeddings
-            methods.rotated_components = lambda w, config, stats, _context: original(w, config, stats, context)
         budgets.MEASURE_TOKENS, budgets.SIZE_FACTORS = measure_tokens, size_factors
         plan_stage.MEASURE_TOKENS = measure_tokens  # imported by name there
         try:
             convert(source_name, folder, to="mla", kv_budget=kv_budget, overwrite=True, **options)
         finally:
-            methods.rotated_components = original
             budgets.MEASURE_TOKENS, budgets.SIZE_FACTORS = original_tokens, original_sizes
             plan_stage.MEASURE_TOKENS = original_tokens
     report = json.loads((folder / "conversion_report.json").read_text())
@@ -142,6 +169,9 @@ def main() -> None:
     parser.add_argument("--keep", help="folder: converted models kept in KEEP/<lever> and reused when present")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(Path(__file__).with_name("bench_retrieval_levers.json")))
+    parser.add_argument("--held-in-len", type=int, default=2048, help="tokens per held-in sample (default 2048)")
+    parser.add_argument("--held-in-only", action="store_true",
+                        help="only (re)measure the held-in KL of the models kept in --keep, into --out's rows")
     parser.add_argument("--plot", help="only draw --out's rows to this PNG (retained accuracy per distance) and exit")
     args = parser.parse_args()
     if args.plot:
@@ -153,12 +183,23 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     source, tokenizer = load_source(args.source)
     text = read_calibration_text(None)
-    cache = Path(args.out).with_suffix(".held_in.pt")  # the samples take long on a CPU: reused when present
-    if cache.exists():
-        held = torch.load(cache)
-    else:
-        held = teacher_windows(source, calibration_windows(text, tokenizer, 20, 512)[16:], seed=1, progress=False)
-        torch.save(held, cache)
+    samples = cached_samples(Path(args.out).parent, teacher_windows)
+    windows_stage.teacher_windows = samples  # the conversions' teacher calibration samples, cached the same way
+    per_window = args.held_in_len
+    first = -(-8192 // per_window)  # the first window after the 8,192 tokens every lever calibrates on
+    held = samples(source, calibration_windows(text, tokenizer, first + 4, per_window)[first:], seed=1, progress=False)
+    if args.held_in_only:  # the held-in KL of models kept in --keep, written into their rows
+        rows = json.loads(Path(args.out).read_text())
+        for row in rows:
+            folder = Path(args.keep) / row["lever"]
+            if args.levers != parser.get_default("levers") and row["lever"] not in args.levers.split(","):
+                continue
+            if (folder / "config.json").exists():
+                model = AutoModelForCausalLM.from_pretrained(folder).eval()
+                row["held_in_kl"] = position_kl(model, source, held)
+                print(row["lever"], {k: round(v, 4) for k, v in row["held_in_kl"].items()}, flush=True)
+                Path(args.out).write_text(json.dumps(rows, indent=1))
+        return
     vocab = known_vocabulary(source, tokenizer)
     probe = dict(items=args.items, largest=args.largest, smallest=args.smallest, vocab=vocab,
                  tasks=tuple(args.tasks.split(",")))  # fmt: skip
