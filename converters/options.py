@@ -208,7 +208,7 @@ class ConvertOptions:
     rank_allocation: str | None = None  # mla with kv_budget: sensitivity (budgets.py; default with a native format),
     # uniform (the default otherwise) or energy (measured worse)
     rope_context: int | None = None  # mla: L, the distances (tokens) the RoPE split keeps rotation for: a dropped
-    # component costs energy x 2(1 - sinc(theta L)) (methods.py); default: the source's max_position_embeddings
+    # component costs energy x 2(1 - sinc(theta L)) (methods.py); default: calib_len
     format: str = "auto"  # native: our config fields; stock: plain config (llama-family GQA); deepseek_v3 (MLA)
     engine: str | None = None  # deepseek_v3: the engine whose MLA shapes the export takes (default llama.cpp)
     seed: int = 0

@@ -374,8 +374,8 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--rope-dim", type=int, help="mla: dims of the shared RoPE key (even; default: one head's d_h, at most a third of --kv-budget)")
     cv.add_argument("--kv-budget", type=float, help="mla: fraction of the source's KV bytes (instead of --kv-lora-rank)")
     cv.add_argument("--rope-context", type=_positive_int, metavar="TOKENS",
-                    help="mla: the distances the RoPE split keeps attention scores right over (default: the source's "
-                    "max_position_embeddings; the calibration length keeps more short-range detail)")
+                    help="mla: the distances the RoPE split keeps attention scores right over (default: --calib-len; "
+                    "the served context keeps retrieval at long distances at some cost in short-range quality)")
     cv.add_argument("--method", help="gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla "
                     "(defaults: the best measured, docs/conversion.md)")
     cv.add_argument("--no-regroup", dest="regroup", action="store_false", default=None,

@@ -111,6 +111,7 @@ def test_report_and_source_untouched(tmp_path):
     assert saved["kv_bytes_per_token_fp16"] == {"before": 640, "after": 320} == report["kv_bytes_per_token_fp16"]
     assert saved["calibration"]["samples"] == 4 and saved["wall_time_s"] > 0
     assert len(saved["mla"]["rope_pairs_per_layer"]) == 5
+    assert saved["options"]["rope_context"] == saved["calibration"]["length"]  # the RoPE score's L, filled in
     assert digest == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in DEFAULT_MODEL_DIR.iterdir()}
     assert not list(tmp_path.glob(".*partial*"))  # no staging folder left behind
 
