@@ -79,6 +79,8 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=200, help="lm-eval items per task (0: no lm-eval)")
     parser.add_argument("--eval-data", default=str(SHARED / "evals"), help="folder of the offline tasks' files")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--source-row", help="a rows JSON of an earlier run with the same settings: its source row is "
+                        "reused instead of measuring the source again")
     parser.add_argument("--out", default=str(ROOT / "scripts" / "bench_retrieval.png"))
     args = parser.parse_args()
     targets = [t.strip() for t in args.targets.split(",") if t.strip()]
@@ -117,7 +119,15 @@ def main() -> None:
 
     from hf_attn_patch.kv_memory import kv_cache_bytes
 
-    measure("source", source, kv_cache_bytes(source.config, 1), None)
+    if args.source_row:  # the source's row from an earlier run with the same settings
+        row = json.loads(Path(args.source_row).read_text())[0]
+        assert row["model"] == "source", f"{args.source_row}: its first row is {row['model']!r}, not the source's"
+        ret = row["retrieval"]
+        results["source"] = RetrievalResult({t: {int(d): v for d, v in a.items()} for t, a in ret["accuracy"].items()},
+                                            ret["items"], ret["context"])  # fmt: skip
+        rows.append(row)
+    else:
+        measure("source", source, kv_cache_bytes(source.config, 1), None)
     from transformers import AutoModelForCausalLM
 
     for label in targets:
