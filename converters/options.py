@@ -278,6 +278,8 @@ class ConvertOptions:
                 raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
         _positive_int("kv_heads", self.kv_heads)
         _positive_int("kv_lora_rank", self.kv_lora_rank)
+        if self.to == "mla" and self.rope_context is None:  # the calibration window (the source's context costs
+            self.rope_context = self.calibration.length  # short-range quality: docs/conversion-methods.md)
         _positive_int("rope_context", self.rope_context)
         if self.rope_dim is not None and (not isinstance(self.rope_dim, int) or self.rope_dim < 0 or self.rope_dim % 2):
             raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")

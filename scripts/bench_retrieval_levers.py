@@ -21,7 +21,7 @@ Every lever states all its options (nothing rides on convert()'s defaults):
                     without 0.5)
     rope_context    teacher_rec60 with L = the source's context (max_position_embeddings) in the RoPE split's score
                     energy x 2(1 - sinc(theta L)) instead of the 256-token calibration window (rope_context; the
-                    levers above state rope_context=256, the score's L before that option existed)
+                    levers above state rope_context=256, the calibration length and the library's default)
     default_context default (sensitivity + reconstruction 60) with L = the source's context in the RoPE score
     default_l1024   default with L = 1024 in the RoPE score
     calib_1024_context  teacher_rec60 on 8 x 1024 windows with L = the source's context in the RoPE score
@@ -55,10 +55,10 @@ from hf_attn_patch.converters.stages import windows as windows_stage
 from hf_attn_patch.evaluation.retrieval import evaluate_retrieval, known_vocabulary, retained
 from hf_attn_patch.models.pretrained import load_source
 
-WINDOW = 256  # the calibration length: the RoPE score's L before rope_context existed
+WINDOW = 256  # the calibration length: the RoPE score's default L
 CLOSED = {"calib_source": "text", "rank_allocation": "uniform", "reconstruct_steps": 0, "rope_context": WINDOW}
 DEFAULT = {"calib_source": "teacher", "rank_allocation": "sensitivity", "reconstruct_steps": 60, "rope_context": WINDOW}
-CONTEXT = {"rope_context": None}  # the library's default: the source's max_position_embeddings
+CONTEXT = {"rope_context": "source"}  # the source's max_position_embeddings
 LEVERS = {
     "closed": CLOSED,
     "teacher": {**CLOSED, "calib_source": "teacher"},
@@ -115,6 +115,8 @@ def converted(source_name: str, source, lever: str, kv_budget: float, keep: Path
     folder = keep / lever if keep is not None else Path(tempfile.mkdtemp()) / lever
     if not (folder / "conversion_report.json").exists():
         options = dict(LEVERS[lever])
+        if options.get("rope_context") == "source":
+            options["rope_context"] = source.config.max_position_embeddings
         measure_tokens = options.pop("measure_tokens", budgets.MEASURE_TOKENS)
         size_factors = options.pop("size_factors", budgets.SIZE_FACTORS)
         original_tokens, original_sizes = budgets.MEASURE_TOKENS, budgets.SIZE_FACTORS

@@ -50,8 +50,7 @@ def auto_reconstruct_steps(kv_share: float) -> int:
 
 
 def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
-    """The Target; fills opts.method (GQA with per-head q/k norms: 'mean'), reconstruction.steps ("auto") and, for
-    MLA, rope_context (the calibration length).
+    """The Target; fills opts.method (GQA with per-head q/k norms: 'mean') and reconstruction.steps ("auto").
     given: the options as the user gave them."""
     config = source.config
     arch = architecture_of(config)
@@ -93,8 +92,6 @@ def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
     _resolve_steps(opts, share)
     if deepseek:
         check_source(config, rope_dim)
-    if opts.rope_context is None:  # the calibration window (the source's context costs short-range quality:
-        opts.rope_context = opts.calibration.length  # docs/conversion-methods.md, "RoPE part")
     if opts.rank_allocation == "sensitivity":  # the candidate grid is checked against the budget before calibrating
         candidate_grid(config, opts.kv_budget, opts.rope_dim)
     layerwise = bool(opts.calibration.propagate or rec.steps)
