@@ -294,7 +294,8 @@ class ConvertOptions:
 
     def _refuse_inapplicable(self) -> None:
         """An option the chosen target or method would ignore is an error (it was given for a reason)."""
-        mla_only = [n for n in ("kv_lora_rank", "rope_dim", "kv_budget", "rope_context") if getattr(self, n) is not None]
+        mla_only = [n for n in ("kv_lora_rank", "rope_dim", "kv_budget", "rope_context")
+                    if getattr(self, n) is not None]
         if self.to != "mla" and mla_only:
             raise ValueError(f"{mla_only[0]}={getattr(self, mla_only[0])!r} applies to to='mla' only, not to={self.to!r}")
         if self.to == "mla" and self.kv_heads is not None:

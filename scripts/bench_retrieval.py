@@ -87,6 +87,12 @@ def main() -> None:
     for t in targets:
         if t not in TARGETS:
             raise SystemExit(f"--targets: {t!r} is not one of {list(TARGETS)}")
+    source_row = None
+    if args.source_row:  # the source's row from an earlier run with the same settings, checked before any work
+        source_row = json.loads(Path(args.source_row).read_text())[0]
+        if source_row["model"] != "source" or source_row["retrieval"]["items"] != args.items:
+            parser.error(f"--source-row {args.source_row}: its first row is {source_row['model']!r} with "
+                         f"{source_row['retrieval']['items']} items, not the source's with --items {args.items}")
     torch.set_num_threads(args.threads)
     os.environ["HF_ATTN_EVAL_DATA"] = str(Path(args.eval_data).resolve())
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -119,13 +125,9 @@ def main() -> None:
 
     from hf_attn_patch.kv_memory import kv_cache_bytes
 
-    if args.source_row:  # the source's row from an earlier run with the same settings
-        row = json.loads(Path(args.source_row).read_text())[0]
-        assert row["model"] == "source", f"{args.source_row}: its first row is {row['model']!r}, not the source's"
-        ret = row["retrieval"]
-        results["source"] = RetrievalResult({t: {int(d): v for d, v in a.items()} for t, a in ret["accuracy"].items()},
-                                            ret["items"], ret["context"])  # fmt: skip
-        rows.append(row)
+    if source_row is not None:
+        results["source"] = RetrievalResult.from_dict(source_row["retrieval"])
+        rows.append(source_row)
     else:
         measure("source", source, kv_cache_bytes(source.config, 1), None)
     from transformers import AutoModelForCausalLM

@@ -28,9 +28,10 @@ Every lever states all its options (nothing rides on convert()'s defaults):
 Held-in measure (chosen on, never the probes): mean KL(source || converted) per token on 4 samples of the source
 itself, --held-in-len (2048) tokens long, prompted by calibration-corpus windows after the 8,192 tokens calibrated on;
 split into positions < 256, 256-511, 512-1023 and >= 1024; "all" (every position alike) is the figure levers are
-compared by. Teacher calibration samples are cached beside --out (safetensors) and reused by
-every lever with the same windows and seed: sampling is a conversion's costliest step on a CPU after sensitivity. Evaluation: retrieval accuracy per distance (hf_attn_patch/evaluation/retrieval.py; the source's
-vocabulary, seed 0). --keep DIR: converted models are kept in DIR/<lever> and reused when present.
+compared by. Teacher calibration samples are cached beside --out (safetensors) and reused by every lever with the
+same windows and seed: after sensitivity, sampling is a conversion's costliest step on a CPU. Evaluation: retrieval
+accuracy per distance (hf_attn_patch/evaluation/retrieval.py; the source's vocabulary, seed 0). --keep DIR: converted
+models are kept in DIR/<lever> and reused when present; --held-in-only remeasures them.
 """
 
 from __future__ import annotations
@@ -52,10 +53,11 @@ from hf_attn_patch.converters.calibration import calibration_windows, read_calib
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.stages import plan as plan_stage
 from hf_attn_patch.converters.stages import windows as windows_stage
-from hf_attn_patch.evaluation.retrieval import evaluate_retrieval, known_vocabulary, retained
+from hf_attn_patch.evaluation.retrieval import RetrievalResult, evaluate_retrieval, known_vocabulary, retained
 from hf_attn_patch.models.pretrained import load_source
 
 WINDOW = 256  # the calibration length: the RoPE score's default L
+CALIBRATED_TOKENS = 8192  # every lever's calibration windows hold these (32 x 256, 16 x 512, 8 x 1024)
 CLOSED = {"calib_source": "text", "rank_allocation": "uniform", "reconstruct_steps": 0, "rope_context": WINDOW}
 DEFAULT = {"calib_source": "teacher", "rank_allocation": "sensitivity", "reconstruct_steps": 60, "rope_context": WINDOW}
 CONTEXT = {"rope_context": "source"}  # the source's max_position_embeddings
@@ -99,7 +101,8 @@ def cached_samples(folder: Path, sample):
 
     def cached(teacher, text_windows: torch.Tensor, seed: int = 0, progress: bool = True) -> torch.Tensor:
         digest = hashlib.sha256(text_windows.numpy().tobytes()).hexdigest()[:16]
-        path = folder / f"teacher_{tuple(text_windows.shape)[0]}x{text_windows.shape[1]}_s{seed}_{digest}.safetensors"
+        n, length = text_windows.shape
+        path = folder / f"teacher_{n}x{length}_s{seed}_{digest}.safetensors"
         if path.exists():
             return load_file(path)["windows"]
         windows = sample(teacher, text_windows, seed=seed, progress=progress)
@@ -182,21 +185,21 @@ def main() -> None:
     unknown = [lever for lever in args.levers.split(",") if lever not in LEVERS]
     if unknown:
         parser.error(f"--levers: {unknown} not in {list(LEVERS)}")
+    if args.held_in_only and not args.keep:
+        parser.error("--held-in-only measures the models kept in --keep DIR: give --keep")
     torch.set_num_threads(args.threads)
     source, tokenizer = load_source(args.source)
     text = read_calibration_text(None)
     samples = cached_samples(Path(args.out).parent, teacher_windows)
     windows_stage.teacher_windows = samples  # the conversions' teacher calibration samples, cached the same way
-    per_window = args.held_in_len
-    first = -(-8192 // per_window)  # the first window after the 8,192 tokens every lever calibrates on
-    held = samples(source, calibration_windows(text, tokenizer, first + 4, per_window)[first:], seed=1, progress=False)
+    first = -(-CALIBRATED_TOKENS // args.held_in_len)  # the first window after the tokens every lever calibrates on
+    held = samples(source, calibration_windows(text, tokenizer, first + 4, args.held_in_len)[first:], seed=1,
+                   progress=False)  # fmt: skip
     if args.held_in_only:  # the held-in KL of models kept in --keep, written into their rows
         rows = json.loads(Path(args.out).read_text())
         for row in rows:
             folder = Path(args.keep) / row["lever"]
-            if args.levers != parser.get_default("levers") and row["lever"] not in args.levers.split(","):
-                continue
-            if (folder / "config.json").exists():
+            if row["lever"] in args.levers.split(",") and (folder / "config.json").exists():
                 model = AutoModelForCausalLM.from_pretrained(folder).eval()
                 row["held_in_kl"] = position_kl(model, source, held)
                 print(row["lever"], {k: round(v, 4) for k, v in row["held_in_kl"].items()}, flush=True)
@@ -215,8 +218,7 @@ def main() -> None:
         rows.append({"lever": "source", "probe": key, "retrieval": base.to_dict()})
         out.write_text(json.dumps(rows, indent=1))
     else:  # the source's figures, as computed by an earlier run with the same probes
-        acc = {t: {int(d): v for d, v in a.items()} for t, a in base_row["retrieval"]["accuracy"].items()}
-        base = type("R", (), {"accuracy": acc})()
+        base = RetrievalResult.from_dict(base_row["retrieval"])
     print("source", {t: list(a.values()) for t, a in base.accuracy.items()}, flush=True)
     keep = Path(args.keep) if args.keep else None
     for lever in args.levers.split(","):

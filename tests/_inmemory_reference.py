@@ -123,7 +123,7 @@ def convert_in_memory(source: str, **options):
         if deepseek:
             check_source(config, rope_dim)
         sensitivity = opts.rank_allocation == "sensitivity"
-        context = opts.rope_context or opts.calib_len  # the RoPE score's L (the library's default)
+        context = opts.rope_context  # the RoPE score's L (the options fill in calib_len)
         if sensitivity:  # the candidate grid is checked against the budget before calibrating
             candidate_grid(config, opts.kv_budget, opts.rope_dim)
         windows, stats = _calibrate(model, tokenizer, text(), opts, report)

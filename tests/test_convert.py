@@ -266,7 +266,7 @@ def test_rope_context_scores_the_rotation_lost_over_that_many_tokens():
     for score, c in long:  # the same components (the basis change does not depend on L), rescaled
         expected = by_component[(c.freq, tuple(c.mix.tolist()))] * loss(c.freq, 4096) / loss(c.freq, 64)
         assert score == pytest.approx(expected, rel=1e-4)  # the numerical mean's own error ~1e-6 of 2
-    slowest = max(range(len(theta)), key=lambda i: -theta[i])
+    slowest = min(range(len(theta)), key=lambda i: theta[i])
     rank = lambda scored: [c.freq for _, c in scored].index(slowest)  # noqa: E731
     assert rank(long) < rank(short)
 

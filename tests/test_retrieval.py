@@ -12,7 +12,7 @@ import torch
 
 from hf_attn_patch.evaluation import retrieval
 from hf_attn_patch.evaluation.retrieval import (Batch, copy_batch, distances, evaluate_retrieval, induction_batch,
-                                                known_vocabulary, passkey_batch, score, vocabulary)  # fmt: skip
+                                                RetrievalResult, known_vocabulary, passkey_batch, score, vocabulary)  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +62,7 @@ def test_score_matches_the_full_logits_and_every_model_answers_the_same_items(st
     first = evaluate_retrieval(model, tokenizer, items=2, vocab=vocab, largest=64)
     again = evaluate_retrieval(model, tokenizer, items=2, vocab=vocab, largest=64)
     assert first.to_dict() == again.to_dict()
+    assert RetrievalResult.from_dict(first.to_dict()).to_dict() == first.to_dict()  # the benchmarks' reused rows
     assert set(first.accuracy) == set(retrieval.TASKS)
     assert all(0 <= a <= 1 for acc in first.accuracy.values() for a in acc.values())
 

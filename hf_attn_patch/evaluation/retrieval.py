@@ -63,6 +63,12 @@ class RetrievalResult:
         return {"items": self.items, "context": self.context, "mean": round(self.mean(), 4),
                 "accuracy": {t: {str(d): round(a, 4) for d, a in acc.items()} for t, acc in self.accuracy.items()}}  # fmt: skip
 
+    @classmethod
+    def from_dict(cls, data: dict) -> RetrievalResult:
+        """The result `to_dict` wrote (accuracies as rounded there)."""
+        accuracy = {t: {int(d): a for d, a in acc.items()} for t, acc in data["accuracy"].items()}
+        return cls(accuracy, data["items"], data["context"])
+
 
 def vocabulary(tokenizer) -> torch.Tensor:
     """Ids of the tokenizer's ordinary pieces: not special, not byte-fallback (<0x..>), not blank, no digits (the
