@@ -3,7 +3,7 @@
     ConvertOptions(to, kv_heads, kv_lora_rank, rope_dim, kv_budget, method, regroup, rank_allocation, rope_context,
                    format, engine, seed, device, dtype,
                    calibration: CalibrationOptions(data, split, column, samples, length, source, propagate),
-                   reconstruction: ReconstructionOptions(steps, lr, target),
+                   reconstruction: ReconstructionOptions(steps, lr, target, attention_kl),
                    healing: HealingOptions(steps, lr, data, held_in, batch_size, train, layerwise_steps,
                                            checkpoint_dir, checkpoint_every, resume),
                    output: OutputOptions(overwrite, max_shard_size, push_to_hub, private))
@@ -82,6 +82,7 @@ class ReconstructionOptions:
     steps: int | str = "auto"  # "auto": by the KV share kept (convert.auto_reconstruct_steps); 0: the closed form only
     lr: float = 1e-2  # step as a fraction of each weight tensor's RMS (SmolLM2: best held-in)
     target: str = "source"  # source: the source layer on its own inputs; local: on the converted ones
+    attention_kl: float = 0.0  # weight of the attention-pattern KL to the source's beside the output error
 
     def __post_init__(self) -> None:
         if self.steps != "auto":
@@ -89,6 +90,8 @@ class ReconstructionOptions:
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
             raise ValueError(f"reconstruct_lr={self.lr!r} must be a positive number")
         _one_of("reconstruct_target", self.target, RECONSTRUCT_TARGETS)
+        if isinstance(self.attention_kl, bool) or not isinstance(self.attention_kl, (int, float)) or self.attention_kl < 0:
+            raise ValueError(f"reconstruct_attention_kl={self.attention_kl!r} must be a non-negative number")
 
 
 # HealingOptions field -> its default, filled in when healing runs (steps > 0); given without healing: refused
@@ -176,7 +179,7 @@ FLAT_NAMES = {
     "calib_len": ("calibration", "length"), "calib_source": ("calibration", "source"),
     "propagate": ("calibration", "propagate"),
     "reconstruct_steps": ("reconstruction", "steps"), "reconstruct_lr": ("reconstruction", "lr"),
-    "reconstruct_target": ("reconstruction", "target"),
+    "reconstruct_target": ("reconstruction", "target"), "reconstruct_attention_kl": ("reconstruction", "attention_kl"),
     "heal_steps": ("healing", "steps"), "heal_lr": ("healing", "lr"), "heal_data": ("healing", "data"),
     "heal_held_in": ("healing", "held_in"), "heal_batch_size": ("healing", "batch_size"),
     "heal_train": ("healing", "train"), "heal_layerwise_steps": ("healing", "layerwise_steps"),
@@ -300,6 +303,9 @@ class ConvertOptions:
             raise ValueError(f"{mla_only[0]}={getattr(self, mla_only[0])!r} applies to to='mla' only, not to={self.to!r}")
         if self.to == "mla" and self.kv_heads is not None:
             raise ValueError(f"kv_heads={self.kv_heads!r} applies to to='gqa' / 'mqa' only, not to='mla'")
+        rec = self.reconstruction
+        if rec.attention_kl and rec.steps == 0 and not self.calibration.propagate:
+            raise ValueError(f"reconstruct_attention_kl={rec.attention_kl!r} needs reconstruct_steps > 0 or propagate")
         method = self.method or (MLA_METHODS if self.to == "mla" else GQA_METHODS)[0]
         if self.regroup is not None and (self.to == "mla" or method == "mean"):
             raise ValueError(f"regroup={self.regroup!r} applies to to='gqa' / 'mqa' with method 'aligned' or 'pca', "

@@ -148,7 +148,8 @@ def _layerwise(opts, runner: LayerRunner, layer, converted, name: str, w, config
     kw = runner.layer_kwargs(i)
     rec = opts.reconstruction
     fit = fit_layer(name, layer, converted, h_src, h_new, kw, kw, config, relift=relift,
-                    steps=rec.steps, lr=rec.lr, batch_size=BATCH, target=rec.target)  # fmt: skip
+                    steps=rec.steps, lr=rec.lr, batch_size=BATCH, target=rec.target,
+                    attention_kl=rec.attention_kl)  # fmt: skip
     result.fits.append(fit)
     runner.apply(converted, i, tracks["converted"].current, tracks["converted"].spare)
     tracks["converted"].swap()

@@ -15,6 +15,11 @@ H'_l [n, T, D] carried from layer to layer (one full forward in all, never a bac
         stream's error so far); the state with the lowest error on
         the held-in windows (the last `held_in` share of the calibration windows, never trained on) is kept, the
         closed form counting as step 0, so a layer never leaves worse on held-in data than it came.
+    attention KL (targets "source" and "local", weight lambda > 0): the objective adds
+            lambda * mean over heads and queries of KL(P_l || P'_l),  P = softmax(q k^T / sqrt(d) + causal mask),
+        the source's attention pattern on its inputs against the converted one's, so a head's sharp, rare retrieval
+        attention (small in the output error, whose average it barely moves) counts as much as its broad attention.
+        The held-in objective that picks the kept state is the same sum.
 Only one layer's weights train at a time, in float32 (a bf16 model's layer is upcast for its fit, then cast back).
 Memory beyond the two models: H', X', Y (and H, X for target "source"): 5 x n x T x D floats. Target "block"
 costs ~2.5x per step: the MLP's forward and backward join the attention's.
@@ -55,6 +60,7 @@ class LayerFit:
     best_step: int  # 0: the closed form was kept
     seconds: float
     cpu_seconds: float
+    attention_kl: float | None = None  # held-in mean attention KL of the kept state (None: not in the objective)
 
 
 class _Stop(Exception):
@@ -63,13 +69,14 @@ class _Stop(Exception):
 
 def sequential(source: nn.Module, new: nn.Module, windows: torch.Tensor, *, relift: Relift | None = None,
                steps: int = 0, lr: float = 1e-2, batch_size: int = 4, held_in: float = 0.25, target: str = "source",
-               progress: bool = True) -> list[LayerFit]:  # fmt: skip
+               attention_kl: float = 0.0, progress: bool = True) -> list[LayerFit]:  # fmt: skip
     """Propagate (relift != None) and / or reconstruct (steps > 0) every converted attention layer of `new` in place.
 
     windows: calibration tokens [n, T], n >= 2 (the last max(1, round(n * held_in)) are held in);
-    lr: Adam's step as a fraction of each weight tensor's RMS (scale-free, so one default serves any model).
+    lr: Adam's step as a fraction of each weight tensor's RMS (scale-free, so one default serves any model);
+    attention_kl: the weight lambda of the attention-pattern KL in the objective (module docstring), 0: none.
     """
-    _check(steps, lr, held_in, target, len(windows))
+    _check(steps, lr, held_in, target, len(windows), attention_kl)
     names = list(stock_attention_layers(source))
     device = next(new.parameters()).device
     windows = windows.to(device)
@@ -80,7 +87,7 @@ def sequential(source: nn.Module, new: nn.Module, windows: torch.Tensor, *, reli
         block_new, block_src = new.get_submodule(_parent(name)), source.get_submodule(_parent(name))
         fits.append(fit_layer(name, block_src, block_new, h_src, h_new, src_layer_kw, layer_kw, source.config,
                               relift=relift, steps=steps, lr=lr, batch_size=batch_size, held_in=held_in,
-                              target=target))  # fmt: skip
+                              target=target, attention_kl=attention_kl))  # fmt: skip
         h_new = _run_block(block_new, h_new, layer_kw, batch_size)
         if target != "local":
             h_src = _run_block(block_src, h_src, src_layer_kw, batch_size)
@@ -89,7 +96,8 @@ def sequential(source: nn.Module, new: nn.Module, windows: torch.Tensor, *, reli
 
 def fit_layer(name: str, block_src: nn.Module, block_new: nn.Module, h_src: torch.Tensor, h_new: torch.Tensor,
               src_kw: dict, new_kw: dict, config, *, relift: Relift | None = None, steps: int = 0, lr: float = 1e-2,
-              batch_size: int = 4, held_in: float = 0.25, target: str = "source") -> LayerFit:  # fmt: skip
+              batch_size: int = 4, held_in: float = 0.25, target: str = "source",
+              attention_kl: float = 0.0) -> LayerFit:  # fmt: skip
     """Propagate and / or reconstruct the attention of one converted decoder layer `block_new` in place.
 
     name: the attention module's full name (model.layers.i.self_attn), its last part its name in the layer;
@@ -97,7 +105,7 @@ def fit_layer(name: str, block_src: nn.Module, block_new: nn.Module, h_src: torc
     read for target "source" and "block"; for "local" only its first window, for the attention's arguments);
     src_kw / new_kw: the decoder layers' other arguments (masks, positions, rotary cos/sin) for a batch of one.
     The last max(1, round(n * held_in)) windows are held in. Only the attention's weights change."""
-    _check(steps, lr, held_in, target, len(h_new))
+    _check(steps, lr, held_in, target, len(h_new), attention_kl)
     started, cpu_started = time.perf_counter(), time.process_time()
     arch = architecture_of(config)
     attr = name.rsplit(".", 1)[1]  # the attention module's name in its decoder layer
@@ -113,27 +121,36 @@ def fit_layer(name: str, block_src: nn.Module, block_new: nn.Module, h_src: torc
         else:
             x_src, src_attn_kw = x_new, _attention_inputs(block_src, attn_src, h_src[:1], src_kw, 1)[1]
         y, fit_module, fit_x, fit_kw = _outputs(attn_src, x_src, src_attn_kw, batch_size), attn_new, x_new, attn_kw
-    closed = _error(fit_module, fit_x[held_idx], y[held_idx], fit_kw, batch_size)
+    pattern = _Pattern(attn_src, x_src, src_attn_kw, attention_kl) if attention_kl else None
+
+    def held_in() -> tuple[float, float | None]:
+        """(output error, attention KL or None) on the held-in windows."""
+        error = _error(fit_module, fit_x[held_idx], y[held_idx], fit_kw, batch_size)
+        return error, pattern.kl(attn_new, x_new, attn_kw, held_idx, batch_size) if pattern else None
+
+    objective = lambda measured: measured[0] + (attention_kl * measured[1] if pattern else 0.0)  # noqa: E731
+    closed = held_in()
     propagated, kept = None, False
     if relift is not None:
         saved = _clone_state(attn_new)
         stats = stats_of_inputs(x_new[train_idx], arch.split_heads(attn_src), config)
         attn_new.load_state_dict(relift(name, stats))
-        propagated = _error(fit_module, fit_x[held_idx], y[held_idx], fit_kw, batch_size)
-        kept = propagated < closed
+        propagated = held_in()
+        kept = objective(propagated) < objective(closed)
         if not kept:
             attn_new.load_state_dict(saved)
-    error, best_step = min(closed, propagated if kept else closed), 0
+    (error, kl), best_step = propagated if kept else closed, 0
     if steps:
-        error, best_step = _fit(fit_module, attn_new, fit_x, y, fit_kw, train_idx, held_idx, steps, lr, batch_size,
-                                error)  # fmt: skip
-    logger.info("%s: held-in error %.4g (closed form) -> %.4g%s", name, closed, error,
-                f" (propagated {propagated:.4g}, {'kept' if kept else 'not kept'})" if propagated is not None else "")  # fmt: skip
-    return LayerFit(name, closed, propagated, kept, error, best_step, time.perf_counter() - started,
-                    time.process_time() - cpu_started)  # fmt: skip
+        (error, kl), best_step = _fit(fit_module, attn_new, fit_x, y, fit_kw, train_idx, steps, lr, batch_size,
+                                      held_in, objective, (error, kl), pattern)  # fmt: skip
+    logger.info("%s: held-in error %.4g (closed form) -> %.4g%s%s", name, closed[0], error,
+                f" (propagated {propagated[0]:.4g}, {'kept' if kept else 'not kept'})" if propagated else "",
+                f", attention KL {closed[1]:.4g} -> {kl:.4g}" if pattern else "")  # fmt: skip
+    return LayerFit(name, closed[0], propagated[0] if propagated else None, kept, error, best_step,
+                    time.perf_counter() - started, time.process_time() - cpu_started, attention_kl=kl)  # fmt: skip
 
 
-def _check(steps, lr, held_in, target, n) -> None:
+def _check(steps, lr, held_in, target, n, attention_kl=0.0) -> None:
     if target not in TARGETS:
         raise ValueError(f"target={target!r} is not one of {TARGETS}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
@@ -144,6 +161,10 @@ def _check(steps, lr, held_in, target, n) -> None:
         raise ValueError(f"held_in={held_in!r} must be a fraction in (0, 1)")
     if n < 2:
         raise ValueError(f"{n} calibration window(s): reconstruction needs at least 2 (one held in)")
+    if isinstance(attention_kl, bool) or not isinstance(attention_kl, (int, float)) or not attention_kl >= 0:
+        raise ValueError(f"attention_kl={attention_kl!r} must be a non-negative number")
+    if attention_kl and target == "block":
+        raise ValueError("attention_kl needs target 'source' or 'local': target 'block' fits a decoder layer's output")
 
 
 def summary(fits: list[LayerFit]) -> dict:
@@ -157,10 +178,74 @@ def summary(fits: list[LayerFit]) -> dict:
             "cpu_seconds": round(sum(f.cpu_seconds for f in fits), 2)}  # fmt: skip
 
 
-def _fit(module, attn, x, y, kw, train_idx, held_idx, steps, lr, batch_size, start_error) -> tuple[float, int]:
+@dataclass
+class _Pattern:
+    """The source attention's patterns P on its inputs x_src [n, T, D], and their KL to a converted attention's."""
+
+    attn: nn.Module
+    x: torch.Tensor
+    kw: dict
+    weight: float
+
+    def loss(self, weights_new: torch.Tensor, idx) -> torch.Tensor:
+        """weight * mean KL(P || P') of the windows idx, P' the converted attention's weights [B, H, T, S]."""
+        with torch.no_grad():
+            source = _with_weights(self.attn, self.x[idx], self.kw)[1].float()
+        return self.weight * _kl(source, weights_new.float())
+
+    @torch.no_grad()
+    def kl(self, attn_new, x_new, kw_new, idx, batch_size) -> float:
+        """Mean KL(P || P') over the heads and queries of the windows idx (converted attention on x_new)."""
+        dtype = next(attn_new.parameters()).dtype
+        total = 0.0
+        for s in range(0, len(idx), batch_size):
+            part = idx[s : s + batch_size]
+            source = _with_weights(self.attn, self.x[part], self.kw)[1].float()
+            new = _with_weights(attn_new, x_new[part].to(dtype), kw_new)[1].float()
+            total += float(_kl(source, new)) * len(part)
+        return total / len(idx)
+
+
+def _kl(p: torch.Tensor, p_new: torch.Tensor) -> torch.Tensor:
+    """Mean over [B, H, T] of sum_s p log(p / p_new); masked keys (p = p_new = 0) add 0, and so does their gradient
+    (the clamp; 1e-30 is above float32's smallest normal)."""
+    tiny = 1e-30
+    return (p * (p.clamp_min(tiny).log() - p_new.clamp_min(tiny).log())).sum(-1).mean()
+
+
+def _with_weights(attn, x, kw) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output, attention weights [B, H, T, S]) of an attention module: its eager kernel for this call, with the
+    causal mask made explicit (the SDPA path may pass None and let the kernel mask) and additive; an MLA module
+    expands K / V for it (its absorbed form computes no weights)."""
+    config, absorb = attn.config, getattr(attn, "absorb", None)
+    implementation = config._attn_implementation
+    kw = dict(kw, attention_mask=_additive_mask(kw.get("attention_mask"), x.shape[1], x.dtype))
+    config._attn_implementation = "eager"
+    if absorb is not None:
+        attn.absorb = "never"
+    try:
+        out, weights = attn(x, **kw)
+    finally:
+        config._attn_implementation = implementation
+        if absorb is not None:
+            attn.absorb = absorb
+    return out, weights
+
+
+def _additive_mask(mask: torch.Tensor | None, length: int, dtype) -> torch.Tensor:
+    """[1, 1, T, T] causal when None; a boolean mask (True: attend) as 0 / the dtype's minimum; else as given."""
+    if mask is None:
+        mask = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+    if mask.dtype == torch.bool:
+        return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
+
+
+def _fit(module, attn, x, y, kw, train_idx, steps, lr, batch_size, held_in, objective, start, pattern):
     """Adam on every weight of `attn` (float32) so that module(x) matches y (module: attn itself, or the decoder
-    layer holding it), linear warmup over a tenth of the steps, then cosine decay; returns (best held-in error, its
-    step)."""
+    layer holding it; plus pattern's KL when given), linear warmup over a tenth of the steps, then cosine decay.
+    Keeps the state of the lowest objective(held_in()) (start: the current state's held_in()); returns
+    (its held_in(), its step), step 0 for the start."""
     dtype = next(attn.parameters()).dtype
     module.float()
     params = [p for p in attn.parameters()]
@@ -176,7 +261,7 @@ def _fit(module, attn, x, y, kw, train_idx, held_idx, steps, lr, batch_size, sta
     schedule = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
     energy = float(y[train_idx].float().pow(2).mean())
-    best, best_step, best_state = start_error, 0, _clone_state(attn)
+    best, best_step, best_state = start, 0, _clone_state(attn)
     check_every = max(1, steps // 10)
     generator = torch.Generator().manual_seed(0)
     order = torch.empty(0, dtype=torch.long)
@@ -185,16 +270,20 @@ def _fit(module, attn, x, y, kw, train_idx, held_idx, steps, lr, batch_size, sta
             order = torch.cat((order, train_idx[torch.randperm(len(train_idx), generator=generator)]))
         idx, order = order[:batch_size], order[batch_size:]
         with torch.enable_grad():
-            out = _call(module, x[idx].float(), kw)
-            loss = (out - y[idx].float()).pow(2).mean() / energy
+            if pattern is None:
+                out = _call(module, x[idx].float(), kw)
+                loss = (out - y[idx].float()).pow(2).mean() / energy
+            else:  # module is attn
+                out, weights = _with_weights(module, x[idx].float(), kw)
+                loss = (out - y[idx].float()).pow(2).mean() / energy + pattern.loss(weights, idx)
             loss.backward()
         opt.step()
         schedule.step()
         opt.zero_grad(set_to_none=True)
         if step % check_every == 0 or step == steps:
-            error = _error(module, x[held_idx], y[held_idx], kw, batch_size)
-            if error < best:
-                best, best_step, best_state = error, step, _clone_state(attn)
+            measured = held_in()
+            if objective(measured) < objective(best):
+                best, best_step, best_state = measured, step, _clone_state(attn)
     attn.load_state_dict(best_state)
     for p, flag in zip(every, flags):
         p.requires_grad_(flag)

@@ -405,6 +405,9 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--reconstruct-lr", type=float, help="reconstruction step, a fraction of each weight's RMS (default 0.01)")
     cv.add_argument("--reconstruct-target", choices=["source", "local"],
                     help="fit to the source layer on the source's inputs (default) or on the converted prefix's")
+    cv.add_argument("--reconstruct-attention-kl", type=float, metavar="WEIGHT",
+                    help="add WEIGHT x the KL of each head's attention pattern to the source's to the reconstruction's "
+                    "objective, so sharp retrieval attention counts (default 0: the output error alone)")
     cv.add_argument("--heal-lr", type=_or_auto(float, "a number"),
                     help="healing learning rate, or auto (default): a short range test on held-in windows")
     cv.add_argument("--heal-data", choices=["calib", "teacher", "mix"],

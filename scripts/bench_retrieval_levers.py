@@ -25,6 +25,9 @@ Every lever states all its options (nothing rides on convert()'s defaults):
     default_context default (sensitivity + reconstruction 60) with L = the source's context in the RoPE score
     default_l1024   default with L = 1024 in the RoPE score
     calib_1024_context  teacher_rec60 on 8 x 1024 windows with L = the source's context in the RoPE score
+    attention_kl    default, the reconstruction's objective adding 1.0 x the attention-pattern KL to the source's
+                    (reconstruct_attention_kl; the levers above state 0)
+    attention_kl_uniform  teacher_rec60 (uniform ranks) with reconstruct_attention_kl 1.0
 Held-in measure (chosen on, never the probes): mean KL(source || converted) per token on 4 samples of the source
 itself, --held-in-len (2048) tokens long, prompted by calibration-corpus windows after the 8,192 tokens calibrated on;
 split into positions < 256, 256-511, 512-1023 and >= 1024; "all" (every position alike) is the figure levers are
@@ -59,7 +62,8 @@ from hf_attn_patch.models.pretrained import load_source
 WINDOW = 256  # the calibration length: the RoPE score's default L
 CALIBRATED_TOKENS = 8192  # every lever's calibration windows hold these (32 x 256, 16 x 512, 8 x 1024)
 CLOSED = {"calib_source": "text", "rank_allocation": "uniform", "reconstruct_steps": 0, "rope_context": WINDOW}
-DEFAULT = {"calib_source": "teacher", "rank_allocation": "sensitivity", "reconstruct_steps": 60, "rope_context": WINDOW}
+DEFAULT = {"calib_source": "teacher", "rank_allocation": "sensitivity", "reconstruct_steps": 60, "rope_context": WINDOW,
+           "reconstruct_attention_kl": 0.0}
 CONTEXT = {"rope_context": "source"}  # the source's max_position_embeddings
 LEVERS = {
     "closed": CLOSED,
@@ -77,6 +81,8 @@ LEVERS = {
     "default_context": {**DEFAULT, **CONTEXT},
     "default_l1024": {**DEFAULT, "rope_context": 1024},
     "calib_1024_context": {**DEFAULT, "rank_allocation": "uniform", "calib_len": 1024, "calib_samples": 8, **CONTEXT},
+    "attention_kl": {**DEFAULT, "reconstruct_attention_kl": 1.0},
+    "attention_kl_uniform": {**DEFAULT, "rank_allocation": "uniform", "reconstruct_attention_kl": 1.0},
 }
 HELD_IN_BINS = (256, 512, 1024)
 

@@ -227,9 +227,10 @@ def _calibrate(model, tokenizer, text: str, opts: SimpleNamespace, report: dict)
 def _layerwise(model, new, windows: torch.Tensor, relift, opts: SimpleNamespace, report: dict) -> None:
     """Propagated calibration and / or reconstruction of every converted layer of `new`, in place (reconstruct.py)."""
     fits = sequential(model, new, windows, relift=relift, steps=opts.reconstruct_steps, lr=opts.reconstruct_lr,
-                      target=opts.reconstruct_target)  # fmt: skip
+                      target=opts.reconstruct_target, attention_kl=opts.reconstruct_attention_kl)  # fmt: skip
     report["layerwise"] = {"propagate": relift is not None, "reconstruct_steps": opts.reconstruct_steps,
-                           "target": opts.reconstruct_target, **summary(fits)}  # fmt: skip
+                           "target": opts.reconstruct_target, "attention_kl": opts.reconstruct_attention_kl,
+                           **summary(fits)}  # fmt: skip
 
 
 def heal_layerwise(teacher, student, windows: torch.Tensor, steps: int) -> dict:

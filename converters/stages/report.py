@@ -88,7 +88,7 @@ def build_report(source, opts: ConvertOptions, given: dict, target, cal, plan, l
         propagate = opts.calibration.propagate and not (opts.to != "mla" and opts.method == "mean")
         rec = opts.reconstruction
         report["layerwise"] = {"propagate": propagate, "reconstruct_steps": rec.steps, "target": rec.target,
-                               **summary(layers.fits)}  # fmt: skip
+                               "attention_kl": rec.attention_kl, **summary(layers.fits)}  # fmt: skip
     if healed is not None:
         if healed.layerwise is not None:
             report["heal_layerwise"] = healed.layerwise
