@@ -28,6 +28,8 @@ Every lever states all its options (nothing rides on convert()'s defaults):
     attention_kl    default, the reconstruction's objective adding 1.0 x the attention-pattern KL to the source's
                     (reconstruct_attention_kl; the levers above state 0)
     attention_kl_uniform  teacher_rec60 (uniform ranks) with reconstruct_attention_kl 1.0
+    recipe_attention_kl  calib_1024_context (the long-context recipe) with reconstruct_attention_kl 1.0
+    calib_1024_context_sens  calib_1024_context with sensitivity ranks: the KL measured on one 1,024-token window
 Held-in measure (chosen on, never the probes): mean KL(source || converted) per token on 4 samples of the source
 itself, --held-in-len (2048) tokens long, prompted by calibration-corpus windows after the 8,192 tokens calibrated on;
 split into positions < 256, 256-511, 512-1023 and >= 1024; "all" (every position alike) is the figure levers are
@@ -83,6 +85,9 @@ LEVERS = {
     "calib_1024_context": {**DEFAULT, "rank_allocation": "uniform", "calib_len": 1024, "calib_samples": 8, **CONTEXT},
     "attention_kl": {**DEFAULT, "reconstruct_attention_kl": 1.0},
     "attention_kl_uniform": {**DEFAULT, "rank_allocation": "uniform", "reconstruct_attention_kl": 1.0},
+    "recipe_attention_kl": {**DEFAULT, "rank_allocation": "uniform", "calib_len": 1024, "calib_samples": 8, **CONTEXT,
+                            "reconstruct_attention_kl": 1.0},
+    "calib_1024_context_sens": {**DEFAULT, "calib_len": 1024, "calib_samples": 8, **CONTEXT},
 }
 HELD_IN_BINS = (256, 512, 1024)
 

@@ -75,6 +75,8 @@ def test_good_configs_pass():
         (ReconstructionOptions, dict(steps="many"), "reconstruct_steps='many' must be a non-negative integer"),
         (ReconstructionOptions, dict(lr=0), "reconstruct_lr=0 must be a positive number"),
         (ReconstructionOptions, dict(target="global"), "reconstruct_target='global' is not one of"),
+        (ReconstructionOptions, dict(attention_kl=-1.0), "reconstruct_attention_kl=-1.0 must be a non-negative"),
+        (ReconstructionOptions, dict(attention_kl="yes"), "reconstruct_attention_kl='yes' must be a non-negative"),
         (HealingOptions, dict(steps=-2), "heal_steps=-2 must be a non-negative integer"),
         (HealingOptions, dict(lr=1e-3), r"heal_lr=0.001 applies to healing only: set heal_steps"),
         (HealingOptions, dict(held_in=2), "heal_held_in=2 applies to healing only"),

@@ -9,7 +9,8 @@ from transformers import AutoModelForCausalLM
 from hf_attn_patch.converters.calibration import calibration_windows, collect_stats, read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.options import ConvertOptions
-from hf_attn_patch.converters.reconstruct import sequential
+from hf_attn_patch.converters.reconstruct import (_additive_mask, _attention_inputs, _call, _first_layer_inputs, _kl,
+                                                  _with_weights, sequential)
 
 from ._fast import FAST
 
@@ -82,6 +83,53 @@ def test_propagated_closed_form_lowers_the_local_error(tmp_path, stories, one_to
     # kept only where it measured lower; measured: kept in most layers
     assert all(l["error"] <= l["closed_form_error"] for l in layers)
     assert report["layerwise"]["propagated_kept"] >= 1
+
+
+def test_attention_weights_path_gives_the_module_output_and_causal_patterns(mla25, stories):
+    """The eager call the attention KL reads patterns from computes what the model's own (SDPA, mask None) call does."""
+    out, windows = mla25
+    model = AutoModelForCausalLM.from_pretrained(out).eval()
+    for net in (stories[0], model):  # the source's LlamaAttention and the converted MultiHeadLatentAttention
+        name = "model.layers.1.self_attn"
+        h, layer_kw = _first_layer_inputs(net, name, windows[:2], 2)
+        attn = net.get_submodule(name)
+        x, kw = _attention_inputs(net.get_submodule("model.layers.1"), attn, h, layer_kw, 2)
+        implementation = net.config._attn_implementation
+        with torch.no_grad():
+            out_eager, weights = _with_weights(attn, x, kw)
+            plain = _call(attn, x, kw)
+        assert net.config._attn_implementation == implementation and getattr(attn, "absorb", "auto") == "auto"
+        torch.testing.assert_close(out_eager, plain, atol=1e-5, rtol=1e-4)  # fp32, two kernels' summation orders
+        T = x.shape[1]
+        assert weights.shape == (2, attn.config.num_attention_heads, T, T)
+        torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:-1]))
+        assert float(weights.triu(1).abs().max()) == 0.0  # causal: no weight on later keys
+        assert float(_kl(weights, weights)) == 0.0
+    flat = _additive_mask(None, 3, torch.float32)[0, 0]
+    assert flat[0, 0] == 0 and flat[0, 1] == torch.finfo(torch.float32).min and flat[2, 1] == 0
+
+
+def test_attention_kl_in_the_objective_brings_the_patterns_closer(mla25, stories, one_torch_thread):
+    out, windows = mla25
+    source = stories[0]
+    measured = {}
+    for weight in (0.0, 1.0):
+        model = AutoModelForCausalLM.from_pretrained(out).eval()
+        fits = sequential(source, model, windows, steps=80, attention_kl=weight, progress=False)
+        assert all((f.attention_kl is None) == (weight == 0) for f in fits)  # the pattern term ran only when asked
+        # each layer's held-in attention KL as it leaves (0 steps: measured, not fitted)
+        measured[weight] = [f.attention_kl for f in sequential(source, model, windows, attention_kl=1.0, progress=False)]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert mean(measured[1.0]) < 0.85 * mean(measured[0.0]), measured  # measured 0.37 vs 0.54
+
+
+def test_attention_kl_needs_an_attention_target():
+    with pytest.raises(ValueError, match="attention_kl needs target 'source' or 'local'"):
+        sequential(None, None, torch.zeros(2, 4, dtype=torch.long), steps=1, attention_kl=1.0, target="block")
+    with pytest.raises(ValueError, match="attention_kl=-1 must be a non-negative number"):
+        sequential(None, None, torch.zeros(2, 4, dtype=torch.long), steps=1, attention_kl=-1)
+    with pytest.raises(ValueError, match="reconstruct_attention_kl=1.0 needs reconstruct_steps > 0 or propagate"):
+        ConvertOptions.from_flat(to="mla", kv_budget=0.5, reconstruct_steps=0, reconstruct_attention_kl=1.0)
 
 
 @pytest.mark.parametrize("field, value", [("reconstruct_steps", -1), ("reconstruct_steps", 1.5), ("reconstruct_lr", 0),
