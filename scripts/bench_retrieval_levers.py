@@ -162,14 +162,15 @@ def plot(rows: list[dict], png: str) -> None:
             if task not in row.get("retained", {}):  # the source, or a lever measured on other tasks
                 continue
             points = sorted((int(d), v) for d, v in row["retained"][task].items() if v is not None)
-            ax.plot([d for d, _ in points], [v for _, v in points], marker="o", label=row["lever"], color=f"C{i}")
+            ax.plot([d for d, _ in points], [v for _, v in points], marker="o", label=row["lever"],
+                    color=plt.get_cmap("tab20")(i % 20))  # fmt: skip
         ax.set_xscale("log", base=2)
         ax.set_ylim(-0.05, 1.15)
         ax.axhline(0.95, color="grey", lw=0.8, ls="--")
         ax.set(title=f"{task}: retained (conversion / source)", xlabel="distance (tokens)", ylabel="retained")
     handles = {h.get_label(): h for ax in axes[0] for h in ax.get_lines() if not h.get_label().startswith("_")}
-    axes[0][0].legend(handles.values(), handles.keys(), fontsize=8)
-    fig.tight_layout()
+    fig.legend(handles.values(), handles.keys(), fontsize=8, loc="center right")
+    fig.tight_layout(rect=(0, 0, 0.83, 1))
     fig.savefig(png, dpi=110)
 
 
