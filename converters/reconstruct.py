@@ -113,6 +113,7 @@ def fit_layer(name: str, block_src: nn.Module, block_new: nn.Module, h_src: torc
     held = max(1, round(len(h_new) * held_in))
     train_idx, held_idx = torch.arange(len(h_new) - held), torch.arange(len(h_new) - held, len(h_new))
     x_new, attn_kw = _attention_inputs(block_new, attn_new, h_new, new_kw, batch_size)
+    pattern = None  # the source's attention patterns, when they join the objective
     if target == "block":  # the decoder layer's output (through its MLP) matches the source layer's
         y, fit_module, fit_x, fit_kw = _run_block(block_src, h_src, src_kw, batch_size), block_new, h_new, new_kw
     else:
@@ -121,14 +122,16 @@ def fit_layer(name: str, block_src: nn.Module, block_new: nn.Module, h_src: torc
         else:
             x_src, src_attn_kw = x_new, _attention_inputs(block_src, attn_src, h_src[:1], src_kw, 1)[1]
         y, fit_module, fit_x, fit_kw = _outputs(attn_src, x_src, src_attn_kw, batch_size), attn_new, x_new, attn_kw
-    pattern = _Pattern(attn_src, x_src, src_attn_kw, attention_kl) if attention_kl else None
+        if attention_kl:
+            pattern = _Pattern(attn_src, x_src, src_attn_kw, attention_kl)
 
     def held_in() -> tuple[float, float | None]:
         """(output error, attention KL or None) on the held-in windows."""
-        error = _error(fit_module, fit_x[held_idx], y[held_idx], fit_kw, batch_size)
-        return error, pattern.kl(attn_new, x_new, attn_kw, held_idx, batch_size) if pattern else None
+        if pattern:
+            return pattern.held_in(attn_new, x_new, attn_kw, y, held_idx, batch_size)
+        return _error(fit_module, fit_x[held_idx], y[held_idx], fit_kw, batch_size), None
 
-    objective = lambda measured: measured[0] + (attention_kl * measured[1] if pattern else 0.0)  # noqa: E731
+    objective = lambda measured: measured[0] + (pattern.weight * measured[1] if pattern else 0.0)  # noqa: E731
     closed = held_in()
     propagated, kept = None, False
     if relift is not None:
@@ -194,16 +197,19 @@ class _Pattern:
         return self.weight * _kl(source, weights_new.float())
 
     @torch.no_grad()
-    def kl(self, attn_new, x_new, kw_new, idx, batch_size) -> float:
-        """Mean KL(P || P') over the heads and queries of the windows idx (converted attention on x_new)."""
+    def held_in(self, attn_new, x_new, kw_new, y, idx, batch_size) -> tuple[float, float]:
+        """(E||A'(x_new) - y||^2 / E||y||^2, mean KL(P || P') over heads and queries) on the windows idx, from one
+        forward of the converted attention per batch."""
         dtype = next(attn_new.parameters()).dtype
-        total = 0.0
+        num = den = total = 0.0
         for s in range(0, len(idx), batch_size):
             part = idx[s : s + batch_size]
             source = _with_weights(self.attn, self.x[part], self.kw)[1].float()
-            new = _with_weights(attn_new, x_new[part].to(dtype), kw_new)[1].float()
-            total += float(_kl(source, new)) * len(part)
-        return total / len(idx)
+            out, new = _with_weights(attn_new, x_new[part].to(dtype), kw_new)
+            num += float((out.float() - y[part].float()).pow(2).sum())
+            den += float(y[part].float().pow(2).sum())
+            total += float(_kl(source, new.float())) * len(part)
+        return num / max(den, 1e-300), total / len(idx)
 
 
 def _kl(p: torch.Tensor, p_new: torch.Tensor) -> torch.Tensor:
