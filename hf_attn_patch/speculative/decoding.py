@@ -26,6 +26,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .draft_length import DraftLength
 from .drafters import Draft, ModelDrafter, PromptLookupDrafter
+from .feature_drafter import FeatureDrafter, FeatureDrafterForCausalLM
 from .grammar_rows import GrammarRows, grammar_processors
 from .ragged import RaggedModel, check_supported
 from .rejection import verify_greedy, verify_sampling
@@ -82,6 +83,8 @@ def make_drafter(model, generation_config, assistant_model):
         return drafter, generation_config.num_assistant_tokens or 5
     if assistant_model is None:
         raise ValueError("speculative decoding needs assistant_model, assistant_early_exit or prompt_lookup_num_tokens")
+    if isinstance(assistant_model, FeatureDrafterForCausalLM):
+        return FeatureDrafter(model, assistant_model, vocab), assistant_model.config.max_draft_tokens
     return ModelDrafter(assistant_model, vocab), assistant_model.generation_config.num_assistant_tokens or 5
 
 
@@ -108,6 +111,16 @@ def unsupported_reason(generation_config, model_kwargs, assistant_tokenizer, str
 def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                          streamer=None, assistant_model=None, **model_kwargs):  # fmt: skip
     """generate()'s decoding method for assisted generation (any batch size); see the module docstring."""
+    drafter, max_draft = make_drafter(model, generation_config, assistant_model)
+    try:
+        return _decode(model, drafter, max_draft, input_ids, logits_processor, stopping_criteria, generation_config,
+                       streamer, **model_kwargs)  # fmt: skip
+    finally:
+        drafter.finish()
+
+
+def _decode(model, drafter, max_draft, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+            **model_kwargs):  # fmt: skip
     options = generate_options.get()
     stats = options.get("speculative_stats") or SpeculativeStats()
     started = time.perf_counter()
@@ -121,14 +134,13 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()
 
-    drafter, max_draft = make_drafter(model, generation_config, assistant_model)
     schedule = options.get("draft_length", "adaptive")
     if schedule != "adaptive" and not (isinstance(schedule, int) and schedule >= 1):
         raise ValueError(f"draft_length: expected 'adaptive' or an int >= 1, got {schedule!r}")
     # n-gram drafts cost nothing to make: start at the longest; a separate model drafter starts short (2) and
     # adapts; early exit starts at 1 (a draft token costs a fixed share of a target forward, and layers that were
     # not trained to exit early rarely agree with the last one)
-    start = max_draft if isinstance(drafter, PromptLookupDrafter) else 1 if drafter.early_exit else 2
+    start = max_draft if isinstance(drafter, PromptLookupDrafter) else 1 if getattr(drafter, "early_exit", False) else 2
     lengths = DraftLength(max_draft if schedule == "adaptive" else schedule, batch, adaptive=schedule == "adaptive",
                           start=start)  # fmt: skip
 

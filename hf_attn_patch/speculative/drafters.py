@@ -6,7 +6,8 @@ in by subclassing `Drafter`:
 - `propose(sequences, k, process, do_sample) -> Draft`: tokens [B, k], per-row lengths [B] (<= k) and, for
   drafters that sample, their processed probabilities q [B, k, V] (None = point mass on each token);
 - `accepted(counts)`: row b's first counts[b] drafts were accepted (the sequences are extended after this call);
-- `select(rows)`: only these rows remain in the batch.
+- `select(rows)`: only these rows remain in the batch;
+- `finish()`: once, when decoding ends (also on error): release what `__init__` or `start` hooked into the target.
 `process(tokens [B, W], logits [B, V]) -> scores [B, V]` applies generate()'s logits processors (temperature,
 top-k, top-p, ...), so q is processed exactly as the target's p is.
 """
@@ -42,6 +43,9 @@ class Drafter:
         pass
 
     def select(self, rows: torch.Tensor) -> None:
+        pass
+
+    def finish(self) -> None:
         pass
 
 
