@@ -130,6 +130,20 @@ def cmd_convert(args) -> None:
     print(json.dumps(summary, indent=2))
 
 
+def cmd_draft(args) -> None:
+    import json
+
+    from .converters.drafting import build_drafter
+
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "source", "out") and v is not None}
+    try:
+        report = build_drafter(args.source, args.out, **options)
+    except (ValueError, FileExistsError) as err:
+        raise SystemExit(f"error: {err}")
+    print(f"wrote {args.out}")
+    print(json.dumps(report, indent=2))
+
+
 def convert_options(args) -> dict:
     """The options given on the command line; every other one keeps convert()'s default (one set of defaults)."""
     return {k: v for k, v in vars(args).items() if k not in ("command", "func", "source", "out") and v is not None}
@@ -488,6 +502,23 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024,
                     help="larger request bodies are refused (413) before parsing (default 8 MiB)")
     sv.set_defaults(func=cmd_serve)
+
+    dr = sub.add_parser("draft", help="build a drafter for speculative decoding from MODEL alone (trained on its "
+                        "own samples); use it as generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(OUT))")
+    dr.add_argument("source", metavar="MODEL", help="model folder (safetensors), 'default', 'smollm2' or a Hub id")
+    dr.add_argument("out", metavar="OUT")
+    dr.add_argument("--samples", type=_positive_int, help="teacher samples of MODEL to train on (default 384)")
+    dr.add_argument("--length", type=_positive_int, help="tokens per sample, prompt included (default 256)")
+    dr.add_argument("--draft-vocab", type=_positive_int, help="tokens the drafter scores: MODEL's most sampled "
+                    "(default 8192)")
+    dr.add_argument("--steps", type=_positive_int, help="training steps (default 600)")
+    dr.add_argument("--rows", type=_positive_int, help="samples per training step (default 8)")
+    dr.add_argument("--depth", type=_positive_int, help="draft steps unrolled in training (default 3)")
+    dr.add_argument("--calib-data", help="text the prompts are cut from: a file, folder or dataset (default: the "
+                    "packaged TinyStories sample)")
+    dr.add_argument("--seed", type=int)
+    dr.add_argument("--overwrite", action="store_true", default=None)
+    dr.set_defaults(func=cmd_draft)
 
     demo = sub.add_parser("demo", help="KV tables and a story from the embedded model, stock vs our attention")
     demo.add_argument("--max-new-tokens", type=_positive_int, default=60)
