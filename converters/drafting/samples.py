@@ -17,8 +17,7 @@ from ..calibration import TEACHER_PROMPT, sample_from_teacher
 logger = logging.getLogger(__name__)
 
 HELD_IN = 0.9  # share of the calibration text prompts are drawn from; the tail is for benchmarks
-CHAT_REQUESTS = ("Continue this story: {}", "Write a short story that begins with: {}",
-                 "Tell me what happens next: {}", "{}")  # fmt: skip
+CHAT_REQUESTS = ("Continue this story: {}", "Tell me what happens next: {}")  # one group (and batch) each
 CHAT_SPAN = 12  # tokens of text quoted in a chat request
 
 
