@@ -119,3 +119,17 @@ def test_build_refuses_bad_input_before_writing(tmp_path, option, value, match):
 def test_build_refuses_an_existing_output(tmp_path):
     with pytest.raises(FileExistsError, match="exists"):
         build_drafter("default", tmp_path, steps=1, progress=False)
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_lookup_with_the_drafter_is_exact(built, rows):
+    """n-gram lookup where the history repeats, the drafter elsewhere: greedy identical, sampling exact."""
+    model, tok, drafter, _, _ = built
+    enc = tok(PROMPTS[:rows], return_tensors="pt", padding=True)
+    kw = dict(max_new_tokens=40, do_sample=False)
+    stats = SpeculativeStats()
+    out = model.generate(**enc, assistant_model=drafter, prompt_lookup_num_tokens=4, speculative_stats=stats, **kw)
+    assert torch.equal(out, model.generate(**enc, **kw)) and stats.accepted > 0
+    sampled = model.generate(**enc, assistant_model=drafter, prompt_lookup_num_tokens=4, do_sample=True,
+                             max_new_tokens=16)  # fmt: skip
+    assert sampled.shape[0] == rows and not model.get_decoder()._forward_hooks

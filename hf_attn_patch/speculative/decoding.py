@@ -26,6 +26,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .draft_length import DraftLength
 from .drafters import Draft, ModelDrafter, PromptLookupDrafter
+from .combined import LookupOrFeatureDrafter
 from .feature_drafter import FeatureDrafter, FeatureDrafterForCausalLM
 from .grammar_rows import GrammarRows, grammar_processors
 from .ragged import RaggedModel, check_supported
@@ -74,17 +75,24 @@ class SpeculativeStats:
 def make_drafter(model, generation_config, assistant_model):
     """(drafter, max draft length) from generate()'s keywords."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
-    if generation_config.prompt_lookup_num_tokens is not None:
+    lookup_tokens, lookup = generation_config.prompt_lookup_num_tokens, None
+    if lookup_tokens is not None:
         ngram = generation_config.max_matching_ngram_size or 2
         # single-token matches propose mostly junk on free text: at least 2 tokens must match when allowed
-        return PromptLookupDrafter(max_ngram=ngram, min_ngram=min(2, ngram)), generation_config.prompt_lookup_num_tokens
+        lookup = PromptLookupDrafter(max_ngram=ngram, min_ngram=min(2, ngram))
+    if isinstance(assistant_model, FeatureDrafterForCausalLM):  # with lookup too: lookup where the history repeats
+        feature = FeatureDrafter(model, assistant_model, vocab)
+        longest = assistant_model.config.max_draft_tokens
+        if lookup is None:
+            return feature, longest
+        return LookupOrFeatureDrafter(lookup, feature, longest), max(lookup_tokens, longest)
+    if lookup is not None:
+        return lookup, lookup_tokens
     if generation_config.assistant_early_exit is not None:
         drafter = ModelDrafter(model, vocab, num_layers=generation_config.assistant_early_exit)
         return drafter, generation_config.num_assistant_tokens or 5
     if assistant_model is None:
         raise ValueError("speculative decoding needs assistant_model, assistant_early_exit or prompt_lookup_num_tokens")
-    if isinstance(assistant_model, FeatureDrafterForCausalLM):
-        return FeatureDrafter(model, assistant_model, vocab), assistant_model.config.max_draft_tokens
     return ModelDrafter(assistant_model, vocab), assistant_model.generation_config.num_assistant_tokens or 5
 
 
