@@ -13,7 +13,8 @@ Target: SmolLM2-135M-Instruct (fp32, CPU), greedy. Prompt sets:
   finds them).
 Batch sizes 1 / 4 / 8 (prompts cycled to fill a batch). Methods: plain generate(); ours with n-gram lookup
 (prompt_lookup_num_tokens=8, adaptive length); the drafter with the adaptive length; the drafter with a fixed draft
-length of 4 (its accepted length is the figure to compare). Every output is checked token-identical to plain greedy.
+length of 4 (its accepted length is the figure to compare); both together (lookup where a row repeats, the drafter
+elsewhere). Every output is checked token-identical to plain greedy.
 Prints tokens/s, speed-up over plain, drafts accepted per verification step and tokens per step, and the drafter's
 build report (build time, memory, size). `--clock process` times this process's CPU time (steadier on a shared
 machine; use it with --threads 1).
@@ -87,6 +88,35 @@ def run(model, enc, new_tokens, clock, **kw):
     return clock() - start, out, stats
 
 
+@torch.no_grad()
+def step_costs(model, drafter, batches, clock, context: int = 200, repeats: int = 10) -> None:
+    """The arithmetic of speculation: a target forward of n = 1 / 3 / 5 tokens per row on a `context`-token cache
+    (verifying k = 0 / 2 / 4 drafts) and one drafter step, in ms, per batch size."""
+    from transformers import DynamicCache
+
+    drafter.bind(model)
+    print("| batch | target 1 token | 3 tokens (k=2) | 5 tokens (k=4) | drafter step |")
+    print("|---|---|---|---|---|")
+    for batch in batches:
+        ids = torch.randint(0, model.config.vocab_size, (batch, context))
+        cache = model(ids, use_cache=True).past_key_values
+        mine = DynamicCache(config=drafter.config)
+        drafter(ids, torch.zeros(batch, context, drafter.config.hidden_size), past_key_values=mine, logits_to_keep=1)
+
+        def timed(forward, cache, n):
+            start = clock()
+            for _ in range(repeats):
+                forward(n)
+                cache.crop(-n)  # back to `context` columns
+            return (clock() - start) / repeats * 1e3
+
+        target = [timed(lambda n: model(ids[:, :n], past_key_values=cache), cache, n) for n in (1, 3, 5)]
+        hidden = torch.zeros(batch, 1, drafter.config.hidden_size)
+        draft = timed(lambda n: drafter(ids[:, :n], hidden, past_key_values=mine, logits_to_keep=1), mine, 1)
+        print(f"| {batch} | {target[0]:.1f} | {target[1]:.1f} ({target[1] / target[0]:.2f}x) | {target[2]:.1f} "
+              f"({target[2] / target[0]:.2f}x) | {draft:.1f} ({draft / target[0]:.1%}) |", flush=True)  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--drafter", required=True, help="a folder written by `hf-attn draft smollm2 OUT`")
@@ -105,12 +135,14 @@ def main() -> None:
     sets = {"open-ended chat": ([f"Continue this story: {s}" for s in openings], True),
             "open-ended plain": (openings, False), "free writing": (FREE, True), "input-grounded": (GROUNDED, True)}
     methods = {"n-gram": dict(prompt_lookup_num_tokens=8), "drafter": dict(assistant_model=drafter),
-               "drafter k=4": dict(assistant_model=drafter, draft_length=4)}  # fmt: skip
+               "drafter k=4": dict(assistant_model=drafter, draft_length=4),
+               "n-gram + drafter": dict(assistant_model=drafter, prompt_lookup_num_tokens=8)}  # fmt: skip
     report = json.loads((Path(args.drafter) / "drafter_report.json").read_text())
     print("drafter:", json.dumps({k: report.get(k) for k in ("build_s", "sampling_s", "training_s", "peak_rss_mb",
                                                               "size_mb", "sample_tokens", "draft_vocab", "steps",
                                                               "held_in_top1_agreement_by_depth")}))  # fmt: skip
     run(model, encode(tok, FREE[:1], True), 8, clock)  # warm-up
+    step_costs(model, drafter, [int(b) for b in args.batches.split(",")], clock)
     print(f"SmolLM2-135M-Instruct fp32, CPU threads={args.threads}, greedy, max_new_tokens={args.new_tokens}, "
           f"{args.clock} clock")  # fmt: skip
     print("| prompts | batch | method | tokens/s | speed-up | identical | accepted/step | tokens/step | draft time |")
@@ -127,7 +159,8 @@ def main() -> None:
                 summary = stats.summary()
                 print(f"| {name} | {batch} | {method} | {generated / t:.1f} | {seconds / t:.2f}x | "
                       f"{torch.equal(out, reference)} | {summary['mean_accepted_per_step']:.2f} | "
-                      f"{summary['tokens_per_step']:.2f} | {summary['drafter_time_share']:.0%} |", flush=True)  # fmt: skip
+                      f"{summary['tokens_per_step']:.2f} | {summary['drafter_time_share']:.0%} |",
+                      flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper
+from transformers import AutoModelForCausalLM
 
 import hf_attn_patch
 from hf_attn_patch.converters.drafting import build_drafter
@@ -16,7 +16,7 @@ from hf_attn_patch.speculative import SpeculativeStats
 from hf_attn_patch.speculative.feature_drafter import FeatureDrafterConfig, FeatureDrafterForCausalLM
 
 from .conftest import tiny_model
-from .test_speculative import PROMPTS, _tv
+from .test_speculative import PROMPTS, assert_second_token_marginal
 
 
 @pytest.fixture(scope="module")
@@ -87,25 +87,8 @@ def test_sampling_matches_target_marginal():
     """As test_speculative's end-to-end check: with a random drafter over half the vocabulary (q = 0 elsewhere), the
     second token's empirical distribution converges to the target's exact marginal."""
     target = tiny_model("llama", seed=0)
-    vocab = target.config.vocab_size
-    drafter = new_drafter(target, torch.arange(0, vocab, 2))
-    prompt = torch.tensor([[5, 17, 33]])
-    processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(12)])
-    with torch.no_grad():
-        p1 = processors(prompt, target(prompt).logits[:, -1]).softmax(-1)[0]
-        both = torch.cat([prompt.expand(vocab, -1), torch.arange(vocab)[:, None]], 1)
-        p2 = processors(both, target(both).logits[:, -1]).softmax(-1)
-    marginal = (p1[:, None] * p2).sum(0)
-    n = 4000
-    torch.manual_seed(0)
-    stats = SpeculativeStats()
-    out = target.generate(prompt.expand(n, -1), max_new_tokens=2, do_sample=True, temperature=0.7, top_k=12,
-                          top_p=1.0, assistant_model=drafter, draft_length=2, pad_token_id=0,
-                          speculative_stats=stats)  # fmt: skip
-    assert stats.proposed > 0 and 0 < stats.acceptance_rate < 1
-    noise = _tv(torch.multinomial(marginal, n, replacement=True), marginal)
-    assert _tv(out[:, -1], marginal) < 2.5 * noise + 0.02
-    assert _tv(out[:, -2], p1) < 2.5 * noise + 0.02
+    drafter = new_drafter(target, torch.arange(0, target.config.vocab_size, 2))
+    assert_second_token_marginal(target, drafter)
 
 
 @pytest.mark.parametrize("option, value, match", [("steps", 0, "steps=0"), ("draft_vocab", 4, "draft_vocab=4"),

@@ -62,7 +62,8 @@ def new_drafter(target, ids: torch.Tensor, max_draft_tokens: int = 6) -> Feature
 
 
 def train_drafter(drafter: FeatureDrafterForCausalLM, tokens: torch.Tensor, hidden: torch.Tensor, steps: int,
-                  rows: int = 8, lr: float = 1e-3, depth: int = 3, seed: int = 0, progress: bool = True) -> list[float]:  # fmt: skip
+                  rows: int = 8, lr: float = 1e-3, depth: int = 3, seed: int = 0,
+                  progress: bool = True) -> list[float]:  # fmt: skip
     """Train on teacher samples tokens [n, T] / hidden [n, T - 1, D]; returns the loss of every step."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)

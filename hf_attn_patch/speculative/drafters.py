@@ -82,6 +82,25 @@ def ngram_lookup(row: torch.Tensor, k: int, max_ngram: int = 3, min_ngram: int =
     return row[:0]
 
 
+def draft_chain(sequences: Sequences, k: int, process, do_sample: bool, logits: torch.Tensor, step):
+    """k draft tokens, one after another: the first from logits [B, V], each next from step(token [B]) -> [B, V].
+    Returns tokens [B, k] and, when sampling, their processed probabilities [B, k, V] (else None)."""
+    drafts, probs = [], []
+    for j in range(k):
+        step_tokens = sequences.with_drafts(torch.stack(drafts, 1) if drafts else sequences.tokens[:, :0])
+        scores = process(step_tokens, logits)
+        if do_sample:
+            q = scores.softmax(-1)
+            token = torch.multinomial(q, 1).squeeze(1)
+            probs.append(q)
+        else:
+            token = scores.argmax(-1)
+        drafts.append(token)
+        if j < k - 1:
+            logits = step(token)
+    return torch.stack(drafts, 1), torch.stack(probs, 1) if do_sample else None
+
+
 class ModelDrafter(Drafter):
     """A smaller model sharing the tokenizer (`assistant_model=`), or the target's first `num_layers` layers with its
     final norm and LM head (`assistant_early_exit=`, layer-skip self-drafting, run through ragged.early_exit_view).
@@ -126,23 +145,11 @@ class ModelDrafter(Drafter):
         feed = sequences.tokens[:, -n:]
         valid = torch.arange(n, device=feed.device)[None, :] >= (n - pending)[:, None]
         self.state.mark()
-        drafts, probs = [], []
         logits = self.state.forward(feed, valid, last_only=True)[:, -1]
-        for j in range(k):
-            step_tokens = sequences.with_drafts(torch.stack(drafts, 1) if drafts else feed[:, :0])
-            scores = process(step_tokens, self._fit_vocab(logits))
-            if do_sample:
-                q = scores.softmax(-1)
-                token = torch.multinomial(q, 1).squeeze(1)
-                probs.append(q)
-            else:
-                token = scores.argmax(-1)
-            drafts.append(token)
-            if j < k - 1:
-                logits = self.state.forward(token[:, None], last_only=True)[:, -1]
+        step = lambda token: self._fit_vocab(self.state.forward(token[:, None], last_only=True)[:, -1])  # noqa: E731
+        tokens, probs = draft_chain(sequences, k, process, do_sample, self._fit_vocab(logits), step)
         self._base_lengths, self._pending, self._proposed = sequences.lengths.clone(), pending, k
-        tokens = torch.stack(drafts, 1)
-        return Draft(tokens, torch.full_like(pending, k), torch.stack(probs, 1) if do_sample else None)
+        return Draft(tokens, torch.full_like(pending, k), probs)
 
     def accepted(self, counts: torch.Tensor) -> None:
         if self.target is not None:  # the next round aliases the target again

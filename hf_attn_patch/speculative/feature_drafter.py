@@ -25,7 +25,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaPreTrainedModel, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)  # fmt: skip
 
-from .drafters import Draft, Drafter
+from .drafters import Draft, Drafter, draft_chain
 from .ragged import RaggedModel
 from .sequences import Sequences
 
@@ -73,14 +73,15 @@ class FeatureDrafterForCausalLM(LlamaPreTrainedModel):
             return
         text = target.config.get_text_config(decoder=True)
         if (text.hidden_size, text.vocab_size) != (self.config.hidden_size, self.config.vocab_size):
-            raise ValueError(f"this drafter drafts for hidden_size={self.config.hidden_size}, vocab_size="
-                             f"{self.config.vocab_size}; the target has {text.hidden_size}, {text.vocab_size}")  # fmt: skip
+            mine = f"hidden_size={self.config.hidden_size}, vocab_size={self.config.vocab_size}"
+            raise ValueError(f"this drafter drafts for {mine}; the target has {text.hidden_size}, {text.vocab_size}")
         head = target.get_output_embeddings().weight.detach()
         rows = head[self.draft_token_ids.to(head.device)].to(self.fc.weight.dtype)
         self._target = {"model": target, "embed": target.get_input_embeddings(), "head": rows}
 
     def forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, attention_mask=None, position_ids=None,
-                past_key_values=None, use_cache: bool = True, logits_to_keep: int = 0, **kwargs) -> FeatureDrafterOutput:  # fmt: skip
+                past_key_values=None, use_cache: bool = True, logits_to_keep: int = 0,
+                **kwargs) -> FeatureDrafterOutput:  # fmt: skip
         """input_ids [B, n], target_hidden [B, n, D] (the target's h at each token's previous position)."""
         if not self._target:
             raise ValueError("the feature drafter is not bound to its target: call drafter.bind(target) first")
@@ -147,23 +148,14 @@ class FeatureDrafter(Drafter):
             feats[b, n - int(counts[b]) :] = torch.cat(row)
         self.state.mark()
         logits = self.state.forward(feed, valid, last_only=True, target_hidden=feats)[:, -1]
-        drafts, probs = [], []
-        for j in range(k):
-            step_tokens = sequences.with_drafts(torch.stack(drafts, 1) if drafts else feed[:, :0])
-            scores = process(step_tokens, self._full_vocab(logits))
-            if do_sample:
-                q = scores.softmax(-1)
-                token = torch.multinomial(q, 1).squeeze(1)
-                probs.append(q)
-            else:
-                token = scores.argmax(-1)
-            drafts.append(token)
-            if j < k - 1:
-                own = self.state.outputs.features[:, -1:]
-                logits = self.state.forward(token[:, None], last_only=True, target_hidden=own)[:, -1]
+
+        def step(token):  # the next draft step reads the drafter's own last feature
+            own = self.state.outputs.features[:, -1:]
+            return self._full_vocab(self.state.forward(token[:, None], last_only=True, target_hidden=own)[:, -1])
+
+        tokens, probs = draft_chain(sequences, k, process, do_sample, self._full_vocab(logits), step)
         self._counts, self._proposed = counts, k
-        tokens = torch.stack(drafts, 1)
-        return Draft(tokens, torch.full_like(counts, k), torch.stack(probs, 1) if do_sample else None)
+        return Draft(tokens, torch.full_like(counts, k), probs)
 
     def accepted(self, counts: torch.Tensor) -> None:
         if self._proposed:  # keep the positions fed with real features, drop the draft steps

@@ -116,7 +116,8 @@ class RaggedModel:
         self.next_position = self.next_position + valid.long().sum(1)
         # an all-ones mask (no padding, no holes: always so at batch 1) is dropped, as generate() does: plain causal
         mask = None if bool(self.mask.all()) else self.mask
-        inputs = {"input_ids": tokens, "attention_mask": mask, "past_key_values": self.cache, "use_cache": True, **extra}
+        inputs = {"input_ids": tokens, "attention_mask": mask, "past_key_values": self.cache, "use_cache": True}
+        inputs.update(extra)
         if self._takes_positions:
             inputs["position_ids"] = positions
         if last_only and self._takes_logits_to_keep:
