@@ -218,7 +218,7 @@ def cmd_serve(args) -> None:
 def cmd_demo(args) -> None:
     import torch
 
-    from .converters.exact import to_variant
+    from .converters.methods.exact import to_variant
     from .kv_memory import kv_report, llama3_8b_configs
     from .models import load_default
 
@@ -257,7 +257,7 @@ def _demo_conversion() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from .converters.calibration import DEFAULT_CORPUS, read_calibration_text
+    from .converters.io.calibration import DEFAULT_CORPUS, read_calibration_text
     from .converters.convert import convert
     from .evaluation.perplexity import evaluate, windows_of
     from .models import load_default
