@@ -190,7 +190,7 @@ def cmd_serve(args) -> None:
     from .devices import resolve_device
     from .engine import Engine
     from .engine.memory import DEFAULT_KV_MEMORY
-    from .engine.server import serve
+    from .serving import serve
 
     if args.gpu_memory_utilization is not None and args.kv_memory is not None:
         raise SystemExit("error: give one of --gpu-memory-utilization and --kv-memory")
