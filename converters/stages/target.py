@@ -53,11 +53,11 @@ def auto_reconstruct_steps(kv_share: float) -> int:
 def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
     """The Target, with the resolved options: method (GQA with per-head q/k norms: 'mean') and reconstruct_steps
     ("auto": by the KV share kept). given: the options as the user gave them."""
-    config, shape = source.config, source.shape
-    arch = shape.arch
+    config, dims = source.config, source.shape
+    arch = dims.arch
     if arch.replaces_stock:
         raise ValueError(f"model_type={config.model_type!r} is already MLA: there is nothing to convert")
-    d_h, source_kv = shape.head_dim, shape.kv_heads
+    d_h, source_kv = dims.head_dim, dims.kv_heads
     stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
                                               and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
     if stock_format and config.model_type not in STOCK_GQA_TYPES:
@@ -82,11 +82,11 @@ def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
         check_source(config)
         shape = engine_shape(opts.engine, config, opts.kv_budget, opts.kv_lora_rank, opts.rope_dim)
     if shape is None:
-        rope_dim, kv_lora_rank = mla_sizes(opts, shape)
+        rope_dim, kv_lora_rank = mla_sizes(opts, dims)
         export_rope = rope_dim
     else:  # the conversion keeps at most the source's frequencies; the export pads with zero RoPE pairs
         kv_lora_rank, export_rope = shape
-        rope_dim = min(export_rope, shape.rotary_dim)
+        rope_dim = min(export_rope, dims.rotary_dim)
     share = (export_rope + kv_lora_rank) / (2 * source_kv * d_h)
     opts = _resolve_steps(opts, share)
     if deepseek:
