@@ -9,7 +9,9 @@ from collections import OrderedDict
 
 from .backends import resolve_backend
 from .errors import GrammarError
-from .schema_checks import CheckedMatcher, check_schema, known_formats, schema_checks_for
+from .checked_matcher import CheckedMatcher
+from .formats import known_formats
+from .schema_checks import check_schema, schema_checks_for
 from .schema_relax import relax_and_compile
 from .spec import GrammarSpec
 from .state import GrammarState
