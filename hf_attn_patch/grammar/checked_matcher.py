@@ -59,10 +59,31 @@ class CheckedMatcher:
             return new, None
         full = text + raw
         for path, start, end, parent in closes:
-            fail = self._close_failure(self._concrete(path, full), start, end, parent, full)
+            if path is None:  # a key: checked in objects under exact checks (keys in any order among them)
+                governed = self.checks.roots_at(self._concrete(parent[1], full))[0]
+                fail = self._repeated_key(start, end, parent[0], full) if governed else None
+            else:
+                fail = self._close_failure(self._concrete(path, full), start, end, parent, full)
             if fail:
                 return new, fail
         return new, None
+
+    def _repeated_key(self, start: int, end: int, parent: int, full: bytes) -> str | None:
+        """A key equal to an earlier key of its object (the grammar of keys in any order allows it; JSON readers
+        would keep one of the two values)."""
+        earlier = full[parent:start].rstrip(b" \t\n\r,")
+        if earlier == b"{":
+            return None
+        pairs: list = []
+        try:
+            json.loads(earlier + b"}", object_pairs_hook=lambda kv: pairs.append(kv) or {})
+            key = json.loads(full[start:end])
+        except ValueError:
+            return None
+        if any(k == key for k, _ in pairs[-1]):
+            self.fail_start = start
+            return f"a repeated key {key!r} in the object at byte {parent}"
+        return None
 
     def _close_failure(self, path: tuple, start: int, end: int, parent, full: bytes) -> str | None:
         """Failure of the value full[start:end] closing at instance `path` (its container starts at `parent`)."""

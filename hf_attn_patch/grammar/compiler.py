@@ -93,7 +93,7 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
                               whitespace_flexible=whitespace_flexible, json_options=options)
 
         check_schema(schema)
-        compiled, relaxed = relax_and_compile(schema, compile_fn, known_formats(), be.name)
+        compiled, relaxed = relax_and_compile(schema, compile_fn, known_formats(), be.name, spec.property_order)
         checks = schema_checks_for(schema, relaxed, adapter.token_bytes(), frame=tags)
         widened = relaxed.dropped
         for note in relaxed.notes:

@@ -26,7 +26,8 @@ def _value_path(stack) -> tuple:
 
 def scan(state, data: bytes, offset: int, closes: list):
     """Advance `state` over `data` (bytes starting at text offset `offset`); append (path, start, end) of every value
-    that closes, in order, to `closes` as (path, start, end, start of its container or None). Returns the new state
+    that closes, in order, to `closes` as (path, start, end, start of its container or None); an object key that
+    closes as (None, start, end, (start of its object, the object's path)). Returns the new state
     (None if `data` is not JSON: the grammar decides)."""
     stack, scalar, top = state
     pos = offset
@@ -45,6 +46,7 @@ def scan(state, data: bytes, offset: int, closes: list):
                     if is_key:
                         frame = stack[-1]
                         stack = stack[:-1] + ((frame[0], frame[1], frame[2], ":", (start, pos + 1), frame[5]),)
+                        closes.append((None, start, pos + 1, (frame[1], frame[2])))  # a key
                     else:
                         closes.append((_value_path(stack), start, pos + 1, _parent(stack)))
                         stack, top = _after_value(stack, top)
