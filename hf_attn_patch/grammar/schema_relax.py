@@ -113,6 +113,7 @@ class _Relaxer:
     def build(self, out: Relaxed) -> dict:
         relaxed = copy.deepcopy(self.original)
         originals = dict(walk(self.original))
+        unknown: dict = {}  # format -> paths: one note for the schema
         for path, sub in walk(relaxed):
             orig = originals.get(path)
             changed = []
@@ -137,9 +138,9 @@ class _Relaxer:
                 del sub["format"]
                 changed.append("format")
                 if fmt not in self.known_formats:
-                    note = f"format {fmt!r} at {path} is not a known format: any string is accepted"
-                    if note not in out.notes:
-                        out.notes.append(note)
+                    unknown.setdefault(fmt, []).append(path)
+            elif isinstance(fmt, str) and orig is not None:  # the backend's format regexes are close, not exact
+                out.modified.add(id(orig))  # (2023-02-29 passes as a date): checked at the close as well
             mult = sub.get("multipleOf")
             if isinstance(mult, float) and not mult.is_integer():
                 del sub["multipleOf"]  # llguidance 1.9 rejects valid multiples of non-integers (0.5 for 0.25)
@@ -164,6 +165,9 @@ class _Relaxer:
                 out.modified.add(id(orig))
                 for key in changed:
                     out.dropped.setdefault(key, []).append(path)
+        if unknown:
+            out.notes[:] = ["formats that are not known, any string accepted: " + "; ".join(
+                f"{fmt!r} at {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''}" for fmt, paths in unknown.items())]
         self._structure(relaxed, originals, out)
         self.last = relaxed
         return relaxed
