@@ -2,20 +2,25 @@
 
 It keeps the bytes it consumed and a JSON scanner state (json_scan.py) per token; what it checks, and when, is
 described in schema_checks.py. Budget: every mask that forbids a closing token is an attempt; after
-``max_attempts`` of them (per row) the row is failed: no token is allowed any more, and :meth:`CheckedMatcher.error`
+``max_attempts`` of them (per row) the row ends with the smallest valid completion (completion.py); when none is
+found, or no continuation is left, the row is failed: no token is allowed any more, and :meth:`CheckedMatcher.error`
 names the keyword and the schema path that keep failing.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 import numpy as np
 import torch
 
 from . import bitmask as bm
+from .completion import smallest_completion
 from .json_scan import _BEFORE, _FREE, INITIAL, _parent, _value_path, scan
 from .schema_checks import SchemaChecks, _pointer
+
+logger = logging.getLogger(__name__)
 
 
 # ------------------------------------------------------------------------------------------------ the matcher
@@ -35,6 +40,7 @@ class CheckedMatcher:
         self.fail_start = 0  # text offset where the value of the last failure starts
         self.retry_reason: str | None = None  # the failure a retry (restart) started from
         self.forbid: dict = {}  # text so far -> token ids masked there (continuations that failed before)
+        self.completion: list | None = None  # tokens left of the valid completion that ends this row (completion.py)
         self._gate: dict = {}
 
     # ------------------------------------------------------------------ checking one token
@@ -140,6 +146,9 @@ class CheckedMatcher:
             return 0
         n = self.m.validate(tokens)
         ok = self._walk(tokens[:n], commit=True)
+        if self.completion is not None:  # the completion's tokens are used up; another token drops it
+            done = self.completion[:ok] == list(tokens[:ok])
+            self.completion = self.completion[ok:] if done else None
         if ok:
             done = self.m.consume(tokens[:ok])
             if done != ok:
@@ -177,6 +186,7 @@ class CheckedMatcher:
             del self.hist[len(self.hist) - n:]
             del self.text[self.hist[-1][1]:]
             self._gate = {}  # cached by length: another text may reach the same length
+            self.completion = None
             if self.failed and len(self.hist) - 1 < self.failed_at:
                 self.failed = None  # back before the failure (rejected drafts): judged afresh when reached again
 
@@ -208,6 +218,11 @@ class CheckedMatcher:
     def fill(self, bitmask, index):
         if self.failed:
             bitmask[index].zero_()
+            return
+        if self.completion is not None:  # finishing with the smallest valid completion: its next token, then EOS
+            bitmask[index].zero_()
+            if self.completion:
+                bm.set_tokens(bitmask, index, self.completion[:1], True)
             return
         self.m.fill(bitmask, index)
         if self.forbid:
@@ -251,9 +266,16 @@ class CheckedMatcher:
             for t in forbidden:
                 words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
             self.attempts += checked > 0
-            if self.attempts >= self.checks.max_attempts or not (
-                    words.any() or self.m.is_accepting() and self._gate_failure() is None):
-                self.failed = self.last_failure  # out of attempts, or no continuation left: the row fails
+            alive = words.any() or self.m.is_accepting() and self._gate_failure() is None
+            if alive and self.attempts >= self.checks.max_attempts:  # out of attempts: end with a valid document
+                self.completion = smallest_completion(self)
+                if self.completion is not None:
+                    logger.info("checked row out of attempts (%s): finished with %d tokens", self.last_failure,
+                                len(self.completion))
+                    self.fill(bitmask, index)
+                    return
+            if not alive or self.attempts >= self.checks.max_attempts:
+                self.failed = self.last_failure  # no continuation left, or none found to a valid end: failed
                 self.failed_at = len(self.hist) - 1
                 bitmask[index].zero_()
 
@@ -362,5 +384,6 @@ class CheckedMatcher:
         other.attempts, other.failed, other.last_failure = self.attempts, self.failed, self.last_failure
         other.failed_at, other.retry_reason = self.failed_at, self.retry_reason
         other.fail_start, other.forbid = self.fail_start, self.forbid
+        other.completion = None if self.completion is None else list(self.completion)
         return other
 

@@ -40,7 +40,7 @@ class SchemaChecks:
     grammar: the JSON sits between them, and text that does not start with `open` is free text (nothing to check).
     """
 
-    def __init__(self, schema: dict, modified: set, token_bytes: list, notes=(), max_attempts: int = MAX_ATTEMPTS,
+    def __init__(self, schema: dict, modified: set, token_bytes: list, notes=(), max_attempts: int | None = None,
                  frame: tuple[bytes, bytes] | None = None):
         import jsonschema
         from jsonschema.validators import validator_for
@@ -48,7 +48,7 @@ class SchemaChecks:
         self.schema = schema
         self.frame = frame
         self.notes = tuple(notes)
-        self.max_attempts = max_attempts
+        self.max_attempts = MAX_ATTEMPTS if max_attempts is None else max_attempts
         cls = validator_for(schema, default=jsonschema.Draft202012Validator)
         self.legacy_ref = cls.META_SCHEMA.get("$schema", "") in (
             "http://json-schema.org/draft-03/schema#", "http://json-schema.org/draft-04/schema#",
