@@ -30,7 +30,7 @@ INSTALL = {"llguidance": "pip install llguidance, a dependency of hf-attn-patch"
 
 
 class Matcher(Protocol):
-    retryable: bool  # True: a failed exact check can be retried (retry_point(), restart(): schema_checks.py)
+    retryable: bool  # True: a failed exact check can be retried (retry_point(), restart(): checked_matcher.py)
 
     def consume(self, tokens: list[int]) -> int: ...
     def validate(self, tokens: list[int]) -> int: ...
