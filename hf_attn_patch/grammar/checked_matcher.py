@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 class CheckedMatcher:
     """A backend matcher (backends.Matcher protocol) plus the exact checks of `checks` (module docstring)."""
 
+    retryable = True  # a failed check rewinds to retry_point() and restart()s with the failing continuation banned
+
     def __init__(self, inner, checks: SchemaChecks):
         self.m = inner
         self.checks = checks

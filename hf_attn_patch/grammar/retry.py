@@ -42,7 +42,7 @@ class RowRetry:
     def plan(self, state, max_new_tokens: int) -> int | None:
         """After `state` (a GrammarState) ended in a failed check: how many of its tokens to keep, the failing
         continuation recorded as forbidden; None when the budget is spent (attempts, or no token left to decode)."""
-        point = state._m.retry_point() if hasattr(state._m, "retry_point") else None
+        point = state._m.retry_point() if state.retryable else None
         if point is None or self.retries >= self.max_retries or not state.tokens:
             return None
         keep, before_last = point

@@ -8,8 +8,6 @@ from typing import Any
 
 from .errors import GrammarError
 
-KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice", "tagged_json")
-
 
 PROPERTY_ORDERS = ("schema", "any")
 
