@@ -4,7 +4,7 @@
                    format, engine, seed, device, dtype,
                    calibration: CalibrationOptions(data, split, column, samples, length, source, propagate),
                    reconstruction: ReconstructionOptions(steps, lr, target, attention_kl),
-                   healing: HealingOptions(steps, lr, data, held_in, batch_size, train, layerwise_steps,
+                   healing: HealingOptions(steps, lr, data, held_in, batch_size, length, train, layerwise_steps,
                                            checkpoint_dir, checkpoint_every, resume),
                    output: OutputOptions(overwrite, max_shard_size, push_to_hub, private))
 
@@ -95,7 +95,8 @@ class ReconstructionOptions:
 
 
 # HealingOptions field -> its default, filled in when healing runs (steps > 0); given without healing: refused
-HEAL_DEFAULTS = {"lr": "auto", "data": "teacher", "held_in": 4, "batch_size": 4, "train": "attention",
+# (length: calib_len, filled in by ConvertOptions)
+HEAL_DEFAULTS = {"lr": "auto", "data": "teacher", "held_in": 4, "batch_size": 4, "length": None, "train": "attention",
                  "layerwise_steps": 40, "checkpoint_dir": None, "resume": False}  # fmt: skip
 
 
@@ -107,7 +108,9 @@ class HealingOptions:
     lr: float | str | None = None  # a rate, or "auto" (default): a range test on held-in windows
     data: str | None = None  # teacher: the source's own samples (default); calib: the calibration text; mix: both
     held_in: int | None = None  # windows held out of healing to keep its best state (default 4)
-    batch_size: int | None = None  # windows of calib_len tokens per step, cut from the calibration text (default 4)
+    batch_size: int | None = None  # windows per step (default 4)
+    length: int | None = None  # tokens per healing window (default calib_len); long windows train long-range
+    # attention (teacher samples of this length are drawn for it: the calibration samples are calib_len long)
     train: str | None = None  # attention (default): only the converted layers; all: every weight
     layerwise_steps: int | None = None  # first stage: Adam steps per decoder layer fitting its output to the
     # source's on the calibration windows (reconstruct target "block"); default 40, 0: none (BENCHMARKS)
@@ -132,6 +135,7 @@ class HealingOptions:
                 raise ValueError(f"heal_lr={self.lr!r} must be a positive number or 'auto'")
             _one_of("heal_data", self.data, HEAL_DATA)
             _positive_int("heal_batch_size", self.batch_size)
+            _positive_int("heal_len", self.length)
             _positive_int("heal_held_in", self.held_in)
             _non_negative_int("heal_layerwise_steps", self.layerwise_steps)
         if (self.resume or self.checkpoint_every) and self.checkpoint_dir is None:
@@ -182,7 +186,7 @@ FLAT_NAMES = {
     "reconstruct_target": ("reconstruction", "target"), "reconstruct_attention_kl": ("reconstruction", "attention_kl"),
     "heal_steps": ("healing", "steps"), "heal_lr": ("healing", "lr"), "heal_data": ("healing", "data"),
     "heal_held_in": ("healing", "held_in"), "heal_batch_size": ("healing", "batch_size"),
-    "heal_train": ("healing", "train"), "heal_layerwise_steps": ("healing", "layerwise_steps"),
+    "heal_len": ("healing", "length"), "heal_train": ("healing", "train"), "heal_layerwise_steps": ("healing", "layerwise_steps"),
     "checkpoint_dir": ("healing", "checkpoint_dir"), "checkpoint_every": ("healing", "checkpoint_every"),
     "resume": ("healing", "resume"),
     "format": None, "engine": None, "dtype": None, "device": None, "seed": None,
@@ -290,6 +294,8 @@ class ConvertOptions:
             dtype_of(self.dtype)  # raises naming the value
         resolve_device(self.device)  # raises naming the value
         heal = self.healing
+        if heal.steps and heal.length is None:
+            heal.length = self.calibration.length
         if (self.calibration.propagate or self.reconstruction.steps or heal.steps and heal.layerwise_steps) \
                 and self.calibration.samples < 2:  # fmt: skip
             raise ValueError(f"calib_samples={self.calibration.samples!r}: propagate / reconstruct_steps / "

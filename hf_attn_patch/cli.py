@@ -415,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     cv.add_argument("--heal-held-in", type=_positive_int,
                     help="windows held out of healing; the best state on them is returned (default 4)")
     cv.add_argument("--heal-batch-size", type=_positive_int, help="windows per healing step (default 4)")
+    cv.add_argument("--heal-len", type=_positive_int, metavar="TOKENS",
+                    help="tokens per healing window (default: --calib-len); windows as long as the contexts served "
+                    "train the attention to retrieve over them (docs/conversion.md, long context)")
     cv.add_argument("--heal-train", choices=["attention", "all"], help="what healing updates (default attention)")
     cv.add_argument("--heal-layerwise-steps", type=int,
                     help="healing's first stage: Adam steps per decoder layer matching its output to the source's on "
