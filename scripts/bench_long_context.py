@@ -34,7 +34,7 @@ import torch
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
-from hf_attn_patch.evaluation.held_in import long_context_kl
+from hf_attn_patch.evaluation.held_in import long_context_kl, source_log_probs
 from hf_attn_patch.evaluation.passage import evaluate_passages
 from hf_attn_patch.evaluation.retrieval import RetrievalResult, known_vocabulary, make_batch, score
 from hf_attn_patch.models.pretrained import load_source
@@ -93,8 +93,10 @@ def measure(args, label: str, folder: str | None) -> None:
             prompts = calibration_windows(read_calibration_text(None), tokenizer, first + n, length)[first:]
             held = cached(cache / f"held_in_{n}x{length}.safetensors",
                           lambda: teacher_windows(source, prompts, seed=1, progress=False))  # fmt: skip
-            if folder is not None:
-                row["held_in_kl"] = {"samples": args.held_in, **long_context_kl(model, source, held)}
+            if folder is not None:  # the source's log-probabilities: computed once, cached (n x L x vocab fp32)
+                reference = cached(cache / f"held_in_{n}x{length}_source_logp.safetensors",
+                                   lambda: source_log_probs(source, held))  # fmt: skip
+                row["held_in_kl"] = {"samples": args.held_in, **long_context_kl(model, reference, held)}
         elif part in ("passkey", "copy"):
             vocab = cached(cache / "vocab.safetensors", lambda: known_vocabulary(source, tokenizer))
             dists = [int(d) for d in getattr(args, part).split(",")]

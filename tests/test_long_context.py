@@ -12,7 +12,7 @@ import torch
 from hf_attn_patch.converters.calibration import read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.options import ConvertOptions
-from hf_attn_patch.evaluation.held_in import SHORT, long_context_kl, position_kl, token_kl
+from hf_attn_patch.evaluation.held_in import SHORT, long_context_kl, position_kl, source_log_probs, token_kl
 from hf_attn_patch.evaluation.passage import evaluate_passages, passage_batch
 from hf_attn_patch.evaluation.retrieval import Batch, score
 
@@ -64,6 +64,7 @@ def test_held_in_criterion_splits_short_and_long_positions(stories, one_torch_th
             p.add_(0.02 * torch.randn_like(p))
     kl = token_kl(other, model, windows)
     assert kl.shape == (2, 300) and (kl > 0).all()
+    assert torch.allclose(token_kl(other, source_log_probs(model, windows), windows), kl)  # the cached form
     bins = position_kl(kl, bins=(128, 256, 1024))
     assert set(bins) == {"0-127", "128-255", "256-299", "short", "all"}  # no "long": the windows stop before 1,024
     assert bins["short"] == pytest.approx(float(kl[:, :SHORT].mean()))

@@ -21,13 +21,20 @@ BINS = (256, 512, 1024, 2048)  # bin edges of the curve (those below the sample 
 @torch.no_grad()
 def token_kl(model, source, windows: torch.Tensor) -> torch.Tensor:
     """KL(source || model) of each next-token prediction, [n, T] for windows [n, T] (one window per forward, so a
-    long window's logits [T, vocab] are the largest tensor held)."""
+    long window's logits [T, vocab] are the largest tensor held). source: the source model, or its log-softmax
+    [n, T, vocab] on these windows (`source_log_probs`, computed once for many models)."""
     kls = []
-    for w in windows:
-        p = source(w[None]).logits[0].float().log_softmax(-1)
+    for i, w in enumerate(windows):
+        p = source[i] if isinstance(source, torch.Tensor) else source_log_probs(source, w[None])[0]
         q = model(w[None]).logits[0].float().log_softmax(-1)
         kls.append((p.exp() * (p - q)).sum(-1))
     return torch.stack(kls)
+
+
+@torch.no_grad()
+def source_log_probs(source, windows: torch.Tensor) -> torch.Tensor:
+    """The source's next-token log-probabilities [n, T, vocab] (fp32) on windows [n, T]."""
+    return torch.cat([source(w[None]).logits.float().log_softmax(-1) for w in windows])
 
 
 def position_kl(kl: torch.Tensor, bins: tuple[int, ...] = BINS) -> dict[str, float]:
