@@ -103,7 +103,11 @@ def measure(args, label: str, folder: str | None) -> None:
             row.setdefault("retrieval", {})[part] = probe(model, tokenizer, vocab, part, dists, args.items).to_dict()
         elif part == "passage":
             gaps = tuple(int(g) for g in args.gaps.split(","))
-            row["passage"] = evaluate_passages(model, tokenizer, evaluation_texts(), gaps, args.items).to_dict()
+            texts = {name: text for name, text in evaluation_texts().items() if name in args.texts.split(",")}
+            result = evaluate_passages(model, tokenizer, texts, gaps, args.items).to_dict()
+            if "passage" in row:  # other texts measured before stay
+                result["accuracy"] = {**row["passage"]["accuracy"], **result["accuracy"]}
+            row["passage"] = result
         row.setdefault("seconds", {})[part] = round(time.perf_counter() - started, 1)
         print(label, part, json.dumps({k: row.get(k) for k in ("held_in_kl", "retrieval", "passage")}), flush=True)
         rows.mkdir(parents=True, exist_ok=True)
@@ -162,6 +166,7 @@ def main() -> None:
     parser.add_argument("--passkey", default="1024,2048,4096", help="passkey distances")
     parser.add_argument("--copy", default="1024,2048", help="copy distances (an item is 2 x distance long)")
     parser.add_argument("--gaps", default="200,1000,3000", help="repeated-passage gaps D")
+    parser.add_argument("--texts", default="wikitext,tinystories", help="repeated-passage texts")
     parser.add_argument("--held-in", default="2x2048", help="NxL teacher samples of the held-in criterion")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"of {PARTS}")
     parser.add_argument("--rows", default=str(ROOT / "scripts" / "bench_long_context"))
