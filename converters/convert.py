@@ -20,8 +20,8 @@ import torch
 
 from ..hub import push
 from .options import ConvertOptions
-from .output import check_output
-from .pipeline import convert_layers, write_native
+from .io.output import check_output
+from .stages.layers import convert_layers, write_native
 from .stages.heal import heal_whole
 from .stages.plan import plan_layers
 from .stages.report import Clock, build_report

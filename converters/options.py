@@ -24,13 +24,13 @@ from transformers.utils.hub import convert_file_size_to_int
 from ..devices import resolve_device
 from ..extras import available, require
 from ..kv_memory import dtype_of
-from .calibration import CALIB_SOURCES, is_dataset_source
-from .deepseek_export import ENGINES
-from .gqa_merge import GQA_METHODS
-from .heal_fsdp import launch_mode
+from .io.calibration import CALIB_SOURCES, is_dataset_source
+from .export.constants import ENGINES
+from .methods.gqa_merge import GQA_METHODS
+from .fitting.heal_fsdp import launch_mode
 from ..hub import check_repo_id
-from .methods import MLA_METHODS
-from .reconstruct import TARGETS as RECONSTRUCT_TARGETS
+from .methods.mla_plan import MLA_METHODS
+from .fitting.reconstruct import TARGETS as RECONSTRUCT_TARGETS
 
 logger = logging.getLogger(__name__)
 

@@ -190,7 +190,7 @@ def cmd_serve(args) -> None:
     from .devices import resolve_device
     from .engine import Engine
     from .engine.memory import DEFAULT_KV_MEMORY
-    from .engine.server import serve
+    from .serving import serve
 
     if args.gpu_memory_utilization is not None and args.kv_memory is not None:
         raise SystemExit("error: give one of --gpu-memory-utilization and --kv-memory")
@@ -218,7 +218,7 @@ def cmd_serve(args) -> None:
 def cmd_demo(args) -> None:
     import torch
 
-    from .converters.exact import to_variant
+    from .converters.methods.exact import to_variant
     from .kv_memory import kv_report, llama3_8b_configs
     from .models import load_default
 
@@ -257,7 +257,7 @@ def _demo_conversion() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from .converters.calibration import DEFAULT_CORPUS, read_calibration_text
+    from .converters.io.calibration import DEFAULT_CORPUS, read_calibration_text
     from .converters.convert import convert
     from .evaluation.perplexity import evaluate, windows_of
     from .models import load_default

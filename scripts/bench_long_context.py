@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 import hf_attn_patch  # noqa: F401
-from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text, teacher_windows
 from hf_attn_patch.evaluation.held_in import long_context_kl, source_log_probs
 from hf_attn_patch.evaluation.passage import evaluate_passages
 from hf_attn_patch.evaluation.retrieval import RetrievalResult, known_vocabulary, make_batch, score

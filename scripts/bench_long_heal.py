@@ -25,8 +25,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
-from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
-from hf_attn_patch.converters.heal import heal
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text, teacher_windows
+from hf_attn_patch.converters.fitting.heal import heal
 from hf_attn_patch.models.pretrained import load_source
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 import hf_attn_patch  # noqa: F401
-from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text, teacher_windows
 from hf_attn_patch.models.pretrained import load_source
 
 

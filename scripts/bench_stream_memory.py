@@ -61,7 +61,7 @@ def build_source(folder: Path, depth: int, width: int, vocab: int = 49152) -> in
     """Write a random source of `depth` layers to `folder`, one layer at a time; returns its weights' bytes."""
     from transformers import LlamaForCausalLM
 
-    from hf_attn_patch.converters.layer_writer import ShardedWriter
+    from hf_attn_patch.converters.io.layer_writer import ShardedWriter
 
     config = synthetic_config(depth, width, vocab)
     with torch.device("meta"):
@@ -85,9 +85,9 @@ def child(args) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401  (imported before the floor)
 
-    from hf_attn_patch.converters.layer_source import LayerSource
-    from hf_attn_patch.converters.layer_stream import stream_forward
-    from hf_attn_patch.converters.layer_writer import ShardedWriter  # noqa: F401
+    from hf_attn_patch.converters.io.layer_source import LayerSource
+    from hf_attn_patch.converters.io.layer_stream import stream_forward
+    from hf_attn_patch.converters.io.layer_writer import ShardedWriter  # noqa: F401
 
     floor = rss_mb()
     if args.child == "build":

@@ -15,14 +15,15 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from hf_attn_patch.converters.budgets import MEASURE_TOKENS, Candidate, budget_values, candidate_grid, choose, exact_plan, mla_module
-from hf_attn_patch.converters.calibration import calibration_windows, collect_stats, read_calibration_text, teacher_windows
-from hf_attn_patch.converters.deepseek_export import check_source, engine_shape, stock_frequencies, to_deepseek_v3
-from hf_attn_patch.converters.exact import rebuild, stock_attention_layers
-from hf_attn_patch.converters.gqa_merge import gqa_layer
+from hf_attn_patch.converters.methods.budgets import MEASURE_TOKENS, Candidate, budget_values, candidate_grid, choose, exact_plan, mla_module
+from hf_attn_patch.converters.io.calibration import calibration_windows, collect_stats, read_calibration_text, teacher_windows
+from hf_attn_patch.converters.export.deepseek_export import check_source, engine_shape, to_deepseek_v3
+from hf_attn_patch.converters.export.stock_rope import stock_frequencies
+from hf_attn_patch.converters.methods.exact import rebuild, stock_attention_layers
+from hf_attn_patch.converters.methods.gqa_merge import gqa_layer
 from hf_attn_patch.hub import engines
-from hf_attn_patch.converters.methods import LatentPlan, allocate_ranks, lift_plan, plan_layer, ranked_components
-from hf_attn_patch.converters.reconstruct import LAYERWISE_LR, sequential, summary
+from hf_attn_patch.converters.methods.mla_plan import LatentPlan, allocate_ranks, lift_plan, plan_layer, ranked_components
+from hf_attn_patch.converters.fitting.reconstruct import LAYERWISE_LR, sequential, summary
 from hf_attn_patch.devices import resolve_device
 from hf_attn_patch.kv_memory import dtype_of, kv_cache_bytes
 from hf_attn_patch.attention import MultiHeadLatentAttention

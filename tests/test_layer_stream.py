@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from hf_attn_patch.converters.layer_source import LayerSource, resolve_folder
-from hf_attn_patch.converters.layer_stream import (
+from hf_attn_patch.converters.io.layer_source import LayerSource, resolve_folder
+from hf_attn_patch.converters.io.layer_stream import (
     Activations,
     LayerRunner,
     choose_placement,
@@ -223,7 +223,7 @@ def test_runner_carries_two_tracks(tmp_path):
 def test_writer_equals_save_pretrained(tmp_path, shard):
     import json
 
-    from hf_attn_patch.converters.layer_writer import write_streamed
+    from hf_attn_patch.converters.io.layer_writer import write_streamed
 
     for folder in (tiny_qwen2(tmp_path / "q"), resolve_folder("default")):  # untied head with biases; tied head
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -255,7 +255,7 @@ def test_writer_equals_save_pretrained(tmp_path, shard):
 
 
 def test_writer_leaves_nothing_half_written(tmp_path):
-    from hf_attn_patch.converters.layer_writer import ShardedWriter
+    from hf_attn_patch.converters.io.layer_writer import ShardedWriter
 
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="boom"):
@@ -308,7 +308,7 @@ def test_one_layer_resident_at_a_time(tmp_path):
 def test_shard_file_reads_back_every_dtype(tmp_path):
     from safetensors.torch import load_file
 
-    from hf_attn_patch.converters.layer_writer import ShardedWriter
+    from hf_attn_patch.converters.io.layer_writer import ShardedWriter
 
     g = torch.Generator().manual_seed(7)
     tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).bfloat16(),

@@ -1,4 +1,4 @@
-"""The package's layers, top to bottom: cli / _patching, converters -> evaluation, hub -> engine -> speculative,
+"""The package's layers, top to bottom: cli / _patching, converters -> serving, evaluation, hub -> engine -> speculative,
 grammar -> attention, models -> cache, kv_memory -> kernels. No import, at module level or inside a function, runs up
 this list: evaluation (measuring a model) and hub (model cards, publishing) may be used by the converters and the CLI,
 never by the engine or anything below it."""
@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"hf_attn_patch": ROOT / "hf_attn_patch", "hf_attn_patch.converters": ROOT / "converters",
             "hf_attn_patch.kernels": ROOT / "kernels"}  # fmt: skip
 LEVEL = {"kernels": 0, "extras": 0, "kv_memory": 1, "devices": 1, "cache": 1, "attention": 2, "models": 2, "grammar": 3,
-         "speculative": 3, "engine": 4, "evaluation": 5, "hub": 5, "converters": 6, "cli": 6, "_patching": 6,
+         "speculative": 3, "engine": 4, "serving": 5, "evaluation": 5, "hub": 5, "converters": 6, "cli": 6, "_patching": 6,
          "assets": 0}  # fmt: skip
 # lm-eval's loaders of the offline tasks live beside their YAMLs (lm-eval imports them by path): evaluation code, the
 # evaluation layer, though the folder is the package's data

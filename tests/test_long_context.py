@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from hf_attn_patch.converters.calibration import read_calibration_text
+from hf_attn_patch.converters.io.calibration import read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.options import ConvertOptions
 from hf_attn_patch.evaluation.held_in import SHORT, long_context_kl, position_kl, source_log_probs, token_kl

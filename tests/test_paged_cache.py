@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from hf_attn_patch import CacheFullError, PagedKVCache
 from hf_attn_patch.cache.paged_cache import PagedLayer
-from hf_attn_patch.converters.exact import to_variant
+from hf_attn_patch.converters.methods.exact import to_variant
 from hf_attn_patch.models import load_default
 
 from .conftest import tiny_model

@@ -17,11 +17,11 @@ from typing import Iterator
 import torch
 
 from ...models.architectures import architecture_of, rotary_dim
-from ..calibration import track_statistics
-from ..layer_stream import BATCH, LayerRunner, Tracks
-from ..budgets import MEASURE_TOKENS, LayerCandidates, allocation_report, budget_values, candidate_grid, choose
-from ..deepseek_export import stock_frequencies
-from ..methods import LatentPlan, allocate_ranks, ranked_components
+from ..io.calibration import track_statistics
+from ..io.layer_stream import BATCH, LayerRunner, Tracks
+from ..methods.budgets import MEASURE_TOKENS, LayerCandidates, allocation_report, budget_values, candidate_grid, choose
+from ..export.stock_rope import stock_frequencies
+from ..methods.mla_plan import LatentPlan, allocate_ranks, ranked_components
 from ..options import ConvertOptions
 from .closed_form import LayerChoice, mla_plan
 from .source import Source
@@ -68,7 +68,7 @@ def plan_layers(source: Source, opts: ConvertOptions, target: Target, windows: t
 
 def layer_statistics(source: Source, windows: torch.Tensor, measure=None) -> Iterator[tuple]:
     """(i, decoder layer i, its AttentionWeights on the CPU, its LayerStats) for every layer, in order: the source
-    track carried (one layer resident), as pipeline.run_layers computes them."""
+    track carried (one layer resident), as layers.run_layers computes them."""
     src, config = source.layers, source.config
     split = architecture_of(config).split_heads
     tracks = Tracks(["source"], (*windows.shape, config.hidden_size), src.dtype, src.device)

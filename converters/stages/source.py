@@ -13,7 +13,7 @@ from safetensors import safe_open
 
 from ...devices import resolve_device
 from ...models.pretrained import DEFAULT_MODEL_DIR, check_source_folder
-from ..layer_source import LayerSource, weight_map
+from ..io.layer_source import LayerSource, weight_map
 
 logger = logging.getLogger(__name__)
 

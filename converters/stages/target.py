@@ -8,8 +8,8 @@ import logging
 from dataclasses import dataclass
 
 from ...models.architectures import architecture_of, head_dim, rotary_dim
-from ..budgets import candidate_grid
-from ..deepseek_export import check_source, engine_shape
+from ..methods.budgets import candidate_grid
+from ..export.deepseek_export import check_source, engine_shape
 from ..options import ConvertOptions
 from .source import Source
 

@@ -19,17 +19,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv_memory import dtype_of
-from ..models.architectures import architecture_of, rotary_dim
-from .calibration import track_statistics
-from .layer_stream import BATCH, LayerRunner, Tracks
-from .layer_writer import ShardedWriter
-from .options import ConvertOptions
-from .reconstruct import LayerFit, fit_layer
-from .stages.closed_form import (LayerChoice, LayerResult, build_layer, closed_form, converted_config,
+from ...kv_memory import dtype_of
+from ...models.architectures import architecture_of, rotary_dim
+from ..io.calibration import track_statistics
+from ..io.layer_stream import BATCH, LayerRunner, Tracks
+from ..io.layer_writer import ShardedWriter
+from ..options import ConvertOptions
+from ..fitting.reconstruct import LayerFit, fit_layer
+from .closed_form import (LayerChoice, LayerResult, build_layer, closed_form, converted_config,
                                  mla_layer_fields, relifted)  # fmt: skip
-from .stages.source import Source
-from .stages.target import Target
+from .source import Source
+from .target import Target
 
 logger = logging.getLogger(__name__)
 
@@ -161,7 +161,7 @@ def convert_layers(source: Source, opts: ConvertOptions, target: Target, windows
     """The layer loop, the resident parts (embeddings, final norm, LM head unless tied) written after it, and the
     config of what was written (`result.config`: the deepseek_v3 export's, unless `native`: the native form, which
     healing loads whole)."""
-    from .stages.export import LayerExport
+    from .export import LayerExport
 
     src = source.layers
     export = None

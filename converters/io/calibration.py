@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .. import __file__ as _package_file
-from ..models.architectures import architecture_of, head_dim, rotary_dim
+from ... import __file__ as _package_file
+from ...models.architectures import architecture_of, head_dim, rotary_dim
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class _Done(Exception):
 @torch.no_grad()
 def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[str, LayerStats]:
     """Run the source model on the windows and gather LayerStats for every stock attention layer."""
-    from .exact import stock_attention_layers
+    from ..methods.exact import stock_attention_layers
 
     arch = architecture_of(model.config)
     layers = stock_attention_layers(model)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.architectures import AttentionWeights, head_dim, rotary_dim
-from .calibration import LayerStats
+from ...models.architectures import AttentionWeights, head_dim, rotary_dim
+from ..io.calibration import LayerStats
 from .mla_lift import RopeComponent, complex_pair, lift_mla, stacked_kv, with_bias_column
 
 MLA_METHODS = ("calibrated", "mha2mla")
