@@ -43,6 +43,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     src = open_source(source, opts.device)
     clock = Clock(src.device)
     target = clock.run("target", resolve_target, src, opts, options)  # refuses a bad source before any weight
+    opts = target.options  # with the choices resolved from the source (frozen, as the user's)
     clock.run("resident", src.layers.load_resident)
     cal = clock.run("calibration", calibrate, src, opts, target.needs_stats)
     plan = clock.run("plan", plan_layers, src, opts, target, cal.windows)

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.converters.methods.budgets import Candidate, LayerCandidates, budget_values, choose, exact_plan, mla_module
-from hf_attn_patch.converters.io.calibration import calibration_windows, collect_stats, read_calibration_text
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.models.pretrained import load_source
 from hf_attn_patch.converters.methods.exact import stock_attention_layers
@@ -23,6 +23,7 @@ from hf_attn_patch.kv_memory import kv_cache_bytes
 from hf_attn_patch.models.architectures import architecture_of
 
 from ._fast import FAST
+from ._inmemory_reference import collect_stats
 
 
 @pytest.fixture(scope="module")

@@ -23,6 +23,7 @@ from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
 from .conftest import STORIES_ATOL, tiny_model
 from .test_models import CORPORA
 from ._fast import FAST
+from ._inmemory_reference import collect_stats, mla_layer
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +171,6 @@ def test_convert_cli(tmp_path):
 def test_aligned_pooling_is_exact_for_rotated_heads():
     """KV heads that are rotations of each other (V: any orthogonal map; K: one rotation per RoPE pair) merge
     exactly once aligned; mean pooling of the same heads does not."""
-    from hf_attn_patch.converters.io.calibration import collect_stats
     from hf_attn_patch.converters.methods.exact import rebuild
     from hf_attn_patch.converters.methods.gqa_merge import gqa_layer
 
@@ -210,9 +210,7 @@ def test_rotated_rope_key_is_exact_when_kv_heads_share_their_pairs():
     commutes with RoPE): one rotated component per frequency carries all the positional signal, so `calibrated` with
     rope_dim = d_rot (half of all pairs) and a full-rank latent is exact. `mha2mla` keeps half the raw pairs instead
     and is not."""
-    from hf_attn_patch.converters.io.calibration import collect_stats
     from hf_attn_patch.converters.methods.exact import rebuild
-    from hf_attn_patch.converters.methods.mla_plan import mla_layer
 
     torch.manual_seed(0)
     model = tiny_model("llama")  # 6 heads, 2 KV heads, head_dim 8 (4 RoPE pairs), hidden 48
@@ -247,7 +245,6 @@ def test_rope_context_scores_the_rotation_lost_over_that_many_tokens():
     """A RoPE component left unrotated scores its energy x 2(1 - sinc(theta L)): the mean over distances d uniform in
     [0, L] of |1 - exp(i theta d)|^2, the score error of dropping its rotation. Scored over L = 4096 instead of 64,
     every component's score scales by exactly that ratio, so slow frequencies (theta x 64 << 1) rank higher."""
-    from hf_attn_patch.converters.io.calibration import collect_stats
     from hf_attn_patch.converters.methods.mla_plan import inverse_frequencies, rotated_components
 
     torch.manual_seed(0)

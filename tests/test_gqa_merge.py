@@ -10,13 +10,14 @@ import pytest
 import torch
 
 from hf_attn_patch.converters.methods import gqa_merge
-from hf_attn_patch.converters.io.calibration import calibration_windows, collect_stats, read_calibration_text
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 from hf_attn_patch.converters.methods.exact import rebuild, stock_attention_layers
 from hf_attn_patch.converters.methods.gqa_merge import GQA_METHODS, choose_groups, gqa_layer, mean_pool
 from hf_attn_patch.models.architectures import architecture_of, head_dim, rotary_dim
 
 from .conftest import STORIES_ATOL, tiny_model
+from ._inmemory_reference import collect_stats
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: a second thread only contends
 

@@ -143,12 +143,6 @@ def balanced(up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.
     return up / s, down * s[:, None]
 
 
-def mla_layer(method: str, w: AttentionWeights, config, stats: LayerStats, kv_lora_rank: int, rope_dim: int,
-              context: int = 256, frequencies: list[int] | None = None):  # fmt: skip
-    """(state dict, config fields) of one MLA layer by `method`, one rank (plan_layer + lift_plan)."""
-    return lift_plan(plan_layer(method, w, config, stats, rope_dim, context, frequencies), w, config, kv_lora_rank)
-
-
 def allocate_ranks(plans: list[LatentPlan], total: int, floor: int = 1) -> list[int]:
     """Per-layer ranks summing to `total` that keep the most energy, each layer's counted as a fraction of its own
     total (so every layer weighs the same): the `total` largest normalized eigenvalues over all layers (optimal for
