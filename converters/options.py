@@ -162,8 +162,10 @@ class HealingOptions:
                               "both", flat="heal_data", choices=HEAL_DATA, applied="teacher")  # fmt: skip
     held_in: int | None = option(None, "windows held out of healing; the best state on them is returned (default 4)",
                                  flat="heal_held_in", parse=int, applied=4)  # fmt: skip
-    batch_size: int | None = option(None, "windows of calib_len tokens per healing step (default 4)",
-                                    flat="heal_batch_size", parse=int, applied=4)  # fmt: skip
+    batch_size: int | None = option(None, "windows per healing step (default 4)", flat="heal_batch_size", parse=int,
+                                    applied=4)  # fmt: skip
+    length: int | None = option(None, "tokens per healing window (default: --calib-len; long ones train retrieval "
+                                "over them: docs/conversion.md)", flat="heal_len", parse=int, metavar="TOKENS")
     train: str | None = option(None, "what healing updates: the converted attention layers (default) or every weight",
                                flat="heal_train", choices=("attention", "all"), applied="attention")  # fmt: skip
     layerwise_steps: int | None = option(None, "healing's first stage: Adam steps per decoder layer matching its output "
@@ -193,6 +195,7 @@ class HealingOptions:
             _one_of("heal_data", self.data, HEAL_DATA)
             _positive_int("heal_batch_size", self.batch_size)
             _positive_int("heal_held_in", self.held_in)
+            _positive_int("heal_len", self.length)
             _non_negative_int("heal_layerwise_steps", self.layerwise_steps)
         if (self.resume or self.checkpoint_every) and self.checkpoint_dir is None:
             raise ValueError("resume / checkpoint_every need checkpoint_dir")
@@ -352,6 +355,8 @@ class ConvertOptions:
             dtype_of(self.dtype)  # raises naming the value
         resolve_device(self.device)  # raises naming the value
         heal = self.healing
+        if heal.steps and heal.length is None:
+            _fill(heal, "length", self.calibration.length)
         if (self.calibration.propagate or self.reconstruction.steps or heal.steps and heal.layerwise_steps) \
                 and self.calibration.samples < 2:  # fmt: skip
             raise ValueError(f"calib_samples={self.calibration.samples!r}: propagate / reconstruct_steps / "

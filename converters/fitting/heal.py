@@ -251,7 +251,7 @@ def _held_in_kl(student, teacher, held: torch.Tensor) -> float:
     """Mean KL(teacher || student) per predicted token over the held-in windows [m, L] (student in eval mode)."""
     student.eval()
     total, count = 0.0, 0
-    for ids in held.split(4):
+    for ids in held.split(max(1, 4096 // held.shape[1])):  # <= 4,096 tokens of [tokens, vocab] logits at once
         log_p = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
         log_q = torch.log_softmax(student(ids).logits[:, :-1].float(), dim=-1)
         total += float((log_p.exp() * (log_p - log_q)).sum())
