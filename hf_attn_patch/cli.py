@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import time
 
+from .demo import cmd_demo
+from .draft import add_draft_parser
 from .extras import MissingExtraError, require
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # as vLLM: the rest is left to the CUDA context, other processes and fragmentation
@@ -130,18 +131,18 @@ def cmd_convert(args) -> None:
     print(json.dumps(summary, indent=2))
 
 
-def cmd_draft(args) -> None:
-    import json
+def add_convert_options(parser: argparse.ArgumentParser) -> None:
+    """One --flag per conversion option, read from ConvertOptions' field metadata (help, choices, type, flag)."""
+    from .converters.options import option_fields
 
-    from .converters.drafting import build_drafter
-
-    options = {k: v for k, v in vars(args).items() if k not in ("command", "func", "source", "out") and v is not None}
-    try:
-        report = build_drafter(args.source, args.out, **options)
-    except (ValueError, FileExistsError) as err:
-        raise SystemExit(f"error: {err}")
-    print(f"wrote {args.out}")
-    print(json.dumps(report, indent=2))
+    for name, _, meta in option_fields():
+        kwargs = {"dest": name, "help": meta["help"]}
+        if meta["flag"] is not None:  # a boolean: --propagate / --no-regroup; unset: convert()'s default
+            kwargs.update(action="store_false" if meta["flag"].startswith("--no-") else "store_true", default=None)
+        else:
+            kwargs.update(type=meta["parse"] or str, choices=meta["choices"], metavar=meta["metavar"],
+                          required=name == "to")  # fmt: skip
+        parser.add_argument(meta["flag"] or "--" + name.replace("_", "-"), **kwargs)
 
 
 def convert_options(args) -> dict:
@@ -153,20 +154,6 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
-def _or_auto(parse, noun: str):
-    """An argparse type: a value `parse` accepts, or the word auto (the option's measured default rule)."""
-
-    def value(text: str):
-        if text == "auto":
-            return text
-        try:
-            return parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is neither {noun} nor 'auto'") from None
-
     return value
 
 
@@ -204,7 +191,7 @@ def cmd_serve(args) -> None:
     from .devices import resolve_device
     from .engine import Engine
     from .engine.memory import DEFAULT_KV_MEMORY
-    from .engine.server import serve
+    from .serving import serve
 
     if args.gpu_memory_utilization is not None and args.kv_memory is not None:
         raise SystemExit("error: give one of --gpu-memory-utilization and --kv-memory")
@@ -229,145 +216,6 @@ def cmd_serve(args) -> None:
     serve(engine, args.model, args.host, args.port, args.max_queue, args.drain_timeout, args.max_body_bytes)
 
 
-def cmd_demo(args) -> None:
-    import torch
-
-    from .converters.exact import to_variant
-    from .kv_memory import kv_report, llama3_8b_configs
-    from .models import load_default
-
-    model, tokenizer = load_default()
-    print("== KV cache of the embedded model (stories260k: 5 layers, 8 query heads, 4 KV heads, head_dim 8)")
-    print(kv_report({"stories260k": model.config}, seq_len=512, batch_size=1, dtype="float32"))
-    print("\n== KV cache of a Llama-3-8B-shaped model (32 layers, 32 query heads of 128) at 32,000 tokens")
-    print("   per layer per token (fp16): MHA 16384 B, MQA 512 B, GQA 4096 B, MLA 1152 B")
-    print("   at batch 4 and at batch 64:")
-    for batch in (4, 64):
-        print(kv_report(llama3_8b_configs(), seq_len=32_000, batch_size=batch, dtype="float16"))
-    print("\n== Greedy story, stock attention vs our attention classes (same weights, exact re-expression)")
-    prompt = tokenizer("Once upon a time", return_tensors="pt")
-    texts = {}
-    for name, m in (("stock", model), ("ours GQA", to_variant(model, "gqa")), ("ours MLA", to_variant(model, "mla"))):
-        start = time.perf_counter()
-        with torch.no_grad():
-            out = m.generate(**prompt, max_new_tokens=args.max_new_tokens, do_sample=False)
-        texts[name] = tokenizer.decode(out[0], skip_special_tokens=True)
-        attn = type(m.model.layers[0].self_attn).__name__
-        print(f"-- {name} ({attn}, {time.perf_counter() - start:.2f} s):\n{texts[name]}\n")
-    same = len(set(texts.values())) == 1
-    print("identical text from all three:", same)
-    if not same:
-        raise SystemExit(1)
-    _demo_paged_cache(model, tokenizer, args.max_new_tokens)
-    _demo_speculative(model, tokenizer, args.max_new_tokens)
-    _demo_json(model, tokenizer)
-    _demo_conversion()
-
-
-def _demo_conversion() -> None:
-    """Convert the embedded model to MLA at half its KV bytes (zero-shot) and show the saving and its cost."""
-    import tempfile
-    from pathlib import Path
-
-    from transformers import AutoModelForCausalLM
-
-    from .converters.calibration import DEFAULT_CORPUS, read_calibration_text
-    from .converters.convert import convert
-    from .evaluation.perplexity import evaluate, windows_of
-    from .models import load_default
-
-    source, tokenizer = load_default()
-    held_out = windows_of(read_calibration_text(DEFAULT_CORPUS)[-60_000:], tokenizer, ctx=256, max_tokens=1024)
-    print("\n== hf-attn convert default OUT --to mla --kv-budget 0.5 --reconstruct-steps 0 (closed forms only: no "
-          "reconstruction, no healing)")  # fmt: skip
-    with tempfile.TemporaryDirectory() as tmp:
-        report = convert("default", Path(tmp) / "mla", to="mla", kv_budget=0.5, reconstruct_steps=0)
-        converted = AutoModelForCausalLM.from_pretrained(Path(tmp) / "mla").eval()
-    kv = report["kv_bytes_per_token_fp16"]
-    before, after = evaluate(source, held_out, progress=False), evaluate(converted, held_out, source, progress=False)
-    print(f"   KV bytes per token (fp16, all layers): {kv['before']} -> {kv['after']} ({report['kv_ratio']:.0%})")
-    print(f"   perplexity on held-out TinyStories: {before.perplexity:.2f} -> {after.perplexity:.2f} "
-          f"(KL {after.kl_to_reference:.2f} per token; reconstruction, on by default, and --heal-steps close the "
-          f"gap)")  # fmt: skip
-
-
-def _demo_speculative(model, tokenizer, max_new_tokens: int) -> None:
-    """Batched speculative decoding (transformers refuses batch_size > 1): n-gram lookup, greedy, exact."""
-    import torch
-
-    from .speculative import SpeculativeStats
-
-    prompts = ['The little bird said, "I want to fly!" The little bird',
-               "Tom and Sue went to the park. They played on the swings. They played on the slide."]  # fmt: skip
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    start = time.perf_counter()
-    plain = model.generate(**batch, **kw)
-    plain_seconds, start = time.perf_counter() - start, time.perf_counter()
-    stats = SpeculativeStats()
-    fast = model.generate(**batch, prompt_lookup_num_tokens=6, speculative_stats=stats, **kw)
-    fast_seconds = time.perf_counter() - start
-    print("\n== Speculative decoding at batch 2 (n-gram prompt lookup, adaptive draft length), greedy")
-    print(f"   same tokens as plain generate(): {torch.equal(plain, fast)}")
-    print(f"   {stats.rounds} verification forwards for {max_new_tokens} tokens per row; acceptance rate "
-          f"{stats.acceptance_rate:.0%}, {stats.mean_accepted_per_step:.2f} draft tokens accepted per row per step; "
-          f"{plain_seconds:.2f} s plain vs {fast_seconds:.2f} s speculative")  # fmt: skip
-
-
-def _demo_json(model, tokenizer) -> None:
-    """A JSON-Schema-constrained generation from the embedded model, validated."""
-    import json
-
-    schema = {"type": "object", "additionalProperties": False, "required": ["name", "age", "likes"],
-              "properties": {"name": {"type": "string", "maxLength": 16},
-                             "age": {"type": "integer", "minimum": 1, "maximum": 12},
-                             "likes": {"type": "array", "items": {"enum": ["cats", "dogs", "cake", "rain"]},
-                                       "minItems": 1, "maxItems": 3}}}  # fmt: skip
-    batch = tokenizer(["Once upon a time, there was a girl"], return_tensors="pt")
-    out = model.generate(**batch, max_new_tokens=80, do_sample=False, tokenizer=tokenizer,
-                         response_format={"type": "json_schema", "json_schema": {"schema": schema}})  # fmt: skip
-    text = tokenizer.decode(out[0, batch.input_ids.shape[1] :], skip_special_tokens=True)
-    print("\n== JSON Schema constrained generation (response_format=..., llguidance backend)")
-    print(f"   schema: {json.dumps(schema)}")
-    print(f"   output: {text}")
-    try:
-        import jsonschema
-
-        jsonschema.validate(json.loads(text), schema)
-        print("   valid: True (checked with jsonschema)")
-    except ImportError:
-        print(f"   parses as JSON: {isinstance(json.loads(text), dict)}")
-
-
-def _demo_paged_cache(model, tokenizer, max_new_tokens: int) -> None:
-    """A ragged batch through DynamicCache and PagedKVCache: same tokens, memory held, prefix reuse."""
-    import torch
-    from transformers import DynamicCache
-
-    from .cache import PagedKVCache
-
-    prompts = ["Once upon a time", "Tom and his little sister Sue went to the big park near their house. They saw",
-               "The cat"]  # fmt: skip
-    tokenizer.padding_side = "left"
-    tokenizer.pad_token = tokenizer.pad_token or tokenizer.unk_token
-    batch = tokenizer(prompts, return_tensors="pt", padding=True)
-    kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
-    dynamic, paged = DynamicCache(config=model.config), PagedKVCache(model.config, block_size=16)
-    out_dynamic = model.generate(**batch, past_key_values=dynamic, **kw)
-    out_paged = model.generate(**batch, past_key_values=paged, **kw)
-    held = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
-    stats = paged.stats()
-    print("\n== Paged KV cache vs DynamicCache: a left-padded batch of 3 prompts of different lengths")
-    print(f"   same tokens: {torch.equal(out_dynamic, out_paged)}")
-    print(f"   DynamicCache holds {held:,} B (every row padded to the longest)")
-    print(f"   PagedKVCache holds {stats['allocated_bytes']:,} B in {stats['blocks_used']} blocks of 16 tokens, "
-          f"{stats['utilization']:.1%} of it in use (padding takes no blocks)")  # fmt: skip
-    again = model.generate(**batch, past_key_values=paged, **kw)
-    print(f"   the same prompts again on that cache: {paged.stats()['prefix_hit_tokens']} prompt tokens reused "
-          f"from the prefix cache, same tokens: {torch.equal(again, out_paged)}")  # fmt: skip
-
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-attn", description="GQA / MQA / MLA attention for transformers")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -382,73 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv = sub.add_parser("convert", help="convert a checkpoint to GQA / MQA / MLA, optionally healed by distillation (writes OUT atomically)")
     cv.add_argument("source", metavar="SRC", help="model folder (safetensors), 'default', 'smollm2' or a Hub id")
     cv.add_argument("out", metavar="OUT")
-    cv.add_argument("--to", required=True, choices=["gqa", "mqa", "mla"])
-    cv.add_argument("--kv-heads", type=_positive_int, help="gqa: KV heads after conversion")
-    cv.add_argument("--kv-lora-rank", type=_positive_int, help="mla: latent dims")
-    cv.add_argument("--rope-dim", type=int, help="mla: dims of the shared RoPE key (even; default: one head's d_h, at most a third of --kv-budget)")
-    cv.add_argument("--kv-budget", type=float, help="mla: fraction of the source's KV bytes (instead of --kv-lora-rank)")
-    cv.add_argument("--rope-context", type=_positive_int, metavar="TOKENS",
-                    help="mla: the distances the RoPE split keeps attention scores right over (default: --calib-len; "
-                    "the served context keeps retrieval at long distances at some cost in short-range quality)")
-    cv.add_argument("--method", help="gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla "
-                    "(defaults: the best measured, docs/conversion.md)")
-    cv.add_argument("--no-regroup", dest="regroup", action="store_false", default=None,
-                    help="gqa aligned/pca: merge KV heads by index instead of grouping them by similarity")
-    cv.add_argument("--rank-allocation", choices=["uniform", "energy", "sensitivity"],
-                    help="mla with --kv-budget: per layer RoPE dims + rank (or the layer left exact) by the measured "
-                    "KL of each layer's choice (default; uniform with --format deepseek_v3), one rank for all layers, "
-                    "or per layer by retained energy")
-    cv.add_argument("--calib-data", help="text file, folder of .txt files, or a datasets dataset: a save_to_disk "
-                    "folder, a .json/.jsonl/.parquet/.csv file or a dataset name[:config] (default: the package's corpus)")
-    cv.add_argument("--calib-split", help="datasets: the split to read (default train)")
-    cv.add_argument("--calib-column", help="datasets: the text column (default text)")
-    cv.add_argument("--calib-source", choices=["text", "teacher"],
-                    help="calibration windows: samples of the source model itself (default; prompted by each "
-                    "calibration-text window's first 4 tokens, temperature 1, top-p 0.95, --seed), or the calibration "
-                    "text")
-    cv.add_argument("--calib-samples", type=_positive_int, help="calibration windows (default 32)")
-    cv.add_argument("--calib-len", type=_positive_int)
-    cv.add_argument("--heal-steps", type=int, help="distillation steps from the source after conversion (default 0)")
-    cv.add_argument("--propagate", action="store_true", default=None,
-                    help="recompute each layer's closed form from the statistics of the converted layers before it "
-                    "(kept per layer where it lowers the held-in error; measured no better than plain: off by default)")
-    cv.add_argument("--reconstruct-steps", type=_or_auto(int, "an integer"),
-                    help="Adam steps fitting each converted attention layer's output to the source's, layer by layer "
-                    "(default auto: 60 when the conversion keeps at least half the source's KV values, 150 below; 0: "
-                    "closed form only)")
-    cv.add_argument("--reconstruct-lr", type=float, help="reconstruction step, a fraction of each weight's RMS (default 0.01)")
-    cv.add_argument("--reconstruct-target", choices=["source", "local"],
-                    help="fit to the source layer on the source's inputs (default) or on the converted prefix's")
-    cv.add_argument("--reconstruct-attention-kl", type=float, metavar="WEIGHT",
-                    help="add WEIGHT x the KL of each head's attention pattern to the source's to the reconstruction's "
-                    "objective, so sharp retrieval attention counts (default 0: the output error alone)")
-    cv.add_argument("--heal-lr", type=_or_auto(float, "a number"),
-                    help="healing learning rate, or auto (default): a short range test on held-in windows")
-    cv.add_argument("--heal-data", choices=["calib", "teacher", "mix"],
-                    help="healing text: samples from the source model (default), the calibration text, or both")
-    cv.add_argument("--heal-held-in", type=_positive_int,
-                    help="windows held out of healing; the best state on them is returned (default 4)")
-    cv.add_argument("--heal-batch-size", type=_positive_int, help="windows per healing step (default 4)")
-    cv.add_argument("--heal-train", choices=["attention", "all"], help="what healing updates (default attention)")
-    cv.add_argument("--heal-layerwise-steps", type=int,
-                    help="healing's first stage: Adam steps per decoder layer matching its output to the source's on "
-                    "the calibration windows, layer by layer (default 40; 0: none)")
-    cv.add_argument("--checkpoint-dir", help="save the healing state here (with --checkpoint-every N)")
-    cv.add_argument("--checkpoint-every", type=_positive_int, help="healing steps between saved states")
-    cv.add_argument("--resume", action="store_true", default=None, help="continue healing from --checkpoint-dir")
-    cv.add_argument("--format", choices=["auto", "native", "stock", "deepseek_v3"],
-                    help="auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock DeepseekV3ForCausalLM (MLA)")
-    cv.add_argument("--engine", choices=["vllm", "sglang", "flashmla", "llama.cpp", "transformers"],
-                    help="--format deepseek_v3: the engine whose MLA kernels the shapes fit (default llama.cpp, any "
-                    "shape, with the query LoRA llama.cpp needs; vllm / sglang: 512+64 or 256+64; flashmla: 512+64)")
-    cv.add_argument("--dtype", help="dtype of the saved weights (default: the source's)")
-    cv.add_argument("--device", help="where the model passes run (teacher samples, statistics, sensitivity, "
-                    "reconstruction): auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, cuda:N")
-    cv.add_argument("--seed", type=int)
-    cv.add_argument("--overwrite", action="store_true", default=None)
-    cv.add_argument("--max-shard-size", help="split weights above this size into shards with an index (default 2GB)")
-    cv.add_argument("--push-to-hub", metavar="REPO", help="owner/name: upload OUT when the conversion is done")
-    cv.add_argument("--private", action="store_true", default=None, help="with --push-to-hub: a private repo")
+    add_convert_options(cv)
     cv.set_defaults(func=cmd_convert)
 
     ps = sub.add_parser("push", help="upload a converted folder to the Hub (create_repo + upload_folder)")
@@ -503,22 +285,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="larger request bodies are refused (413) before parsing (default 8 MiB)")
     sv.set_defaults(func=cmd_serve)
 
-    dr = sub.add_parser("draft", help="build a drafter for speculative decoding from MODEL alone (trained on its "
-                        "own samples); use it as generate(..., assistant_model=AutoModelForCausalLM.from_pretrained(OUT))")
-    dr.add_argument("source", metavar="MODEL", help="model folder (safetensors), 'default', 'smollm2' or a Hub id")
-    dr.add_argument("out", metavar="OUT")
-    dr.add_argument("--samples", type=_positive_int, help="teacher samples of MODEL to train on (default 384)")
-    dr.add_argument("--length", type=_positive_int, help="tokens per sample, prompt included (default 256)")
-    dr.add_argument("--draft-vocab", type=_positive_int, help="tokens the drafter scores: MODEL's most sampled "
-                    "(default 8192)")
-    dr.add_argument("--steps", type=_positive_int, help="training steps (default 600)")
-    dr.add_argument("--rows", type=_positive_int, help="samples per training step (default 8)")
-    dr.add_argument("--depth", type=_positive_int, help="draft steps unrolled in training (default 3)")
-    dr.add_argument("--calib-data", help="text the prompts are cut from: a file, folder or dataset (default: the "
-                    "packaged TinyStories sample)")
-    dr.add_argument("--seed", type=int)
-    dr.add_argument("--overwrite", action="store_true", default=None)
-    dr.set_defaults(func=cmd_draft)
+    add_draft_parser(sub, _positive_int)
 
     demo = sub.add_parser("demo", help="KV tables and a story from the embedded model, stock vs our attention")
     demo.add_argument("--max-new-tokens", type=_positive_int, default=60)

@@ -31,7 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401  (registers the drafter class, our speculative loop)
-from hf_attn_patch.converters.calibration import DEFAULT_CORPUS, read_calibration_text
+from hf_attn_patch.converters.io.calibration import DEFAULT_CORPUS, read_calibration_text
 from hf_attn_patch.converters.drafting.samples import HELD_IN
 from hf_attn_patch.models.pretrained import load_smollm2
 from hf_attn_patch.speculative import SpeculativeStats

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from ...models.pretrained import check_source_folder, load_source
-from ..calibration import read_calibration_text
+from ..io.calibration import read_calibration_text
 from .samples import teacher_samples
 from .train import agreement, draft_vocabulary, new_drafter, train_drafter
 

@@ -12,7 +12,7 @@ import logging
 
 import torch
 
-from ..calibration import TEACHER_PROMPT, sample_from_teacher
+from ..io.calibration import TEACHER_PROMPT, sample_from_teacher
 
 logger = logging.getLogger(__name__)
 

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from ...kv_memory import dtype_of
-from ..calibration import calibration_windows, teacher_windows
-from ..deepseek_export import to_deepseek_v3
+from ..io.calibration import TEACHER_PROMPT, calibration_windows, sample_from_teacher
+from ..export.deepseek_export import to_deepseek_v3
 from ..options import ConvertOptions
-from ..reconstruct import LAYERWISE_LR, sequential, summary
+from ..fitting.reconstruct import LAYERWISE_LR, sequential, summary
 from .source import Source
 from .windows import calibration_text
 
@@ -72,18 +72,22 @@ def heal_layerwise(teacher, student, windows: torch.Tensor, steps: int) -> dict:
 def distill(student, teacher, tokenizer, opts: ConvertOptions, samples: torch.Tensor | None = None) -> dict:
     """Distill the source into the converted model (heal.py); a summary for the report.
 
-    Data (heal_data): calib: windows of the calibration text; teacher: the source's own continuations of
-    TEACHER_PROMPT-token prompts cut from it (one window per training step and batch row, at most 64, reused
-    cyclically; `samples`, the teacher calibration windows when calib_source is "teacher", are used instead of
-    sampling again); mix: the two alternating. The last heal_held_in windows (of the same kind) are never trained on:
-    they pick the learning rate (lr "auto") and the state returned."""
-    from ..heal import heal as run_heal
+    Data (heal_data), windows of heal_len tokens: calib: windows of the calibration text; teacher: the source's own
+    continuations of TEACHER_PROMPT-token prompts cut from it (one window per training step and batch row, at most
+    64, reused cyclically; `samples`, the teacher calibration windows when calib_source is "teacher" and heal_len is
+    calib_len, are used instead of sampling again); mix: the two alternating. The last heal_held_in windows (of the
+    same kind) are never trained on: they pick the learning rate (lr "auto") and the state returned."""
+    from ..fitting.heal import heal as run_heal
 
-    heal, length = opts.healing, opts.calibration.length
+    heal, length = opts.healing, opts.healing.length
     text = calibration_text(opts.calibration)
     tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
+    if tokens < 2 * length:
+        raise ValueError(f"heal_len={length}: the calibration text has {tokens} tokens, fewer than two windows")
     calib = calibration_windows(text, tokenizer, tokens // length, length)
     held = min(heal.held_in, len(calib) // 2)
+    if samples is not None and samples.shape[1] != length:  # calibration samples of another length: sample anew
+        samples = None
     if heal.data == "calib":
         windows = calib
     elif samples is not None:  # teacher calibration windows: no second sampling
@@ -93,8 +97,10 @@ def distill(student, teacher, tokenizer, opts: ConvertOptions, samples: torch.Te
     else:  # enough for every process's batches (data parallel: each takes its own windows of a step)
         processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
         count = min(64, heal.steps * heal.batch_size * processes) + held
-        prompts = calib[torch.randperm(len(calib), generator=torch.Generator().manual_seed(opts.seed))[:count]]
-        sampled = teacher_windows(teacher, prompts, seed=opts.seed)
+        step = opts.calibration.length  # prompts cut every calib_len tokens (long windows would give fewer)
+        starts = calib if step == length else calibration_windows(text, tokenizer, tokens // step, step)
+        prompts = starts[torch.randperm(len(starts), generator=torch.Generator().manual_seed(opts.seed))[:count]]
+        sampled = sample_from_teacher(teacher, prompts[:, :TEACHER_PROMPT], length, seed=opts.seed)
         if heal.data == "teacher":
             windows = sampled
         else:  # alternate teacher and calibration windows; held in: the same mix
@@ -107,5 +113,5 @@ def distill(student, teacher, tokenizer, opts: ConvertOptions, samples: torch.Te
     return {"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 2),
             "first_loss": result.losses[0], "last_loss": result.losses[-1], "train": heal.train,
             "lr": result.lr, "lr_option": heal.lr, "range_test": result.range_test, "data": heal.data,
-            "windows": len(train), "held_in_windows": held, "held_in_kl": result.held_in,
+            "length": length, "windows": len(train), "held_in_windows": held, "held_in_kl": result.held_in,
             "best_step": result.best_step, "losses": result.losses}  # fmt: skip

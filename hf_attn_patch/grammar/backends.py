@@ -30,6 +30,8 @@ INSTALL = {"llguidance": "pip install llguidance, a dependency of hf-attn-patch"
 
 
 class Matcher(Protocol):
+    retryable: bool  # True: a failed exact check can be retried (retry_point(), restart(): checked_matcher.py)
+
     def consume(self, tokens: list[int]) -> int: ...
     def validate(self, tokens: list[int]) -> int: ...
     def rollback(self, n: int) -> None: ...
@@ -109,6 +111,8 @@ class LLGuidanceBackend:
         """Template matcher for `spec`; GrammarError on an unsupported feature or syntax error.
         json_options: extra llguidance JSON options (``coerce_one_of``, ``lenient``)."""
         llg = self._llg
+        if whitespace_flexible:  # any whitespace around the bare separators (", " would require the space)
+            separators = tuple(sep.strip() for sep in separators)
         options = {"whitespace_flexible": whitespace_flexible, "item_separator": separators[0],
                    "key_separator": separators[1], **(json_options or {})}
         try:
@@ -151,6 +155,8 @@ class LLGuidanceBackend:
 
 
 class _LLGMatcher:
+    retryable = False
+
     def __init__(self, m):
         self.m = m
 
@@ -244,6 +250,8 @@ class XGrammarBackend:
 
 
 class _XGRMatcher:
+    retryable = False
+
     def __init__(self, m):
         self.m = m
 

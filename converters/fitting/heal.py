@@ -1,0 +1,293 @@
+"""Healing: distill the source model into the converted one (the user's "uptrain"), through accelerate.
+
+loss = KL(teacher || student) per token (+ lm_weight * next-token cross-entropy), averaged over the batch; AdamW with
+a linear warmup over the first tenth of the steps, then a cosine decay to a tenth of `lr` (a converted model starts
+close to its teacher: a full-size first step would throw that away). accelerate
+places the models and handles mixed precision and data parallelism, so the same loop runs on one CPU or, started with
+`accelerate launch --multi_gpu` / `torchrun`, as data parallel (DDP) on many GPUs or CPU processes: each process
+takes its own windows of every step. Started with `accelerate launch --config_file <FSDP config, fsdp_version: 2>`,
+the student and the teacher are sharded over the processes instead (FSDP2, heal_fsdp.py): the same steps on the same
+windows, for models no single device holds. DeepSpeed (ZeRO-3) and FSDP1 are refused (heal_fsdp.launch_mode).
+
+Low-precision weights (a bf16 or fp16 model, as a 7B source is): Adam steps fp32 master copies of the trainable
+weights and every step rounds them into the model (MasterWeights); stepping a bf16 weight directly loses every
+update below half its ulp.
+
+Never worse on held-in data: with `held_in` windows (never trained on), the mean KL there is measured before the
+first step and every `eval_every` steps, and the trainable weights of the best measurement are restored at the end
+(the start counts, so a diverging run returns its starting model). lr="auto": a range test from the start, each of
+AUTO_LRS for `probe` steps at a constant rate (optimizer state reset between them), the rate with the lowest held-in
+KL is used (the weights go back to the start first). Distillation text from the source model's own distribution:
+calibration.sample_from_teacher.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from ...attention import GroupedQueryAttention, MultiHeadLatentAttention
+from ...models.architectures import architecture_of
+from .heal_fsdp import FSDP_DIR, Sharded, launch_mode
+from .heal_masters import MasterWeights, load_tensors, save_tensors
+
+logger = logging.getLogger(__name__)
+
+TRAINABLE = ("attention", "all")
+BEST_FILE, BEST_META = "heal_best.safetensors", "heal_best.json"  # beside accelerate's checkpoint
+MASTERS_FILE = "heal_masters.safetensors"  # the fp32 master weights of a low-precision student, beside it too
+AUTO_LRS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3)  # the range test of lr="auto"
+
+
+@dataclass
+class HealResult:
+    steps: int
+    tokens: int
+    seconds: float
+    losses: list[float] = field(default_factory=list)
+    lr: float = 0.0  # the rate used (lr="auto": the range test's pick)
+    held_in: list[tuple[int, float]] = field(default_factory=list)  # (step, mean held-in KL); step 0: the start
+    best_step: int = 0  # the step whose weights were returned (0: the start)
+    range_test: dict[float, float] = field(default_factory=dict)  # lr="auto": held-in KL after each probe
+
+
+def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str = 1e-4, batch_size: int = 1,
+         train: str = "attention", lm_weight: float = 0.0, gradient_checkpointing: bool = False,
+         checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool = False,
+         held_in: torch.Tensor | None = None, eval_every: int | None = None, probe: int | None = None,
+         progress: bool = True) -> HealResult:  # fmt: skip
+    """Train `student` in place for `steps` optimizer steps on token windows [n, L]; `teacher` stays frozen.
+
+    train="attention" updates only the converted attention layers; "all" updates every weight.
+    With checkpoint_dir, the optimizer/model state is saved every `checkpoint_every` steps; resume=True continues
+    from the last one saved there. held_in [m, L]: windows for keeping the best state (module docstring), checked
+    every eval_every steps (default steps // 10); lr="auto" (needs held_in): the range test, `probe` steps per rate
+    (default max(1, min(10, steps // 10))).
+    """
+    from accelerate import Accelerator
+
+    if not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"steps={steps!r} must be a positive integer")
+    if train not in TRAINABLE:
+        raise ValueError(f"train={train!r} is not one of {TRAINABLE}")
+    if lr == "auto":
+        if held_in is None:
+            raise ValueError("lr='auto' needs held_in windows (the range test measures on them)")
+    elif isinstance(lr, str) or not lr > 0:
+        raise ValueError(f"lr={lr!r} must be positive or 'auto'")
+    if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
+        raise ValueError(f"eval_every={eval_every!r} must be a positive integer")
+    if resume and checkpoint_dir is None:
+        raise ValueError("resume=True needs checkpoint_dir")
+    launch_mode()  # raises for DeepSpeed / FSDP1 launches, before any work
+    use_bf16 = torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+    accelerator = Accelerator(mixed_precision="bf16" if use_bf16 else "no", cpu=not torch.cuda.is_available())
+    ckpt = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    sharded_launch = launch_mode(accelerator) == "fsdp"
+    if resume and sharded_launch != (ckpt / FSDP_DIR).exists() and (ckpt / "step.txt").exists():
+        kind = "a data-parallel" if sharded_launch else "a sharded (FSDP)"
+        raise ValueError(f"checkpoint_dir={str(ckpt)!r} holds {kind} healing state: resume it with the launch that "
+                         "wrote it")  # fmt: skip
+    params = _trainable(student, train)
+    if not params:
+        raise ValueError("the student has no attention layers to train (train='attention')")
+    model = student  # the caller's model; `student` below: what trains (the DDP wrapper, or the sharded copy)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for p in params:
+        p.requires_grad_(True)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    sharded = None
+    if sharded_launch:  # the caller's models stay where they are; their sharded copies go to the device
+        sharded = Sharded(model, teacher, accelerator)
+        student, teacher, params = sharded.student, sharded.teacher, sharded.params
+    else:
+        student.to(accelerator.device)  # before the masters are copied: they live where their weights do
+    masters = MasterWeights(params)  # sharded: the trainable weights themselves (fp32 already)
+    optimizer = torch.optim.AdamW(masters.tensors, lr=1e-4 if lr == "auto" else lr, weight_decay=0.0)
+    warmup = max(1, steps // 10)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / warmup) * (0.1 + 0.45 * (1 + math.cos(math.pi * s / steps)))
+    )
+    if sharded is None:
+        student, optimizer = accelerator.prepare(student, optimizer)
+        # Not prepared: accelerate's scheduler wrapper steps once per process per step. Saved with the checkpoints.
+        accelerator.register_for_checkpointing(schedule)
+        teacher = teacher.to(accelerator.device)
+    teacher.eval()
+    start_step, saved, best_state = 0, None, None
+    if resume and sharded is not None and (ckpt / "step.txt").exists():
+        start_step, saved, best_state = sharded.load(ckpt, optimizer, schedule, masters.tensors)
+    elif resume and (ckpt / "step.txt").exists():
+        accelerator.load_state(str(ckpt))
+        start_step = int((ckpt / "step.txt").read_text())
+        if (ckpt / MASTERS_FILE).exists():
+            masters.restore(load_tensors(ckpt / MASTERS_FILE, len(params)))
+        if (ckpt / BEST_FILE).exists():
+            saved, best_state = json.loads((ckpt / BEST_META).read_text()), load_tensors(ckpt / BEST_FILE, len(params))
+    result = HealResult(steps=0, tokens=0, seconds=0.0)
+    started = time.perf_counter()
+    held = None if held_in is None else held_in.to(accelerator.device)
+
+    def measure() -> float:
+        kl = _held_in_kl(student, teacher, held)
+        if sharded is not None:  # every process measures the same windows; the mean makes their choices one
+            kl = accelerator.reduce(torch.tensor(kl, dtype=torch.float64, device=accelerator.device), "mean").item()
+        return kl
+
+    best_kl = float("inf")
+    if held is not None and start_step == 0:
+        start_kl = measure()
+        result.held_in.append((0, start_kl))
+        best_kl, best_state = start_kl, masters.copy()
+    elif saved is not None:  # resumed: the best state and the rate of the first run
+        best_kl, result.best_step, result.held_in = saved["best_kl"], saved["best_step"], [tuple(x) for x in saved["held_in"]]
+        result.range_test = {float(k): v for k, v in saved["range_test"].items()}
+        lr = saved["lr"] if lr == "auto" else lr
+    if lr == "auto":
+        lr = _range_test(student, teacher, optimizer, masters, windows, batch_size, lm_weight, accelerator,
+                         probe or max(1, min(10, steps // 10)), result, best_state, measure)  # fmt: skip
+        schedule.base_lrs = [lr for _ in schedule.base_lrs]
+        for group in optimizer.param_groups:
+            group["initial_lr"], group["lr"] = lr, lr * schedule.lr_lambdas[0](schedule.last_epoch)
+    result.lr = lr
+    every = eval_every or max(1, steps // 10)
+    student.train()
+    bar = tqdm(range(start_step, steps), desc="heal", disable=not progress or not accelerator.is_main_process)
+    for step in bar:  # each process takes its own batch_size windows of every step: data parallel
+        first = (step * accelerator.num_processes + accelerator.process_index) * batch_size
+        rows = torch.arange(first, first + batch_size) % len(windows)
+        loss = _step(student, teacher, optimizer, masters, windows[rows].to(accelerator.device), lm_weight,
+                     accelerator)  # fmt: skip
+        schedule.step()
+        result.losses.append(loss.item())
+        result.tokens += len(rows) * windows.shape[1] * accelerator.num_processes
+        result.steps = step + 1
+        bar.set_postfix(loss=f"{loss.item():.4f}", tok_s=f"{result.tokens / (time.perf_counter() - started):.0f}")
+        if held is not None and (result.steps % every == 0 or result.steps == steps):
+            kl = measure()
+            result.held_in.append((result.steps, kl))
+            student.train()
+            if best_state is not None and kl < best_kl:
+                best_kl, best_state, result.best_step = kl, masters.copy(), result.steps
+        if ckpt is not None and checkpoint_every and result.steps % checkpoint_every == 0:
+            meta = None if best_state is None else {"best_kl": best_kl, "best_step": result.best_step, "lr": lr,
+                                                    "held_in": result.held_in, "range_test": result.range_test}
+            if sharded is not None:  # step.txt too
+                sharded.save(ckpt, optimizer, result.steps, schedule, best_state, meta)
+                continue
+            accelerator.save_state(str(ckpt))
+            if masters.separate and accelerator.is_main_process:
+                save_tensors(masters.tensors, ckpt / MASTERS_FILE)
+            if best_state is not None and accelerator.is_main_process:
+                save_tensors(best_state, ckpt / BEST_FILE)
+                (ckpt / BEST_META).write_text(json.dumps(meta))
+            (ckpt / "step.txt").write_text(str(result.steps))
+    accelerator.wait_for_everyone()
+    student.eval()
+    if best_state is not None and result.best_step != result.steps:
+        masters.restore(best_state)
+        logger.info("healing: restored step %d (held-in KL %.4f; last %.4f)", result.best_step, best_kl,
+                    result.held_in[-1][1])  # fmt: skip
+    if sharded is not None:
+        sharded.copy_into(model)
+    model.eval()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_disable()
+    for p in model.parameters():
+        p.requires_grad_(True)
+    result.seconds = time.perf_counter() - started
+    logger.info("healed %d steps, %d tokens, %.1f s, last loss %.4f", result.steps, result.tokens, result.seconds,
+                result.losses[-1] if result.losses else float("nan"))  # fmt: skip
+    return result
+
+
+def _step(student, teacher, optimizer, masters, ids, lm_weight, accelerator) -> torch.Tensor:
+    """One optimizer step of KL(teacher || student) (+ lm_weight x cross-entropy) on ids [b, L]; the loss."""
+    with torch.no_grad():
+        target = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
+    with accelerator.autocast():
+        logits = student(ids).logits[:, :-1].float()
+    log_q = torch.log_softmax(logits, dim=-1)
+    loss = (target.exp() * (target - log_q)).sum(-1).mean()
+    if lm_weight:
+        loss = loss + lm_weight * torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    accelerator.backward(loss)
+    masters.step(optimizer)
+    return loss
+
+
+def _range_test(student, teacher, optimizer, masters, windows, batch_size, lm_weight, accelerator, probe,
+                result: HealResult, start_state, measure) -> float:  # fmt: skip
+    """The rate of AUTO_LRS whose `probe` constant-rate steps from the start reach the lowest held-in KL; the
+    weights and optimizer state go back to the start after every probe."""
+    state = masters.copy() if start_state is None else start_state
+    for rate in AUTO_LRS:
+        student.train()
+        for group in optimizer.param_groups:
+            group["lr"] = rate
+        for step in range(probe):
+            rows = torch.arange(step * batch_size, (step + 1) * batch_size) % len(windows)
+            _step(student, teacher, optimizer, masters, windows[rows].to(accelerator.device), lm_weight, accelerator)
+        result.range_test[rate] = measure()
+        masters.restore(state)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        inner.state.clear()
+    best = min(result.range_test, key=result.range_test.get)
+    logger.info("healing lr range test %s: lr %g", {k: round(v, 4) for k, v in result.range_test.items()}, best)
+    return best
+
+
+@torch.no_grad()
+def _held_in_kl(student, teacher, held: torch.Tensor) -> float:
+    """Mean KL(teacher || student) per predicted token over the held-in windows [m, L] (student in eval mode)."""
+    student.eval()
+    total, count = 0.0, 0
+    for ids in held.split(max(1, 4096 // held.shape[1])):  # <= 4,096 tokens of [tokens, vocab] logits at once
+        log_p = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
+        log_q = torch.log_softmax(student(ids).logits[:, :-1].float(), dim=-1)
+        total += float((log_p.exp() * (log_p - log_q)).sum())
+        count += log_p.shape[0] * log_p.shape[1]
+    return total / count
+
+
+def plot_curve(losses: list[float], held_in: list[tuple[int, float]], best_step: int, lr: float, path) -> None:
+    """PNG of the held-in KL against the step (the returned state marked), and the training loss."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(range(1, len(losses) + 1), losses, color="tab:gray", alpha=0.5, label="training KL")
+    if held_in:
+        ax.plot(*zip(*held_in), marker="o", color="tab:red", label="held-in KL")
+        best = dict(held_in).get(best_step)
+        if best is not None:
+            ax.plot([best_step], [best], marker="*", markersize=14, color="black", linestyle="",
+                    label=f"returned (step {best_step})")  # fmt: skip
+    ax.set(xlabel="step", ylabel="KL(source || converted) per token", title=f"healing, lr {lr:g}")
+    ax.set_yscale("log")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _trainable(model, train: str) -> list[torch.nn.Parameter]:
+    """Every weight, or those of the attention layers: ours, or the stock class of a stock-format GQA export."""
+    if train == "all":
+        return list(model.parameters())
+    stock_name = architecture_of(model.config).attention_class
+    layers = [m for m in model.modules()
+              if isinstance(m, (GroupedQueryAttention, MultiHeadLatentAttention)) or type(m).__name__ == stock_name]
+    return [p for layer in layers for p in layer.parameters()]

@@ -1,0 +1,191 @@
+"""Long-context quality of a source and its conversions: retrieval probes to the source's context and the held-in
+long-context criterion, one model per run (runs can go in parallel), one rows file per model.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_long_context.py --model source
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_long_context.py --model "MLA 50%=/tmp/convs/mla50" \
+        [--items 4] [--passkey 1024,2048,4096] [--copy 1024,2048] [--gaps 200,1000,3000] [--held-in 2x2048] \
+        [--parts held_in,passkey,copy,passage] [--rows scripts/bench_long_context]
+    .venv/bin/python scripts/bench_long_context.py --plot      # table + curves from the rows
+
+Per model (rows/<label>.json, rewritten after each part, so a stopped run keeps what it measured):
+    held_in   evaluation/held_in.py: KL(source || model) per token on N teacher samples of L tokens (the source's own
+              continuations, seed 1, of 4-token prompts cut from the calibration corpus after the first 8,192 tokens
+              every conversion calibrates on); short (< 256) and long (>= 1,024) positions apart. Settings are chosen
+              on this, never on the probes below.
+    passkey / copy   evaluation/retrieval.py at the given distances (copy: an item is 2 x distance long), the
+              source's vocabulary (known_vocabulary, seed 0), seed 0: every model answers the same items
+    passage   evaluation/passage.py: a 128-token passage, D tokens of the text that follows it, the passage again;
+              texts: WikiText-2 test (../shared, first 200,000 characters) and the last 60,000 characters of the
+              package's TinyStories sample (the default calibration reads its first 8,192 tokens only)
+--items per cell: a binary score at 0.5 over 4 items is +-0.25 (one standard error); copy and passage average
+127..2,048 tokens per item, which narrows it, but items differ more than tokens do.
+Teacher samples and the vocabulary are cached in --cache (safetensors).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+
+import hf_attn_patch  # noqa: F401
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text, teacher_windows
+from hf_attn_patch.evaluation.held_in import long_context_kl, source_log_probs
+from hf_attn_patch.evaluation.passage import evaluate_passages
+from hf_attn_patch.evaluation.retrieval import RetrievalResult, known_vocabulary, make_batch, score
+from hf_attn_patch.models.pretrained import load_source
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+CALIBRATED_TOKENS = 8192  # the calibration windows of every conversion measured here lie within these
+PARTS = ("held_in", "passkey", "copy", "passage")
+
+
+def cached(path: Path, make) -> torch.Tensor:
+    """make() -> tensor, stored at path (safetensors) and read from there the next time."""
+    from safetensors.torch import load_file, save_file
+
+    if path.exists():
+        return load_file(path)["t"]
+    value = make()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"t": value.contiguous()}, str(path) + ".part")
+    Path(str(path) + ".part").rename(path)
+    return value
+
+
+def evaluation_texts() -> dict[str, str]:
+    wiki = (SHARED / "corpora" / "wikitext2_test.txt").read_text()[:200_000]
+    return {"wikitext": wiki, "tinystories": read_calibration_text(None)[-60_000:]}
+
+
+def probe(model, tokenizer, vocab, task: str, dists: list[int], items: int) -> RetrievalResult:
+    """evaluate_retrieval's items (same seeds: task index 0 passkey, 1 copy) at the given distances only."""
+    index = {"passkey": 0, "copy": 1}[task]
+    accuracy = {}
+    for d in dists:
+        gen = torch.Generator().manual_seed(index * 100_003 + d)
+        started = time.perf_counter()
+        accuracy[d] = score(model, make_batch(task, tokenizer, vocab, d, items, gen))
+        print(f"  {task} {d}: {accuracy[d]:.3f} ({time.perf_counter() - started:.0f} s)", flush=True)
+    return RetrievalResult({task: accuracy}, items, model.config.max_position_embeddings)
+
+
+def measure(args, label: str, folder: str | None) -> None:
+    from transformers import AutoModelForCausalLM
+
+    source, tokenizer = load_source(args.source)
+    model = source if folder is None else AutoModelForCausalLM.from_pretrained(folder).eval()
+    rows = Path(args.rows)
+    path = rows / f"{label.lower().replace('%', '').replace(' ', '_').replace('=', '_')}.json"
+    row = json.loads(path.read_text()) if path.exists() else {"model": label, "folder": folder}
+    row["items"] = args.items
+    cache = Path(args.cache) / Path(args.source).name
+    for part in args.parts.split(","):
+        started = time.perf_counter()
+        if part == "held_in":  # the source's run draws the samples (cached) for its conversions' runs
+            n, length = (int(x) for x in args.held_in.split("x"))
+            first = math.ceil(CALIBRATED_TOKENS / length)
+            prompts = calibration_windows(read_calibration_text(None), tokenizer, first + n, length)[first:]
+            held = cached(cache / f"held_in_{n}x{length}.safetensors",
+                          lambda: teacher_windows(source, prompts, seed=1, progress=False))  # fmt: skip
+            if folder is not None:  # the source's log-probabilities: computed once, cached (n x L x vocab fp32)
+                reference = cached(cache / f"held_in_{n}x{length}_source_logp.safetensors",
+                                   lambda: source_log_probs(source, held))  # fmt: skip
+                row["held_in_kl"] = {"samples": args.held_in, **long_context_kl(model, reference, held)}
+        elif part in ("passkey", "copy"):
+            vocab = cached(cache / "vocab.safetensors", lambda: known_vocabulary(source, tokenizer))
+            dists = [int(d) for d in getattr(args, part).split(",")]
+            row.setdefault("retrieval", {})[part] = probe(model, tokenizer, vocab, part, dists, args.items).to_dict()
+        elif part == "passage":
+            gaps = tuple(int(g) for g in args.gaps.split(","))
+            texts = {name: text for name, text in evaluation_texts().items() if name in args.texts.split(",")}
+            result = evaluate_passages(model, tokenizer, texts, gaps, args.items).to_dict()
+            if "passage" in row:  # other texts measured before stay
+                result["accuracy"] = {**row["passage"]["accuracy"], **result["accuracy"]}
+            row["passage"] = result
+        row.setdefault("seconds", {})[part] = round(time.perf_counter() - started, 1)
+        print(label, part, json.dumps({k: row.get(k) for k in ("held_in_kl", "retrieval", "passage")}), flush=True)
+        rows.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(row, indent=1))
+
+
+def curves(row: dict) -> dict[str, dict[int, float]]:
+    """task -> distance -> accuracy, over the row's probes (passage gaps as given)."""
+    out = {}
+    for result in [*row.get("retrieval", {}).values(), *([row["passage"]] if "passage" in row else [])]:
+        out.update({t: {int(d): a for d, a in acc.items()} for t, acc in result["accuracy"].items()})
+    return out
+
+
+def report(rows_dir: Path) -> None:
+    """A markdown table (accuracy and retained per task and distance; held-in KL) and rows_dir.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(p.read_text()) for p in sorted(rows_dir.glob("*.json"))]
+    rows.sort(key=lambda r: (r["model"] != "source", r["model"]))
+    base = curves(rows[0]) if rows and rows[0]["model"] == "source" else {}
+    tasks = sorted({t for r in rows for t in curves(r)})
+    print("| model | held-in KL short / long / all | " + " | ".join(tasks) + " |")
+    print("|---|---|" + "---|" * len(tasks))
+    for r in rows:
+        kl = r.get("held_in_kl")
+        kls = f"{kl['short']:.3f} / {kl.get('long', float('nan')):.3f} / {kl['all']:.3f}" if kl else "-"
+        cells = []
+        for t in tasks:
+            acc = curves(r).get(t, {})
+            cells.append(" ".join(f"{a:.2f}" + (f" ({a / base[t][d]:.0%})" if r is not rows[0] and base.get(t, {}).get(d)
+                                                 else "") for d, a in sorted(acc.items())) or "-")  # fmt: skip
+        print(f"| {r['model']} | {kls} | " + " | ".join(cells) + " |")
+    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
+    for ax, t in zip(axes[0], tasks):
+        for r in rows:
+            points = sorted(curves(r).get(t, {}).items())
+            if points:
+                ax.plot(*zip(*points), marker="o", label=r["model"], ls="--" if r["model"] == "source" else "-")
+        ax.set(xscale="log", title=t, xlabel="distance (tokens; passage: D)", ylabel="accuracy", ylim=(-0.02, 1.02))
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(rows_dir.with_suffix(".png"), dpi=100)
+    print(f"plot: {rows_dir.with_suffix('.png')}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", default="smollm2")
+    parser.add_argument("--model", default="source", help="'source', or LABEL=FOLDER of a converted model")
+    parser.add_argument("--items", type=int, default=4, help="items per probe cell (default 4)")
+    parser.add_argument("--passkey", default="1024,2048,4096", help="passkey distances")
+    parser.add_argument("--copy", default="1024,2048", help="copy distances (an item is 2 x distance long)")
+    parser.add_argument("--gaps", default="200,1000,3000", help="repeated-passage gaps D")
+    parser.add_argument("--texts", default="wikitext,tinystories", help="repeated-passage texts")
+    parser.add_argument("--held-in", default="2x2048", help="NxL teacher samples of the held-in criterion")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"of {PARTS}")
+    parser.add_argument("--rows", default=str(ROOT / "scripts" / "bench_long_context"))
+    parser.add_argument("--cache", default="/tmp/hfap-long-context", help="teacher samples and vocabulary cache")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--plot", action="store_true", help="only print the table and draw the curves")
+    args = parser.parse_args()
+    if args.plot:
+        report(Path(args.rows))
+        return
+    unknown = [p for p in args.parts.split(",") if p not in PARTS]
+    if unknown:
+        parser.error(f"--parts: {unknown} not in {PARTS}")
+    label, _, folder = args.model.partition("=")
+    if label != "source" and not (Path(folder) / "config.json").exists():
+        parser.error(f"--model {args.model!r}: expected 'source' or LABEL=FOLDER of a saved model")
+    torch.set_num_threads(args.threads)
+    measure(args, label, folder or None)
+
+
+if __name__ == "__main__":
+    main()
