@@ -1,20 +1,23 @@
 """Structured output on real-world JSON Schemas (JSONSchemaBench / MaskBench): ours (widened grammar + exact checks)
-against llguidance alone, on a fixed seeded random sample.
+against llguidance alone, on a fixed seeded random sample, per source split (Github_hard, Kubernetes, ...).
 
     python scripts/bench_schemas.py /path/to/jsonschemabench/git-dir --n 1000 --seed 0 --generate 200 --engine 200
 
 The mirror is a git directory of github.com/guidance-ai/jsonschemabench (read with git; no work tree needed); the
-schemas and their valid / invalid test instances come from maskbench/data/*.json. Figures:
+schemas and their valid / invalid test instances come from maskbench/data/*.json (files stored out of the mirror are
+skipped and counted). Figures, for each key order (``property_order`` "schema" and "any"):
 - refused: schemas whose compilation raises GrammarError;
 - completeness: valid instances replayed token by token stay allowed by the mask, and EOS is allowed at the end
-  (a refused schema counts its instances as not complete). llguidance generates object keys in the order the schema
-  lists them; an instance whose keys come in another order is replayed again with its keys in the schema's order
-  (the same JSON value); the figure with the keys as given is reported too;
+  (a refused schema counts its instances as not complete). "raw": the instance as given, in every whitespace style
+  the grammar allows (the default grammar: ", " and ": "; a whitespace-flexible grammar: compact, default and
+  indented); "normalised": an instance refused as given is replayed again with its object keys in the schema's
+  order (the same JSON value);
 - soundness: invalid instances hit a masked token (EOS included) before their end (llguidance alone: a refused
   schema counts its instances as neither complete nor caught; the figures on the schemas it compiles are given too);
 - generation: a random-weight llama over the tokenizer's vocabulary samples under the processor, with +4 added to
   the logits of EOS and of the tokens holding '"', ']' or '}' (else the nearly uniform random model writes strings
-  far longer than the token limit); the outputs that end with EOS are validated with jsonschema (formats checked);
+  far longer than the token limit); the outputs that end with EOS are validated with jsonschema (formats checked):
+  valid, invalid, named failure (check_failed), unfinished (cut by the token limit);
 - engine (--engine N): the same random model and bias in the engine, one request per schema (response_format): a
   request whose check leaves no valid continuation is rewound and decodes again (up to 3 times), else it ends
   check_failed; the outputs that end with "stop" are validated; --replay 0 skips the replays (generation only);
@@ -28,7 +31,9 @@ import argparse
 import json
 import logging
 import random
+import re
 import subprocess
+from collections import defaultdict
 import time
 from pathlib import Path
 
@@ -44,22 +49,33 @@ from hf_attn_patch.grammar.vocab import get_adapter
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def load_sample(git_dir: str, n: int, seed: int) -> list[tuple[str, dict]]:
-    """(name, MaskBench entry) for a seeded random sample of n files of maskbench/data (sorted names first)."""
+def load_sample(git_dir: str, n: int, seed: int) -> tuple[list[tuple[str, dict]], int]:
+    """((name, MaskBench entry) for a seeded random sample of n files of maskbench/data (sorted names first), files
+    stored out of the mirror (large files) that were skipped)."""
     names = subprocess.run(["git", "--git-dir", git_dir, "ls-tree", "-r", "--name-only", "HEAD", "maskbench/data/"],
                            capture_output=True, text=True, check=True).stdout.split()
     names = sorted(x for x in names if x.endswith(".json"))
     picked = random.Random(seed).sample(names, min(n, len(names)))
     request = "".join(f"HEAD:{x}\n" for x in picked).encode()
     batch = subprocess.run(["git", "--git-dir", git_dir, "cat-file", "--batch"], input=request, capture_output=True,
-                           check=True).stdout
-    out, pos = [], 0
+                           check=False).stdout
+    out, pos, missing = [], 0, 0
     for name in picked:
         header_end = batch.index(b"\n", pos)
-        size = int(batch[pos:header_end].split()[2])
+        header = batch[pos:header_end].split()
+        if header[-1] == b"missing":
+            missing, pos = missing + 1, header_end + 1
+            continue
+        size = int(header[2])
         out.append((name, json.loads(batch[header_end + 1: header_end + 1 + size])))
         pos = header_end + 1 + size + 1
-    return out
+    return out, missing
+
+
+def split_of(name: str) -> str:
+    """The source split of a MaskBench file: "Github_hard---o123.json" -> Github_hard, "BFCL_sql_2.json" -> BFCL_sql."""
+    base = name.rsplit("/", 1)[-1]
+    return base.split("---")[0] if "---" in base else re.sub(r"_\d+\.json$", "", base)
 
 
 def encode(adapter, text: str) -> list[int]:
@@ -126,6 +142,31 @@ def validator(schema):
     return cls(schema, format_checker=format_checker())
 
 
+ORDERS = ("schema", "any")
+STYLES = {"compact": {"separators": (",", ":")}, "indented": {"indent": 2}}
+
+
+def replay_valid(grammars: dict, adapter, data, locator, timing: dict) -> dict:
+    """Completeness of one valid instance: {style: ok} for the raw text in every whitespace style ("raw": the
+    default grammar's ", " and ": "; "compact" and "indented": the whitespace-flexible grammar), and "normalised"
+    (keys in schema order when the raw text is refused). timing: the raw replay's (seconds, masks)."""
+    out = {}
+    for style in ("compact", "indented"):
+        out[style] = replay(grammars["flexible"].new_state(), encode(adapter, json.dumps(data, ensure_ascii=False,
+                                                                                         **STYLES[style])))[0]
+    out["raw"], timing["seconds"], timing["steps"] = replay(grammars["strict"].new_state(),
+                                                            encode(adapter, json.dumps(data, ensure_ascii=False)))
+    out["normalised"] = out["raw"]
+    if not out["raw"] and isinstance(data, (dict, list)):
+        try:
+            ordered = schema_order(data, locator)
+        except Exception:  # noqa: BLE001  (a schema jsonschema cannot load: the given order only)
+            ordered = data
+        out["normalised"] = replay(grammars["strict"].new_state(), encode(adapter, json.dumps(ordered,
+                                                                                                ensure_ascii=False)))[0]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("mirror", help="git directory of guidance-ai/jsonschemabench")
@@ -139,114 +180,129 @@ def main():
                     help="also generate with SmolLM2-135M-Instruct (greedy, chat prompt) on this many schemas")
     ap.add_argument("--engine", type=int, default=0,
                     help="also generate with the random model in the engine (retries) on this many schemas")
+    ap.add_argument("--order", default="any", choices=ORDERS, help="key order of the generation runs")
     ap.add_argument("--replay", type=int, default=1, help="0: compile only, no replays (for the generation figures)")
     ap.add_argument("--out", default=None, help="write the figures as JSON here")
     args = ap.parse_args()
     logging.getLogger("hf_attn_patch").setLevel(logging.ERROR)
+    from tqdm import tqdm
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
     adapter = get_adapter(tok)
-    sample = load_sample(args.mirror, args.n, args.seed)
+    sample, missing = load_sample(args.mirror, args.n, args.seed)
     llg = LLGuidanceBackend()
-    stats = {k: 0 for k in ("schemas", "refused", "refused_llg", "valid", "complete", "complete_llg", "invalid",
-                            "caught", "caught_llg", "with_checks", "reordered", "complete_given_order",
-                            "valid_llg_compiled", "invalid_llg_compiled")}
-    times = {"plain_nocheck": 0.0, "ours_nocheck": 0.0, "plain_check": 0.0, "ours_check": 0.0}
-    steps = {"nocheck": 0, "check": 0}
+    splits: dict = defaultdict(lambda: defaultdict(int))  # split -> counter
+    times = defaultdict(float)
+    steps = defaultdict(int)
     refusals, compiled_ok = [], []
     t_start = time.perf_counter()
-    for name, entry in sample:
+    for name, entry in tqdm(sample, desc="schemas"):
         schema, tests = entry["schema"], entry.get("tests") or []
-        stats["schemas"] += 1
-        try:
-            ours = compile_grammar(GrammarSpec.json_schema(schema), tok, backend="llguidance", cache=False)
-        except GrammarError as err:
-            ours = None
-            stats["refused"] += 1
-            refusals.append((name, str(err)[:160]))
+        c = splits[split_of(name)]
+        c["schemas"] += 1
+        ours = {}
+        for order in ORDERS:
+            try:
+                spec = GrammarSpec.json_schema(schema, order)
+                ours[order] = {"strict": compile_grammar(spec, tok, backend="llguidance", cache=False),
+                               "flexible": compile_grammar(spec, tok, backend="llguidance", cache=False,
+                                                           whitespace_flexible=True)}
+            except GrammarError as err:
+                c[f"refused_{order}"] += 1
+                if order == args.order:
+                    refusals.append((name, str(err)[:160]))
         try:
             alone = llg.compile(GrammarSpec.json_schema(schema), adapter)
         except GrammarError:
             alone = None
-            stats["refused_llg"] += 1
-        if ours is not None:
-            compiled_ok.append((name, schema, ours))
-            stats["with_checks"] += ours.checks is not None
+            c["refused_llg"] += 1
+        if args.order in ours:
+            compiled_ok.append((name, schema, ours[args.order]["strict"]))
+        for order in ours:
+            c[f"with_checks_{order}"] += ours[order]["strict"].checks is not None
         locator = None
         for test in tests if args.replay else ():
-            ids = encode(adapter, json.dumps(test["data"], ensure_ascii=False))
-            if test["valid"] and isinstance(test["data"], (dict, list)):  # also try the schema's property order
-                try:
-                    locator = locator or SchemaChecks(schema, set(), [])
-                    ordered = encode(adapter, json.dumps(schema_order(test["data"], locator), ensure_ascii=False))
-                except Exception:  # noqa: BLE001  (a schema jsonschema cannot load: keep the given order)
-                    ordered = ids
-            else:
-                ordered = ids
-            key = "nocheck" if ours is None or ours.checks is None else "check"
+            data = test["data"]
             if test["valid"]:
-                stats["valid"] += 1
-                if ours is not None:
-                    ok_given = replay(ours.new_state(), ids)[0]  # also warms up the backend's shared lexer cache
-                    if not ok_given and ordered != ids:
-                        ids = ordered
-                        stats["reordered"] += 1
-                    ok, sec, n = replay(ours.new_state(), ids)
-                    stats["complete"] += ok
-                    stats["complete_given_order"] += ok_given
-                    _, sec_plain, n_plain = replay(plain_state(ours, adapter), ids)
-                    sec = min(sec, replay(ours.new_state(), ids)[1])  # twice each, alternating: the lower time
-                    sec_plain = min(sec_plain, replay(plain_state(ours, adapter), ids)[1])
-                    if ok and n == n_plain:
-                        times[f"ours_{key}"] += sec
+                c["valid"] += 1
+                if locator is None:
+                    try:
+                        locator = SchemaChecks(schema, set(), [])
+                    except Exception:  # noqa: BLE001
+                        locator = False
+                for order, grammars in ours.items():
+                    timing: dict = {}
+                    result = replay_valid(grammars, adapter, data, locator or None, timing)
+                    for key, ok in result.items():
+                        c[f"complete_{order}_{key}"] += ok
+                    ids = encode(adapter, json.dumps(data, ensure_ascii=False))
+                    _, sec_plain, n_plain = replay(plain_state(grammars["strict"], adapter), ids)
+                    key = f"{order}_{'check' if grammars['strict'].checks is not None else 'nocheck'}"
+                    if result["raw"] and timing["steps"] == n_plain:  # (the same text, one pass each)
+                        times[f"ours_{key}"] += timing["seconds"]
                         times[f"plain_{key}"] += sec_plain
-                        steps[key] += n
+                        steps[key] += n_plain
                 if alone is not None:
-                    stats["valid_llg_compiled"] += 1
-                    stats["complete_llg"] += any(replay(GrammarState(llg.matcher(alone), adapter.eos_token_ids,
-                                                                     adapter.vocab_size), x)[0] for x in {
-                        tuple(ids), tuple(ordered)})
+                    c["valid_llg_compiled"] += 1
+                    c["complete_llg"] += replay(GrammarState(llg.matcher(alone), adapter.eos_token_ids,
+                                                             adapter.vocab_size),
+                                                encode(adapter, json.dumps(data, ensure_ascii=False)))[0]
             else:
-                stats["invalid"] += 1
-                if ours is not None:
-                    stats["caught"] += not replay(ours.new_state(), ids)[0]
+                c["invalid"] += 1
+                ids = encode(adapter, json.dumps(data, ensure_ascii=False))
+                for order, grammars in ours.items():
+                    c[f"caught_{order}"] += not replay(grammars["strict"].new_state(), ids)[0]
                 if alone is not None:
-                    stats["invalid_llg_compiled"] += 1
-                    stats["caught_llg"] += not replay(GrammarState(llg.matcher(alone), adapter.eos_token_ids,
-                                                                   adapter.vocab_size), ids)[0]
+                    c["invalid_llg_compiled"] += 1
+                    c["caught_llg"] += not replay(GrammarState(llg.matcher(alone), adapter.eos_token_ids,
+                                                               adapter.vocab_size), ids)[0]
     replay_seconds = time.perf_counter() - t_start
 
     gen = generate(compiled_ok[: args.generate], tok, args.max_new_tokens) if args.generate else {}
-    gen_smol = generate_smollm2(sample[: args.smollm2], args.max_new_tokens) if args.smollm2 else {}
-    gen_engine = generate_engine(compiled_ok[: args.engine], tok, args.max_new_tokens) if args.engine else {}
-    s = stats
+    gen_smol = generate_smollm2(sample[: args.smollm2], args.max_new_tokens, args.order) if args.smollm2 else {}
+    gen_engine = generate_engine(compiled_ok[: args.engine], tok, args.max_new_tokens, args.order) \
+        if args.engine else {}
     pct = lambda a, b: round(100.0 * a / max(b, 1), 2)  # noqa: E731
+
+    def figures_of(c) -> dict:
+        row = {"schemas": c["schemas"], "valid": c["valid"], "invalid": c["invalid"],
+               "refused_pct": {o: pct(c[f"refused_{o}"], c["schemas"]) for o in ORDERS + ("llg",)}}
+        for o in ORDERS:
+            row[f"completeness_{o}_pct"] = {k: pct(c[f"complete_{o}_{k}"], c["valid"])
+                                            for k in ("raw", "normalised", *STYLES)}
+        row["completeness_llg_pct"] = {"all": pct(c["complete_llg"], c["valid"]),
+                                       "compiled": pct(c["complete_llg"], c["valid_llg_compiled"])}
+        row["soundness_pct"] = {**{o: pct(c[f"caught_{o}"], c["invalid"]) for o in ORDERS},
+                                "llg": pct(c["caught_llg"], c["invalid"]),
+                                "llg_compiled": pct(c["caught_llg"], c["invalid_llg_compiled"])}
+        row["schemas_with_checks"] = {o: c[f"with_checks_{o}"] for o in ORDERS}
+        return row
+
+    total = defaultdict(int)
+    for c in splits.values():
+        for k, v in c.items():
+            total[k] += v
+    mask = {}
+    for o in ORDERS:
+        for kind in ("nocheck", "check"):
+            key = f"{o}_{kind}"
+            ours_us = round(1e6 * times[f"ours_{key}"] / max(steps[key], 1), 1)
+            plain_us = round(1e6 * times[f"plain_{key}"] / max(steps[key], 1), 1)
+            mask[key] = {"ours": ours_us, "plain": plain_us, "ratio": round(ours_us / plain_us, 3) if plain_us else None,
+                         "tokens": steps[key]}
     figures = {
-        "sample": {"n": s["schemas"], "seed": args.seed, "tokenizer": Path(args.tokenizer).name,
-                   "valid_instances": s["valid"], "invalid_instances": s["invalid"],
-                   "schemas_with_checks": s["with_checks"]},
-        "refused_pct": {"ours": pct(s["refused"], s["schemas"]), "llguidance": pct(s["refused_llg"], s["schemas"])},
-        "completeness_pct": {"ours": pct(s["complete"], s["valid"]), "llguidance": pct(s["complete_llg"], s["valid"]),
-                             "llguidance_on_schemas_it_compiles": pct(s["complete_llg"], s["valid_llg_compiled"]),
-                             "ours_keys_as_given": pct(s["complete_given_order"], s["valid"]),
-                             "instances_replayed_in_schema_key_order": s["reordered"]},
-        "soundness_pct": {"ours": pct(s["caught"], s["invalid"]), "llguidance": pct(s["caught_llg"], s["invalid"]),
-                          "llguidance_on_schemas_it_compiles": pct(s["caught_llg"], s["invalid_llg_compiled"])},
-        "mask_us_per_token": {
-            "no_checks": {"ours": round(1e6 * times["ours_nocheck"] / max(steps["nocheck"], 1), 1),
-                          "plain": round(1e6 * times["plain_nocheck"] / max(steps["nocheck"], 1), 1)},
-            "with_checks": {"ours": round(1e6 * times["ours_check"] / max(steps["check"], 1), 1),
-                            "plain": round(1e6 * times["plain_check"] / max(steps["check"], 1), 1)}},
+        "sample": {"n": len(sample), "seed": args.seed, "skipped_not_in_mirror": missing,
+                   "tokenizer": Path(args.tokenizer).name, "generation_order": args.order},
+        "all": figures_of(total),
+        "splits": {k: figures_of(v) for k, v in sorted(splits.items())},
+        "mask_us_per_token": mask,
         "generation": gen,
         "generation_smollm2": gen_smol,
         "generation_engine": gen_engine,
         "replay_seconds": round(replay_seconds, 1),
         "refusals": refusals[:20],
     }
-    for k in ("no_checks", "with_checks"):
-        d = figures["mask_us_per_token"][k]
-        d["ratio"] = round(d["ours"] / d["plain"], 3) if d["plain"] else None
     print(json.dumps(figures, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
@@ -269,7 +325,27 @@ def random_model(tok):
     return model, bias
 
 
-def generate_engine(compiled: list, tok, max_new_tokens: int) -> dict:
+def judge(counts: dict, bad: list, name: str, schema: dict, reason: str, text: str) -> None:
+    """Count one generated answer, overall and in its split: valid / invalid (ended, fails the schema) / check_failed
+    (ended naming its failure) / dead_end / unfinished (cut by the token limit)."""
+    if reason == "ended":
+        try:
+            ok = validator(schema).is_valid(json.loads(text))
+        except ValueError:
+            ok = False
+        reason = "valid" if ok else "invalid"
+        if not ok:
+            bad.append((name, text[:200]))
+    for c in (counts, counts["splits"].setdefault(split_of(name), {})):
+        c[reason] = c.get(reason, 0) + 1
+
+
+def new_counts(n: int) -> dict:
+    return {"schemas": n, "valid": 0, "invalid": 0, "check_failed": 0, "dead_end": 0, "unfinished": 0,
+            "splits": {}}
+
+
+def generate_engine(compiled: list, tok, max_new_tokens: int, order: str) -> dict:
     """The same random model and bias (a hook on its head) in the engine, one request per schema
     (response_format, sampled, seed = its index), all in one batch: the engine rewinds a request whose check left
     no valid continuation and decodes on (finish_reason check_failed once 3 retries are spent)."""
@@ -278,33 +354,24 @@ def generate_engine(compiled: list, tok, max_new_tokens: int) -> dict:
     model, bias = random_model(tok)
     model.lm_head.register_forward_hook(lambda module, args, logits: logits + bias[: logits.shape[-1]])
     engine = Engine(model, tok, max_num_seqs=256, max_batch_tokens=2048)
-    counts = {"schemas": len(compiled), "stop": 0, "stop_valid": 0, "check_failed": 0, "length": 0,
-              "requests_rewound": 0, "rewinds": 0, "seconds": 0.0}
+    counts = {**new_counts(len(compiled)), "requests_rewound": 0, "rewinds": 0}
     bad = []
     t0 = time.perf_counter()
-    params = [SamplingParams(max_tokens=max_new_tokens, temperature=1.0, seed=i,
-                             response_format={"type": "json_schema", "json_schema": {"schema": schema}})
-              for i, (_, schema, _) in enumerate(compiled)]
+    params = [SamplingParams(max_tokens=max_new_tokens, temperature=1.0, seed=i, response_format={
+        "type": "json_schema", "json_schema": {"schema": schema, "property_order": order}})
+        for i, (_, schema, _) in enumerate(compiled)]
     outs = engine.generate([[tok.bos_token_id or 1]] * len(compiled), params)
     for (name, schema, _), out in zip(compiled, outs):
-        counts[out.finish_reason if out.finish_reason in counts else "length"] += 1
+        reason = {"stop": "ended", "length": "unfinished"}.get(out.finish_reason, out.finish_reason)
+        judge(counts, bad, name, schema, reason, out.text)
         counts["requests_rewound"] += out.metrics["grammar_retries"] > 0
         counts["rewinds"] += out.metrics["grammar_retries"]
-        if out.finish_reason == "stop":
-            try:
-                ok = validator(schema).is_valid(json.loads(out.text))
-            except ValueError:
-                ok = False
-            counts["stop_valid"] += ok
-            if not ok:
-                bad.append((name, out.text[:200]))
-    counts["seconds"] = round(time.perf_counter() - t0, 1)
-    counts["invalid_examples"] = bad[:5]
-    return counts
+    return finish_tally(counts, bad, t0)
 
 
 def generate(compiled: list, tok, max_new_tokens: int) -> dict:
-    """A random-weight llama samples under each grammar; outputs that end with EOS are validated."""
+    """A random-weight llama samples under each grammar (the processor alone: no retry); outputs that end with EOS
+    are validated."""
     from transformers import LogitsProcessorList
 
     from hf_attn_patch.grammar import GrammarConstrainedLogitsProcessor
@@ -314,8 +381,7 @@ def generate(compiled: list, tok, max_new_tokens: int) -> dict:
     def structural_bias(input_ids, scores):
         return scores + bias[: scores.shape[-1]]
 
-    counts = {"schemas": len(compiled), "eos": 0, "eos_valid": 0, "check_failed": 0, "dead_end": 0, "length": 0,
-              "eos_with_checks": 0, "seconds": 0.0}
+    counts = new_counts(len(compiled))
     bad = []
     t0 = time.perf_counter()
     for i, (name, schema, grammar) in enumerate(compiled):
@@ -326,55 +392,42 @@ def generate(compiled: list, tok, max_new_tokens: int) -> dict:
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
                                  do_sample=True, logits_processor=LogitsProcessorList([structural_bias, proc]),
                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
-        tally(counts, bad, name, schema, proc, out[0, 1:].tolist(), tok, other="dead_end")
+        tally(counts, bad, name, schema, proc, out[0, 1:].tolist(), tok)
     return finish_tally(counts, bad, t0)
 
 
-def tally(counts: dict, bad: list, name: str, schema: dict, proc, new: list[int], tok, other: str) -> None:
-    """Count one generated answer by its end (a reason outside `counts` counts as `other`); validate it when it
-    ended with EOS (kept in `bad` when invalid)."""
-    reason = proc.finish_reasons[0]  # None when EOS was sampled last (the processor is not called after it)
-    reason = (reason or ("eos" if new and new[-1] == tok.eos_token_id else "length")).split(":")[0]
-    counts[reason if reason in counts else other] += 1
-    if reason != "eos":
-        return
-    text = tok.decode(new, skip_special_tokens=True)
-    try:
-        ok = validator(schema).is_valid(json.loads(text))
-    except ValueError:
-        ok = False
-    counts["eos_valid"] += ok
-    counts["eos_with_checks"] += proc.grammars[0].checks is not None
-    if not ok:
-        bad.append((name, text[:200]))
+def tally(counts: dict, bad: list, name: str, schema: dict, proc, new: list[int], tok) -> None:
+    """Judge one answer of a processor by its finish reason (None when EOS was sampled last: the processor is not
+    called after it)."""
+    reason = (proc.finish_reasons[0] or ("eos" if new and new[-1] == tok.eos_token_id else "length")).split(":")[0]
+    reason = {"eos": "ended", "length": "unfinished"}.get(reason, reason)
+    judge(counts, bad, name, schema, reason, tok.decode(new, skip_special_tokens=True))
 
 
 def finish_tally(counts: dict, bad: list, t0: float) -> dict:
     counts["seconds"] = round(time.perf_counter() - t0, 1)
-    counts["eos_valid_pct"] = round(100.0 * counts["eos_valid"] / max(counts["eos"], 1), 2)
     counts["invalid_examples"] = bad[:5]
     return counts
 
 
-def generate_smollm2(sample: list, max_new_tokens: int) -> dict:
+def generate_smollm2(sample: list, max_new_tokens: int, order: str) -> dict:
     """SmolLM2-135M-Instruct, greedy, asked for a JSON answer under each schema (shown in the prompt)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from hf_attn_patch.grammar import JSONSchemaLogitsProcessor
+    from hf_attn_patch.grammar import GrammarConstrainedLogitsProcessor
     from hf_attn_patch.models.pretrained import smollm2_dir
 
     path = smollm2_dir()
     tok = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
-    counts = {"schemas": 0, "refused": 0, "eos": 0, "eos_valid": 0, "check_failed": 0, "length": 0,
-              "eos_with_checks": 0, "seconds": 0.0}
+    counts = {**new_counts(0), "refused": 0}
     bad = []
     t0 = time.perf_counter()
     for name, entry in sample:
         schema = entry["schema"]
         counts["schemas"] += 1
         try:
-            proc = JSONSchemaLogitsProcessor(schema, tok)
+            proc = GrammarConstrainedLogitsProcessor([GrammarSpec.json_schema(schema, order)], tok)
         except GrammarError:
             counts["refused"] += 1
             continue
@@ -386,7 +439,7 @@ def generate_smollm2(sample: list, max_new_tokens: int) -> dict:
             out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, logits_processor=[proc], eos_token_id=tok.eos_token_id,
                                  pad_token_id=tok.eos_token_id)
-        tally(counts, bad, name, schema, proc, out[0, ids.shape[1]:].tolist(), tok, other="length")
+        tally(counts, bad, name, schema, proc, out[0, ids.shape[1]:].tolist(), tok)
     return finish_tally(counts, bad, t0)
 
 

@@ -35,9 +35,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.manager import KVManager
 from ..devices import resolve_device, resolve_dtype
 from ..grammar.retry import RowRetry
-from ..cache.manager import KVManager
 from ..kv_memory import kv_cache_bytes
 from ..speculative.drafters import ngram_lookup
 from .detokenizer import IncrementalDetokenizer

@@ -111,6 +111,8 @@ class LLGuidanceBackend:
         """Template matcher for `spec`; GrammarError on an unsupported feature or syntax error.
         json_options: extra llguidance JSON options (``coerce_one_of``, ``lenient``)."""
         llg = self._llg
+        if whitespace_flexible:  # any whitespace around the bare separators (", " would require the space)
+            separators = tuple(sep.strip() for sep in separators)
         options = {"whitespace_flexible": whitespace_flexible, "item_separator": separators[0],
                    "key_separator": separators[1], **(json_options or {})}
         try:

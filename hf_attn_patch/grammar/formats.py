@@ -54,7 +54,9 @@ def format_checker():
     """jsonschema's FormatChecker with the formats above added."""
     import jsonschema
 
-    checker = jsonschema.FormatChecker()
+    checker = jsonschema.FormatChecker(formats=())
+    checker.checkers.update(jsonschema.FormatChecker().checkers)  # every draft's; the 2020-12 meaning wins ("time"
+    checker.checkers.update(jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers)  # with its offset, not draft 3's)
     added = {"int32": _int32, "int64": _int64, "float": _float, "double": _double, "byte": _byte,
              "binary": _any_string, "password": _any_string}
     for alias, name in (("host-name", "hostname"), ("ip-address", "ipv4")):

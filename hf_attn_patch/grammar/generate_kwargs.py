@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .errors import GrammarError
 from .processors import GrammarConstrainedLogitsProcessor, grammar_spec
-from .spec import GrammarSpec
+from .spec import PROPERTY_ORDERS, GrammarSpec
 
 _ANY_TEXT = "(?s:.*)"
 
@@ -41,10 +41,14 @@ def _response_format_spec(rf, field: str) -> GrammarSpec | None:
         schema = js.get("schema")
         if schema is None:
             raise ValueError(f"{field}['json_schema']['schema']: missing (keys present: {sorted(js)})")
+        order = js.get("property_order", "schema")
+        if order not in PROPERTY_ORDERS:
+            raise ValueError(f"{field}['json_schema']['property_order']: expected one of {PROPERTY_ORDERS}, got "
+                             f"{order!r}")
         try:
-            return GrammarSpec.json_schema(schema, js.get("property_order", "schema"))
+            return GrammarSpec.json_schema(schema, order)
         except GrammarError as err:
-            raise GrammarError(f"{field}['json_schema']: {err}") from None
+            raise GrammarError(f"{field}['json_schema']['schema']: {err}") from None
     raise ValueError(f"{field}['type']: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 

@@ -316,11 +316,14 @@ class _Relaxer:
 
 
 def _any_order(sub: dict, changed: list) -> None:
-    """An object's ``properties`` as anchored ``patternProperties``, which llguidance accepts in any
-    order; ``required`` and min / maxProperties, which it cannot say then, are checked exactly, with no repeated
-    key (checked_matcher.py). Objects that have ``patternProperties`` already keep their order."""
+    """An object's ``properties`` as anchored ``patternProperties``, which llguidance accepts in any order;
+    ``required`` and min / maxProperties, which it cannot say then, are checked exactly, with no repeated key
+    (checked_matcher.py). Kept in declaration order: objects with ``patternProperties`` of their own, and objects
+    beside an ``anyOf`` / ``oneOf`` / ``allOf`` (llguidance intersects their branches with pattern properties
+    wrongly: keys it should allow are refused)."""
     props = sub.get("properties")
-    if not isinstance(props, dict) or not props or "patternProperties" in sub:
+    if not isinstance(props, dict) or not props or "patternProperties" in sub or any(
+            k in sub for k in ("anyOf", "oneOf", "allOf")):
         return
     sub["patternProperties"] = {"^" + _regex_literal(k) + "$": v for k, v in props.items()}
     del sub["properties"]
@@ -379,6 +382,9 @@ def relax_and_compile(schema: dict, compile_fn, known_formats, backend: str = "l
                 compiled = compile_fn(relaxed, options)
             except GrammarError as err:
                 last = str(err)
+                if "Unsatisfiable schema" in last and relaxer.any_order:  # keys in any order: not said here
+                    relaxer.any_order = False
+                    continue
                 if "Unsatisfiable schema" in last:  # the widened schema admits no value: neither does the schema
                     raise GrammarError(f"json_schema: the schema admits no value ({last})") from None
                 if relaxer.widen_from_error(last):

@@ -100,7 +100,7 @@ def read_response_format(body: dict) -> dict | None:
         js = rf.get("json_schema")
         if not isinstance(js, dict) or not isinstance(js.get("schema", {}), (dict, bool)):
             raise bad("response_format", f"json_schema: expected {{'name', 'schema': {{...}}}}, got {_short(js)}")
-        extra = set(js) - {"name", "schema", "strict", "description"}
+        extra = set(js) - {"name", "schema", "strict", "description", "property_order"}
         if extra:
             raise bad("response_format", f"json_schema: unknown key {sorted(extra)[0]!r}")
         if "schema" not in js:  # OpenAI: no schema = any JSON object
