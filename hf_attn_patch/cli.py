@@ -426,7 +426,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock DeepseekV3ForCausalLM (MLA)")
     cv.add_argument("--engine", choices=["vllm", "sglang", "flashmla", "llama.cpp", "transformers"],
                     help="--format deepseek_v3: the engine whose MLA kernels the shapes fit (default llama.cpp, any "
-                    "shape, with the query LoRA llama.cpp needs; vllm / sglang: 512+64 or 256+64; flashmla: 512+64)")
+                    "shape, with the query LoRA llama.cpp needs; vllm: 512+64, every backend incl. vLLM-CPU, or 256+64, GPU "
+                    "backends only; sglang: 512+64 or 256+64; flashmla: 512+64)")
     cv.add_argument("--dtype", help="dtype of the saved weights (default: the source's)")
     cv.add_argument("--device", help="where the model passes run (teacher samples, statistics, sensitivity, "
                     "reconstruction): auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, cuda:N")

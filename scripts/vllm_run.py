@@ -3,20 +3,24 @@ neither hf_attn_patch nor anything of the package's venv, and speaks JSON both w
 
     build/vllm-venv/bin/python scripts/vllm_run.py JOBS.json OUT.json
 
-JOBS.json: a list of jobs, each {"name", "model", "engine": {vllm.LLM keyword arguments}, then either
-  "requests": [{"ids": prompt token ids, "max_tokens": n}]  -> prompt logprobs of every prompt token after the first
-                                                              and the greedy continuation (temperature 0), or
-  "bench": {"prompts": [ids, ...], "max_tokens": n, "batch_sizes": [1, 8, 32]}  -> offline throughput per batch
-                                                              size, time to first token, inter-token latency}.
-Every job loads its model once (a vLLM load takes about a minute on two cores); jobs run one after the other in
-this one process. vLLM spawns its engine process, hence the __main__ guard.
+JOBS.json: a list of jobs, each {"name", "model", "engine": {vllm.LLM keyword arguments}, "requests": [{"ids":
+prompt token ids, "max_tokens": n}]} -> prompt logprobs of every prompt token after the first and the greedy
+continuation (temperature 0). Every job loads its model once (a vLLM load takes about a minute on two cores); jobs
+run one after the other in this one process.
+
+    build/vllm-venv/bin/python scripts/vllm_run.py --bench MODEL ENGINE_JSON
+
+loads MODEL once, then answers batches on stdin, one JSON line each, {"prompts": [ids, ...], "max_tokens": n}, with
+one line "RESULT {json}" on stdout: wall seconds, generated tokens, per-request time to first token and mean
+inter-token latency (vLLM's request metrics), so a caller can interleave its own runs with vLLM's
+(scripts/bench_vs_vllm.py). The first line "READY {json}" gives the KV pool: blocks and block size (VLLM_CPU_KVCACHE_SPACE GiB in all).
+vLLM spawns its engine process, hence the __main__ guard.
 """
 
 from __future__ import annotations
 
 import gc
 import json
-import statistics
 import sys
 import time
 
@@ -36,52 +40,48 @@ def score(llm, requests: list[dict]) -> list[dict]:
     return out
 
 
-def bench(llm, spec: dict) -> dict:
-    """Offline throughput (generated tokens / s) per batch size: `batch` requests submitted at once, each
-    max_tokens long; time to first token and inter-token latency from vLLM's per-request metrics."""
+def batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All prompts submitted at once, each generating exactly max_tokens (greedy, EOS ignored)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=spec["max_tokens"], min_tokens=spec["max_tokens"], temperature=0.0,
-                            ignore_eos=True, detokenize=False)  # fmt: skip
-    prompts = [TokensPrompt(prompt_token_ids=ids) for ids in spec["prompts"]]
-    llm.generate(prompts[:2], params, use_tqdm=False)  # warm-up
-    rows = []
-    for batch in spec["batch_sizes"]:
-        chosen = [prompts[i % len(prompts)] for i in range(batch)]
-        start = time.perf_counter()
-        outs = llm.generate(chosen, params, use_tqdm=False)
-        wall = time.perf_counter() - start
-        tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-        ttft, itl = [], []
-        for o in outs:
-            m = getattr(o, "metrics", None)
-            first = getattr(m, "first_token_latency", None) if m is not None else None
-            if first is not None:
-                ttft.append(first)
-            last, first_ts = getattr(m, "last_token_ts", None), getattr(m, "first_token_ts", None)
-            n = len(o.outputs[0].token_ids)
-            if last is not None and first_ts is not None and n > 1:
-                itl.append((last - first_ts) / (n - 1))
-        rows.append({"batch": batch, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
-                     "ttft_s": statistics.median(ttft) if ttft else None,
-                     "itl_s": statistics.median(itl) if itl else None})  # fmt: skip
-    return {"rows": rows}
+    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                            detokenize=False)  # fmt: skip
+    start = time.perf_counter()
+    outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
+    wall = time.perf_counter() - start
+    ttft, itl = [], []
+    for o in outs:  # engine-core timestamps (monotonic), from vLLM's per-request stats
+        m, n = o.metrics, len(o.outputs[0].token_ids)
+        ttft.append(m.first_token_latency)
+        itl.append((m.last_token_ts - m.first_token_ts) / max(1, n - 1))
+    return {"wall_s": wall, "tokens": sum(len(o.outputs[0].token_ids) for o in outs), "ttft_s": ttft, "itl_s": itl}
+
+
+def serve_bench(model: str, engine: dict) -> None:
+    from vllm import LLM
+
+    llm = LLM(model=model, disable_log_stats=False, **engine)  # log stats: the per-request metrics
+    cache = llm.llm_engine.vllm_config.cache_config
+    print("READY " + json.dumps({"num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}), flush=True)
+    for line in sys.stdin:
+        spec = json.loads(line)
+        print("RESULT " + json.dumps(batch(llm, spec["prompts"], spec["max_tokens"])), flush=True)
 
 
 def main() -> None:
     from vllm import LLM
 
+    if sys.argv[1] == "--bench":
+        serve_bench(sys.argv[2], json.loads(sys.argv[3]))
+        return
     jobs = json.load(open(sys.argv[1]))
     results = []
     for job in jobs:
         start = time.perf_counter()
         llm = LLM(model=job["model"], **job.get("engine", {}))
         result = {"name": job["name"], "load_s": time.perf_counter() - start}
-        if "requests" in job:
-            result["requests"] = score(llm, job["requests"])
-        if "bench" in job:
-            result["bench"] = bench(llm, job["bench"])
+        result["requests"] = score(llm, job["requests"])
         results.append(result)
         print(f"vllm_run: {job['name']} done (load {result['load_s']:.0f} s)", flush=True)
         del llm
