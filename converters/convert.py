@@ -20,8 +20,8 @@ import torch
 
 from ..hub import push
 from .options import ConvertOptions
-from .output import check_output
-from .pipeline import convert_layers, write_native
+from .io.output import check_output
+from .stages.layers import convert_layers, write_native
 from .stages.heal import heal_whole
 from .stages.plan import plan_layers
 from .stages.report import Clock, build_report
@@ -43,6 +43,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     src = open_source(source, opts.device)
     clock = Clock(src.device)
     target = clock.run("target", resolve_target, src, opts, options)  # refuses a bad source before any weight
+    opts = target.options  # with the choices resolved from the source (frozen, as the user's)
     clock.run("resident", src.layers.load_resident)
     cal = clock.run("calibration", calibrate, src, opts, target.needs_stats)
     plan = clock.run("plan", plan_layers, src, opts, target, cal.windows)

@@ -1,36 +1,32 @@
-"""The options of `convert()`: nested dataclasses, each validated on construction.
+"""The options of `convert()`: ConvertOptions and its sections (calibration, reconstruction, healing, output), frozen
+dataclasses, each validated on construction.
 
-    ConvertOptions(to, kv_heads, kv_lora_rank, rope_dim, kv_budget, method, regroup, rank_allocation, rope_context,
-                   format, engine, seed, device, dtype,
-                   calibration: CalibrationOptions(data, split, column, samples, length, source, propagate),
-                   reconstruction: ReconstructionOptions(steps, lr, target, attention_kl),
-                   healing: HealingOptions(steps, lr, data, held_in, batch_size, train, layerwise_steps,
-                                           checkpoint_dir, checkpoint_every, resume),
-                   output: OutputOptions(overwrite, max_shard_size, push_to_hub, private))
-
-Users give flat names (`convert(..., calib_samples=16)`, `--calib-samples 16`); `ConvertOptions.from_flat` maps them
-onto the sections (FLAT_NAMES) and `flat()` maps back. Errors name the flat name and the value ("calib_samples=1 ..."),
+Each option is declared once, as its field: the default, and in `option(...)` metadata its flat name, help text,
+choices and command-line type; FLAT_NAMES, the CLI's --flags (cli.py) and the applied defaults of healing are read
+from them. Users give flat names (`convert(..., calib_samples=16)`, `--calib-samples 16`); `ConvertOptions.from_flat`
+maps them onto the sections and `flat()` maps back. Errors name the flat name and the value ("calib_samples=1 ..."),
 since that is what the user typed. An option that does not apply to the chosen target, method or healing is refused;
 the defaults of the options that apply are filled in (those that do not apply stay None).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from transformers.utils.hub import convert_file_size_to_int
 
 from ..devices import resolve_device
 from ..extras import available, require
 from ..kv_memory import dtype_of
-from .calibration import CALIB_SOURCES, is_dataset_source
-from .deepseek_export import ENGINES
-from .gqa_merge import GQA_METHODS
-from .heal_fsdp import launch_mode
+from .io.calibration import CALIB_SOURCES, is_dataset_source
+from .export.constants import ENGINES
+from .methods.gqa_merge import GQA_METHODS
+from .fitting.heal_fsdp import launch_mode
 from ..hub import check_repo_id
-from .methods import MLA_METHODS
-from .reconstruct import TARGETS as RECONSTRUCT_TARGETS
+from .methods.mla_plan import MLA_METHODS
+from .fitting.reconstruct import TARGETS as RECONSTRUCT_TARGETS
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +34,50 @@ TARGETS = ("gqa", "mqa", "mla")
 FORMATS = ("auto", "native", "stock", "deepseek_v3")
 HEAL_DATA = ("calib", "teacher", "mix")
 RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity")
+
+
+def option(default=None, help: str = "", *, flat: str | None = None, choices: tuple | None = None, parse=None,
+           metavar: str | None = None, flag: str | None = None, applied=None, factory=None):  # noqa: A002
+    """A field declared once: its default and, in its metadata, what the command line and the report need.
+
+    flat: the user-facing name (default: the field's); choices: shown by --help and checked by argparse; parse: the
+    argparse type (text -> value; range checks stay in the dataclass, which names the option); flag: an explicit
+    --flag with a store_true / store_false action for booleans ("--propagate", "--no-regroup"); applied: the default
+    filled in when the option applies (healing options: when healing runs)."""
+    metadata = {"help": help, "flat": flat, "choices": choices, "parse": parse, "metavar": metavar, "flag": flag,
+                "applied": applied}  # fmt: skip
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+def int_or_auto(text: str) -> int | str:  # command-line values: a number or the word auto
+    return text if text == "auto" else int(text)
+
+
+def float_or_auto(text: str) -> float | str:
+    return text if text == "auto" else float(text)
+
+
+def _fill(options, name: str, value) -> None:
+    """Set a default while validating: the options are frozen from then on."""
+    object.__setattr__(options, name, value)
+
+
+def resolved(opts: "ConvertOptions", **changes) -> "ConvertOptions":
+    """A copy of validated options with the choices a stage resolved, by flat name (method, reconstruct_steps):
+    frozen like the original; not validated again (the stage that resolved them checked them)."""
+    out, sections = copy.copy(opts), {}
+    for name, value in changes.items():
+        place = FLAT_NAMES[name]
+        if place is None:
+            _fill(out, name, value)
+        else:
+            section = sections.setdefault(place[0], copy.copy(getattr(opts, place[0])))
+            _fill(section, place[1], value)
+    for section, value in sections.items():
+        _fill(out, section, value)
+    return out
 
 
 def _positive_int(name: str, value) -> None:
@@ -55,17 +95,24 @@ def _one_of(name: str, value, allowed: tuple) -> None:
         raise ValueError(f"{name}={value!r} is not one of {allowed}")
 
 
-@dataclass
+@dataclass(frozen=True)
 class CalibrationOptions:
     """The activations the closed forms are fitted to: `samples` windows of `length` tokens (flat names calib_*)."""
 
-    data: str | None = None  # text file, folder of .txt files or a datasets dataset; default: the package's corpus
-    split: str = "train"  # datasets only
-    column: str = "text"  # datasets only
-    samples: int = 32  # SmolLM2 MLA 50%: 32 vs 16 lowers the held-in teacher KL after reconstruction (BENCHMARKS)
-    length: int = 256
-    source: str = "teacher"  # teacher: the source's own samples, prompted from data; text: its windows
-    propagate: bool = False  # each layer's closed form recomputed from the converted prefix's statistics (kept if better)
+    data: str | None = option(None, "text file, folder of .txt files, or a datasets dataset: a save_to_disk folder, "
+                              "a .json/.jsonl/.parquet/.csv file or a dataset name[:config] (default: the package's "
+                              "corpus)", flat="calib_data")  # fmt: skip
+    split: str = option("train", "datasets: the split to read (default train)", flat="calib_split")
+    column: str = option("text", "datasets: the text column (default text)", flat="calib_column")
+    # SmolLM2 MLA 50%: 32 vs 16 lowers the held-in teacher KL after reconstruction (BENCHMARKS)
+    samples: int = option(32, "calibration windows (default 32)", flat="calib_samples", parse=int)
+    length: int = option(256, "tokens per calibration window (default 256)", flat="calib_len", parse=int)
+    source: str = option("teacher", "calibration windows: samples of the source model itself (default; prompted by "
+                         "each calibration-text window's first 4 tokens, temperature 1, top-p 0.95, --seed), or the "
+                         "calibration text", flat="calib_source", choices=CALIB_SOURCES)  # fmt: skip
+    propagate: bool = option(False, "recompute each layer's closed form from the statistics of the converted layers "
+                             "before it (kept per layer where it lowers the held-in error; measured no better than "
+                             "plain: off by default)", flag="--propagate")  # fmt: skip
 
     def __post_init__(self) -> None:
         _one_of("calib_source", self.source, CALIB_SOURCES)
@@ -75,14 +122,22 @@ class CalibrationOptions:
             require("convert", f"calib_data={self.data!r} (a datasets dataset)")
 
 
-@dataclass
+@dataclass(frozen=True)
 class ReconstructionOptions:
     """Adam steps fitting each converted layer's output after its closed form (flat names reconstruct_*)."""
 
-    steps: int | str = "auto"  # "auto": by the KV share kept (convert.auto_reconstruct_steps); 0: the closed form only
-    lr: float = 1e-2  # step as a fraction of each weight tensor's RMS (SmolLM2: best held-in)
-    target: str = "source"  # source: the source layer on its own inputs; local: on the converted ones
-    attention_kl: float = 0.0  # weight of the attention-pattern KL to the source's beside the output error
+    steps: int | str = option("auto", "Adam steps fitting each converted attention layer's output to the source's, "
+                              "layer by layer (default auto: 60 when the conversion keeps at least half the source's "
+                              "KV values, 150 below; 0: closed form only)", flat="reconstruct_steps",
+                              parse=int_or_auto)  # fmt: skip
+    lr: float = option(1e-2, "reconstruction step, a fraction of each weight's RMS (default 0.01; SmolLM2: best "
+                       "held-in)", flat="reconstruct_lr", parse=float)  # fmt: skip
+    target: str = option("source", "fit to the source layer on the source's inputs (default) or on the converted "
+                         "prefix's", flat="reconstruct_target", choices=RECONSTRUCT_TARGETS)  # fmt: skip
+    attention_kl: float = option(0.0, "add WEIGHT x the KL of each head's attention pattern to the source's to the "
+                                 "reconstruction's objective, so sharp retrieval attention counts (default 0: the "
+                                 "output error alone)", flat="reconstruct_attention_kl", parse=float,
+                                 metavar="WEIGHT")  # fmt: skip
 
     def __post_init__(self) -> None:
         if self.steps != "auto":
@@ -94,39 +149,44 @@ class ReconstructionOptions:
             raise ValueError(f"reconstruct_attention_kl={self.attention_kl!r} must be a non-negative number")
 
 
-# HealingOptions field -> its default, filled in when healing runs (steps > 0); given without healing: refused
-HEAL_DEFAULTS = {"lr": "auto", "data": "teacher", "held_in": 4, "batch_size": 4, "train": "attention",
-                 "layerwise_steps": 40, "checkpoint_dir": None, "resume": False}  # fmt: skip
-
-
-@dataclass
+@dataclass(frozen=True)
 class HealingOptions:
     """Distillation from the source after conversion (flat names heal_*, checkpoint_dir / checkpoint_every, resume)."""
 
-    steps: int = 0  # 0: zero-shot (no healing; the other fields must stay unset)
-    lr: float | str | None = None  # a rate, or "auto" (default): a range test on held-in windows
-    data: str | None = None  # teacher: the source's own samples (default); calib: the calibration text; mix: both
-    held_in: int | None = None  # windows held out of healing to keep its best state (default 4)
-    batch_size: int | None = None  # windows of calib_len tokens per step, cut from the calibration text (default 4)
-    train: str | None = None  # attention (default): only the converted layers; all: every weight
-    layerwise_steps: int | None = None  # first stage: Adam steps per decoder layer fitting its output to the
-    # source's on the calibration windows (reconstruct target "block"); default 40, 0: none (BENCHMARKS)
-    checkpoint_dir: str | None = None  # healing state saved here every checkpoint_every steps
-    checkpoint_every: int = 0
-    resume: bool = False  # continue healing from the last state in checkpoint_dir
+    # Healing applies with steps > 0; the other fields must then stay unset (None / False) and get `applied`.
+    steps: int = option(0, "distillation steps from the source after conversion (default 0: none)", flat="heal_steps",
+                        parse=int)  # fmt: skip
+    lr: float | str | None = option(None, "healing learning rate, or auto (default): a short range test on held-in "
+                                    "windows", flat="heal_lr", parse=float_or_auto, applied="auto")  # fmt: skip
+    data: str | None = option(None, "healing text: samples from the source model (default), the calibration text, or "
+                              "both", flat="heal_data", choices=HEAL_DATA, applied="teacher")  # fmt: skip
+    held_in: int | None = option(None, "windows held out of healing; the best state on them is returned (default 4)",
+                                 flat="heal_held_in", parse=int, applied=4)  # fmt: skip
+    batch_size: int | None = option(None, "windows of calib_len tokens per healing step (default 4)",
+                                    flat="heal_batch_size", parse=int, applied=4)  # fmt: skip
+    train: str | None = option(None, "what healing updates: the converted attention layers (default) or every weight",
+                               flat="heal_train", choices=("attention", "all"), applied="attention")  # fmt: skip
+    layerwise_steps: int | None = option(None, "healing's first stage: Adam steps per decoder layer matching its output "
+                                         "to the source's on the calibration windows, layer by layer (default 40; "
+                                         "0: none)", flat="heal_layerwise_steps", parse=int, applied=40)  # fmt: skip
+    checkpoint_dir: str | None = option(None, "save the healing state here (with --checkpoint-every N)",
+                                        flat="checkpoint_dir")  # fmt: skip
+    checkpoint_every: int = option(0, "healing steps between saved states", flat="checkpoint_every", parse=int)
+    resume: bool = option(False, "continue healing from --checkpoint-dir", flat="resume", flag="--resume")
 
     def __post_init__(self) -> None:
         if not isinstance(self.steps, int) or isinstance(self.steps, bool) or self.steps < 0:
             raise ValueError(f"heal_steps={self.steps!r} must be a non-negative integer")
+        applied = {f.name: f.metadata["applied"] for f in fields(self) if f.name not in ("steps", "checkpoint_every")}
         if not self.steps:
-            given = [n for n in HEAL_DEFAULTS if getattr(self, n) not in (None, False)]
+            given = [n for n in applied if getattr(self, n) not in (None, False)]
             if given:  # it was given for a reason: healing would have used it
                 raise ValueError(f"{flat_name('healing', given[0])}={getattr(self, given[0])!r} applies to healing "
                                  f"only: set heal_steps (--heal-steps N)")  # fmt: skip
         else:
-            for name, value in HEAL_DEFAULTS.items():
+            for name, value in applied.items():
                 if getattr(self, name) is None:
-                    setattr(self, name, value)
+                    _fill(self, name, value)
             _one_of("heal_train", self.train, ("attention", "all"))
             if self.lr != "auto" and (isinstance(self.lr, (str, bool)) or not self.lr > 0):
                 raise ValueError(f"heal_lr={self.lr!r} must be a positive number or 'auto'")
@@ -144,14 +204,16 @@ class HealingOptions:
                                "(pip install 'hf-attn-patch[plot]')")  # fmt: skip
 
 
-@dataclass
+@dataclass(frozen=True)
 class OutputOptions:
     """How the finished folder is written and published."""
 
-    overwrite: bool = False
-    max_shard_size: str = "2GB"  # weights above this are split into shards with model.safetensors.index.json
-    push_to_hub: str | None = None  # owner/name: upload the finished folder (huggingface_hub)
-    private: bool = False
+    overwrite: bool = option(False, "replace OUT if it exists", flat="overwrite", flag="--overwrite")
+    max_shard_size: str = option("2GB", "split weights above this size into shards with an index (default 2GB)",
+                                 flat="max_shard_size")  # fmt: skip
+    push_to_hub: str | None = option(None, "owner/name: upload OUT when the conversion is done", flat="push_to_hub",
+                                     metavar="REPO")  # fmt: skip
+    private: bool = option(False, "with --push-to-hub: a private repo", flat="private", flag="--private")
 
     def __post_init__(self) -> None:
         try:  # checked now: save_pretrained would only find out after converting and healing
@@ -169,26 +231,14 @@ class OutputOptions:
 
 SECTIONS = {"calibration": CalibrationOptions, "reconstruction": ReconstructionOptions, "healing": HealingOptions,
             "output": OutputOptions}  # fmt: skip
-# Every flat option name (convert()'s keywords, the CLI's --flags, the report's "options"), in the report's order,
-# -> (section, field), or None for a field of ConvertOptions itself.
-FLAT_NAMES = {
-    "to": None, "kv_heads": None, "kv_lora_rank": None, "rope_dim": None, "kv_budget": None, "method": None,
-    "regroup": None, "rank_allocation": None, "rope_context": None,
-    "calib_data": ("calibration", "data"), "calib_split": ("calibration", "split"),
-    "calib_column": ("calibration", "column"), "calib_samples": ("calibration", "samples"),
-    "calib_len": ("calibration", "length"), "calib_source": ("calibration", "source"),
-    "propagate": ("calibration", "propagate"),
-    "reconstruct_steps": ("reconstruction", "steps"), "reconstruct_lr": ("reconstruction", "lr"),
-    "reconstruct_target": ("reconstruction", "target"), "reconstruct_attention_kl": ("reconstruction", "attention_kl"),
-    "heal_steps": ("healing", "steps"), "heal_lr": ("healing", "lr"), "heal_data": ("healing", "data"),
-    "heal_held_in": ("healing", "held_in"), "heal_batch_size": ("healing", "batch_size"),
-    "heal_train": ("healing", "train"), "heal_layerwise_steps": ("healing", "layerwise_steps"),
-    "checkpoint_dir": ("healing", "checkpoint_dir"), "checkpoint_every": ("healing", "checkpoint_every"),
-    "resume": ("healing", "resume"),
-    "format": None, "engine": None, "dtype": None, "device": None, "seed": None,
-    "overwrite": ("output", "overwrite"), "max_shard_size": ("output", "max_shard_size"),
-    "push_to_hub": ("output", "push_to_hub"), "private": ("output", "private"),
-}  # fmt: skip
+
+
+def option_fields() -> list[tuple[str, tuple | None, dict]]:
+    """(flat name, (section, field) or None for a field of ConvertOptions itself, metadata) of every option, in
+    declaration order: ConvertOptions' own fields, then each section's."""
+    top = [(f.name, None, f.metadata) for f in fields(ConvertOptions) if f.name not in SECTIONS]
+    return top + [(f.metadata["flat"] or f.name, (section, f.name), f.metadata) for section, kind in SECTIONS.items()
+                  for f in fields(kind)]  # fmt: skip
 
 
 def flat_name(section: str, name: str) -> str:
@@ -196,31 +246,44 @@ def flat_name(section: str, name: str) -> str:
     return next(flat for flat, place in FLAT_NAMES.items() if place == (section, name))
 
 
-@dataclass
+@dataclass(frozen=True)
 class ConvertOptions:
     """What to convert to, and how. Each section validates itself on construction, then the checks that span
     sections run here (errors name the option and its value)."""
 
-    to: str
-    kv_heads: int | None = None  # gqa: KV heads after conversion (mqa: 1)
-    kv_lora_rank: int | None = None  # mla: latent dims d_c
-    rope_dim: int | None = None  # mla: shared RoPE key dims d_r (default: one head's d_h, at most 1/3 of kv_budget)
-    kv_budget: float | None = None  # mla: fraction of the source's KV values per token (instead of kv_lora_rank)
-    method: str | None = None  # gqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla
-    regroup: bool | None = None  # gqa aligned / pca: group KV heads by similarity, not by index (default True)
-    rank_allocation: str | None = None  # mla with kv_budget: sensitivity (budgets.py; default with a native format),
-    # uniform (the default otherwise) or energy (measured worse)
-    rope_context: int | None = None  # mla: L, the distances (tokens) the RoPE split keeps rotation for: a dropped
-    # component costs energy x 2(1 - sinc(theta L)) (methods.py); default: calib_len
-    format: str = "auto"  # native: our config fields; stock: plain config (llama-family GQA); deepseek_v3 (MLA)
-    engine: str | None = None  # deepseek_v3: the engine whose MLA shapes the export takes (default llama.cpp)
-    seed: int = 0
-    device: str = "auto"  # where the model passes run (sampling, statistics, sensitivity, fits); auto: cuda if any
-    dtype: str | None = None  # of the saved weights; default: the source's
-    calibration: CalibrationOptions = field(default_factory=CalibrationOptions)
-    reconstruction: ReconstructionOptions = field(default_factory=ReconstructionOptions)
-    healing: HealingOptions = field(default_factory=HealingOptions)
-    output: OutputOptions = field(default_factory=OutputOptions)
+    to: str = option(None, "the target attention (required)", choices=TARGETS)
+    kv_heads: int | None = option(None, "gqa: KV heads after conversion (mqa: 1)", parse=int)
+    kv_lora_rank: int | None = option(None, "mla: latent dims d_c", parse=int)
+    rope_dim: int | None = option(None, "mla: dims of the shared RoPE key (even; default: one head's d_h, at most a "
+                                  "third of --kv-budget)", parse=int)  # fmt: skip
+    kv_budget: float | None = option(None, "mla: fraction of the source's KV bytes (instead of --kv-lora-rank)",
+                                     parse=float)  # fmt: skip
+    method: str | None = option(None, "gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla "
+                                "(defaults: the best measured, docs/conversion.md)")  # fmt: skip
+    regroup: bool | None = option(None, "gqa aligned/pca: merge KV heads by index instead of grouping them by "
+                                  "similarity (default: grouped)", flag="--no-regroup")  # fmt: skip
+    rank_allocation: str | None = option(None, "mla with --kv-budget: per layer RoPE dims + rank (or the layer left "
+                                         "exact) by the measured KL of each layer's choice (default; uniform with "
+                                         "--format deepseek_v3), one rank for all layers, or per layer by retained "
+                                         "energy", choices=RANK_ALLOCATIONS)  # fmt: skip
+    # a dropped RoPE component costs energy x 2(1 - sinc(theta L)) (mla_plan.py)
+    rope_context: int | None = option(None, "mla: the distances the RoPE split keeps attention scores right over "
+                                      "(default: --calib-len; the served context keeps retrieval at long distances "
+                                      "at some cost in short-range quality)", parse=int, metavar="TOKENS")  # fmt: skip
+    format: str = option("auto", "auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock "
+                         "DeepseekV3ForCausalLM (MLA)", choices=FORMATS)  # fmt: skip
+    engine: str | None = option(None, "--format deepseek_v3: the engine whose MLA kernels the shapes fit (default "
+                                "llama.cpp, any shape, with the query LoRA llama.cpp needs; vllm: 512+64, every backend "
+                                "incl. vLLM-CPU, or 256+64, GPU backends only; sglang: 512+64 or 256+64; flashmla: "
+                                "512+64)", choices=ENGINES)  # fmt: skip
+    seed: int = option(0, "seed of the teacher samples and the fits (default 0)", parse=int)
+    device: str = option("auto", "where the model passes run (teacher samples, statistics, sensitivity, "
+                         "reconstruction): auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, cuda:N")
+    dtype: str | None = option(None, "dtype of the saved weights (default: the source's)")
+    calibration: CalibrationOptions = option(factory=CalibrationOptions)
+    reconstruction: ReconstructionOptions = option(factory=ReconstructionOptions)
+    healing: HealingOptions = option(factory=HealingOptions)
+    output: OutputOptions = option(factory=OutputOptions)
 
     @classmethod
     def from_flat(cls, **options) -> ConvertOptions:
@@ -234,7 +297,7 @@ class ConvertOptions:
             if FLAT_NAMES[name] is not None:
                 section, key = FLAT_NAMES[name]
                 sections[section][key] = value
-        if "to" not in top:
+        if top.get("to") is None:
             raise TypeError("the conversion option 'to' is required (one of 'gqa', 'mqa', 'mla')")
         return cls(**top, **{section: SECTIONS[section](**kw) for section, kw in sections.items()})
 
@@ -251,15 +314,15 @@ class ConvertOptions:
         self._refuse_inapplicable()
         _one_of("format", self.format, FORMATS)
         methods = MLA_METHODS if self.to == "mla" else GQA_METHODS
-        self.method = self.method or methods[0]
+        _fill(self, "method", self.method or methods[0])
         if self.method not in methods:
             raise ValueError(f"method={self.method!r} is not one of {methods} for to={self.to!r}")
         if self.to != "mla" and self.method != "mean" and self.regroup is None:
-            self.regroup = True
+            _fill(self, "regroup", True)
         if self.to == "mqa":
             if self.kv_heads not in (None, 1):
                 raise ValueError(f"kv_heads={self.kv_heads!r}: MQA has exactly one KV head")
-            self.kv_heads = 1
+            _fill(self, "kv_heads", 1)
         if self.to == "gqa" and self.kv_heads is None:
             raise ValueError("to='gqa' needs kv_heads")
         self._check_rank_allocation()
@@ -270,7 +333,7 @@ class ConvertOptions:
         if self.engine is not None and self.format != "deepseek_v3":
             raise ValueError(f"engine={self.engine!r} applies to format='deepseek_v3' only, not format={self.format!r}")
         if self.format == "deepseek_v3":
-            self.engine = self.engine or "llama.cpp"
+            _fill(self, "engine", self.engine or "llama.cpp")
             _one_of("engine", self.engine, ENGINES)
         if self.to == "mla":
             if (self.kv_lora_rank is None) == (self.kv_budget is None):
@@ -282,7 +345,7 @@ class ConvertOptions:
         _positive_int("kv_heads", self.kv_heads)
         _positive_int("kv_lora_rank", self.kv_lora_rank)
         if self.to == "mla" and self.rope_context is None:  # the calibration window (the source's context costs
-            self.rope_context = self.calibration.length  # short-range quality: docs/conversion-methods.md)
+            _fill(self, "rope_context", self.calibration.length)  # short-range quality: docs/conversion-methods.md)
         _positive_int("rope_context", self.rope_context)
         if self.rope_dim is not None and (not isinstance(self.rope_dim, int) or self.rope_dim < 0 or self.rope_dim % 2):
             raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")
@@ -316,7 +379,7 @@ class ConvertOptions:
         (stock DeepSeek has one rank for all layers)."""
         if self.rank_allocation is None:
             sensitivity = self.to == "mla" and self.kv_budget is not None and self.format != "deepseek_v3"
-            self.rank_allocation = "sensitivity" if sensitivity else "uniform"
+            _fill(self, "rank_allocation", "sensitivity" if sensitivity else "uniform")
         _one_of("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
         if self.rank_allocation == "sensitivity" and (self.to != "mla" or self.kv_budget is None
                                                       or self.format == "deepseek_v3"):  # fmt: skip
@@ -326,3 +389,8 @@ class ConvertOptions:
                                                  or self.format == "deepseek_v3"):
             raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
                              "format (stock DeepSeek has one kv_lora_rank)")
+
+
+# Every flat option name (convert()'s keywords, the CLI's --flags, the report's "options") -> (section, field), or
+# None for a field of ConvertOptions itself; read from the fields' metadata.
+FLAT_NAMES = {flat: place for flat, place, _ in option_fields()}

@@ -130,6 +130,20 @@ def cmd_convert(args) -> None:
     print(json.dumps(summary, indent=2))
 
 
+def add_convert_options(parser: argparse.ArgumentParser) -> None:
+    """One --flag per conversion option, read from ConvertOptions' field metadata (help, choices, type, flag)."""
+    from .converters.options import option_fields
+
+    for name, _, meta in option_fields():
+        kwargs = {"dest": name, "help": meta["help"]}
+        if meta["flag"] is not None:  # a boolean: --propagate / --no-regroup; unset: convert()'s default
+            kwargs.update(action="store_false" if meta["flag"].startswith("--no-") else "store_true", default=None)
+        else:
+            kwargs.update(type=meta["parse"] or str, choices=meta["choices"], metavar=meta["metavar"],
+                          required=name == "to")  # fmt: skip
+        parser.add_argument(meta["flag"] or "--" + name.replace("_", "-"), **kwargs)
+
+
 def convert_options(args) -> dict:
     """The options given on the command line; every other one keeps convert()'s default (one set of defaults)."""
     return {k: v for k, v in vars(args).items() if k not in ("command", "func", "source", "out") and v is not None}
@@ -139,20 +153,6 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
-    return value
-
-
-def _or_auto(parse, noun: str):
-    """An argparse type: a value `parse` accepts, or the word auto (the option's measured default rule)."""
-
-    def value(text: str):
-        if text == "auto":
-            return text
-        try:
-            return parse(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is neither {noun} nor 'auto'") from None
-
     return value
 
 
@@ -190,7 +190,7 @@ def cmd_serve(args) -> None:
     from .devices import resolve_device
     from .engine import Engine
     from .engine.memory import DEFAULT_KV_MEMORY
-    from .engine.server import serve
+    from .serving import serve
 
     if args.gpu_memory_utilization is not None and args.kv_memory is not None:
         raise SystemExit("error: give one of --gpu-memory-utilization and --kv-memory")
@@ -218,7 +218,7 @@ def cmd_serve(args) -> None:
 def cmd_demo(args) -> None:
     import torch
 
-    from .converters.exact import to_variant
+    from .converters.methods.exact import to_variant
     from .kv_memory import kv_report, llama3_8b_configs
     from .models import load_default
 
@@ -257,7 +257,7 @@ def _demo_conversion() -> None:
 
     from transformers import AutoModelForCausalLM
 
-    from .converters.calibration import DEFAULT_CORPUS, read_calibration_text
+    from .converters.io.calibration import DEFAULT_CORPUS, read_calibration_text
     from .converters.convert import convert
     from .evaluation.perplexity import evaluate, windows_of
     from .models import load_default
@@ -368,74 +368,7 @@ def build_parser() -> argparse.ArgumentParser:
     cv = sub.add_parser("convert", help="convert a checkpoint to GQA / MQA / MLA, optionally healed by distillation (writes OUT atomically)")
     cv.add_argument("source", metavar="SRC", help="model folder (safetensors), 'default', 'smollm2' or a Hub id")
     cv.add_argument("out", metavar="OUT")
-    cv.add_argument("--to", required=True, choices=["gqa", "mqa", "mla"])
-    cv.add_argument("--kv-heads", type=_positive_int, help="gqa: KV heads after conversion")
-    cv.add_argument("--kv-lora-rank", type=_positive_int, help="mla: latent dims")
-    cv.add_argument("--rope-dim", type=int, help="mla: dims of the shared RoPE key (even; default: one head's d_h, at most a third of --kv-budget)")
-    cv.add_argument("--kv-budget", type=float, help="mla: fraction of the source's KV bytes (instead of --kv-lora-rank)")
-    cv.add_argument("--rope-context", type=_positive_int, metavar="TOKENS",
-                    help="mla: the distances the RoPE split keeps attention scores right over (default: --calib-len; "
-                    "the served context keeps retrieval at long distances at some cost in short-range quality)")
-    cv.add_argument("--method", help="gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla "
-                    "(defaults: the best measured, docs/conversion.md)")
-    cv.add_argument("--no-regroup", dest="regroup", action="store_false", default=None,
-                    help="gqa aligned/pca: merge KV heads by index instead of grouping them by similarity")
-    cv.add_argument("--rank-allocation", choices=["uniform", "energy", "sensitivity"],
-                    help="mla with --kv-budget: per layer RoPE dims + rank (or the layer left exact) by the measured "
-                    "KL of each layer's choice (default; uniform with --format deepseek_v3), one rank for all layers, "
-                    "or per layer by retained energy")
-    cv.add_argument("--calib-data", help="text file, folder of .txt files, or a datasets dataset: a save_to_disk "
-                    "folder, a .json/.jsonl/.parquet/.csv file or a dataset name[:config] (default: the package's corpus)")
-    cv.add_argument("--calib-split", help="datasets: the split to read (default train)")
-    cv.add_argument("--calib-column", help="datasets: the text column (default text)")
-    cv.add_argument("--calib-source", choices=["text", "teacher"],
-                    help="calibration windows: samples of the source model itself (default; prompted by each "
-                    "calibration-text window's first 4 tokens, temperature 1, top-p 0.95, --seed), or the calibration "
-                    "text")
-    cv.add_argument("--calib-samples", type=_positive_int, help="calibration windows (default 32)")
-    cv.add_argument("--calib-len", type=_positive_int)
-    cv.add_argument("--heal-steps", type=int, help="distillation steps from the source after conversion (default 0)")
-    cv.add_argument("--propagate", action="store_true", default=None,
-                    help="recompute each layer's closed form from the statistics of the converted layers before it "
-                    "(kept per layer where it lowers the held-in error; measured no better than plain: off by default)")
-    cv.add_argument("--reconstruct-steps", type=_or_auto(int, "an integer"),
-                    help="Adam steps fitting each converted attention layer's output to the source's, layer by layer "
-                    "(default auto: 60 when the conversion keeps at least half the source's KV values, 150 below; 0: "
-                    "closed form only)")
-    cv.add_argument("--reconstruct-lr", type=float, help="reconstruction step, a fraction of each weight's RMS (default 0.01)")
-    cv.add_argument("--reconstruct-target", choices=["source", "local"],
-                    help="fit to the source layer on the source's inputs (default) or on the converted prefix's")
-    cv.add_argument("--reconstruct-attention-kl", type=float, metavar="WEIGHT",
-                    help="add WEIGHT x the KL of each head's attention pattern to the source's to the reconstruction's "
-                    "objective, so sharp retrieval attention counts (default 0: the output error alone)")
-    cv.add_argument("--heal-lr", type=_or_auto(float, "a number"),
-                    help="healing learning rate, or auto (default): a short range test on held-in windows")
-    cv.add_argument("--heal-data", choices=["calib", "teacher", "mix"],
-                    help="healing text: samples from the source model (default), the calibration text, or both")
-    cv.add_argument("--heal-held-in", type=_positive_int,
-                    help="windows held out of healing; the best state on them is returned (default 4)")
-    cv.add_argument("--heal-batch-size", type=_positive_int, help="windows per healing step (default 4)")
-    cv.add_argument("--heal-train", choices=["attention", "all"], help="what healing updates (default attention)")
-    cv.add_argument("--heal-layerwise-steps", type=int,
-                    help="healing's first stage: Adam steps per decoder layer matching its output to the source's on "
-                    "the calibration windows, layer by layer (default 40; 0: none)")
-    cv.add_argument("--checkpoint-dir", help="save the healing state here (with --checkpoint-every N)")
-    cv.add_argument("--checkpoint-every", type=_positive_int, help="healing steps between saved states")
-    cv.add_argument("--resume", action="store_true", default=None, help="continue healing from --checkpoint-dir")
-    cv.add_argument("--format", choices=["auto", "native", "stock", "deepseek_v3"],
-                    help="auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock DeepseekV3ForCausalLM (MLA)")
-    cv.add_argument("--engine", choices=["vllm", "sglang", "flashmla", "llama.cpp", "transformers"],
-                    help="--format deepseek_v3: the engine whose MLA kernels the shapes fit (default llama.cpp, any "
-                    "shape, with the query LoRA llama.cpp needs; vllm: 512+64, every backend incl. vLLM-CPU, or 256+64, GPU "
-                    "backends only; sglang: 512+64 or 256+64; flashmla: 512+64)")
-    cv.add_argument("--dtype", help="dtype of the saved weights (default: the source's)")
-    cv.add_argument("--device", help="where the model passes run (teacher samples, statistics, sensitivity, "
-                    "reconstruction): auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, cuda:N")
-    cv.add_argument("--seed", type=int)
-    cv.add_argument("--overwrite", action="store_true", default=None)
-    cv.add_argument("--max-shard-size", help="split weights above this size into shards with an index (default 2GB)")
-    cv.add_argument("--push-to-hub", metavar="REPO", help="owner/name: upload OUT when the conversion is done")
-    cv.add_argument("--private", action="store_true", default=None, help="with --push-to-hub: a private repo")
+    add_convert_options(cv)
     cv.set_defaults(func=cmd_convert)
 
     ps = sub.add_parser("push", help="upload a converted folder to the Hub (create_repo + upload_folder)")

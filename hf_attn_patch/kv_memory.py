@@ -25,7 +25,7 @@ def layer_kv_lora_rank(config, layer_idx: int) -> int | None:
 
 def layer_qk_rope_head_dim(config, layer_idx: int) -> int | None:
     """MLA shared RoPE key size of one layer: `mla_qk_rope_head_dims[layer_idx]` when a conversion chose it per layer
-    (converters/budgets.py), else the config's `qk_rope_head_dim`."""
+    (converters/methods/budgets.py), else the config's `qk_rope_head_dim`."""
     return _per_layer(config, layer_idx, "mla_qk_rope_head_dims", "qk_rope_head_dim")
 
 

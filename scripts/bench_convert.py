@@ -35,7 +35,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
-from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text, teacher_windows
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.stages.heal import distill, heal_layerwise
 from hf_attn_patch.models.pretrained import load_source

@@ -22,13 +22,13 @@ import torch
 
 import hf_attn_patch  # noqa: F401 - builds the native MLA model
 from hf_attn_patch.converters.options import ConvertOptions
-from hf_attn_patch.converters.pipeline import write_native
+from hf_attn_patch.converters.stages.layers import write_native
 from hf_attn_patch.converters.stages.plan import plan_layers
 from hf_attn_patch.converters.stages.source import open_source
 from hf_attn_patch.converters.stages.target import resolve_target
 from hf_attn_patch.converters.stages.windows import calibrate
 from hf_attn_patch.models.pretrained import load_source
-from hf_attn_patch.converters.deepseek_export import to_deepseek_v3
+from hf_attn_patch.converters.export.deepseek_export import to_deepseek_v3
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 
 

@@ -15,7 +15,7 @@ import tempfile
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401 - loads the native conversions
-from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.models.pretrained import load_source
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of

@@ -31,7 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 import hf_attn_patch
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.attention import MultiHeadLatentAttention
-from hf_attn_patch.converters.exact import to_variant
+from hf_attn_patch.converters.methods.exact import to_variant
 
 PREFILL_CHUNK = 512
 COLUMNS = {  # column: (model, cache, absorb mode of our layers)

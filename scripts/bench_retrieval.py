@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 import hf_attn_patch  # noqa: F401
-from hf_attn_patch.converters.calibration import read_calibration_text
+from hf_attn_patch.converters.io.calibration import read_calibration_text
 from hf_attn_patch.models.pretrained import load_source
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 from hf_attn_patch.evaluation.retrieval import RetrievalResult, evaluate_retrieval, known_vocabulary, retained, table

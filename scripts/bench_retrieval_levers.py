@@ -53,8 +53,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
-from hf_attn_patch.converters import budgets
-from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, teacher_windows
+from hf_attn_patch.converters.methods import budgets
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text, teacher_windows
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.stages import plan as plan_stage
 from hf_attn_patch.converters.stages import windows as windows_stage

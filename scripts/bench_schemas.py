@@ -37,7 +37,8 @@ import torch
 from hf_attn_patch.grammar import GrammarError, GrammarSpec, GrammarState, compile_grammar
 from hf_attn_patch.grammar import bitmask as bm
 from hf_attn_patch.grammar.backends import LLGuidanceBackend
-from hf_attn_patch.grammar.schema_checks import SchemaChecks, format_checker
+from hf_attn_patch.grammar.formats import format_checker
+from hf_attn_patch.grammar.schema_checks import SchemaChecks
 from hf_attn_patch.grammar.vocab import get_adapter
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -6,7 +6,7 @@
 Per depth, a synthetic Llama source of random weights (SmolLM2-135M's shape at --width 576: 9 query heads, 3 KV heads,
 head_dim 64, MLP 1536, vocab 49152, tied embeddings; other widths scale heads and MLP) is written layer by layer into
 a temporary folder (safetensors, 1 GB shards) by a subprocess. Then, each in a fresh subprocess of its own:
-- streamed: LayerSource.open + stream_forward over --windows windows of --tokens tokens (one chunk of all windows,
+- streamed: LayerSource.open + stream_forward (below: the library's LayerRunner) over --windows windows of --tokens tokens (one chunk of all windows,
   activations in CPU memory, or memory-mapped files with --placement disk), logits of the last position;
 - whole: AutoModelForCausalLM.from_pretrained + one forward of the same windows (logits_to_keep=1).
 Printed per run: the source's size, RSS after the imports (the floor), peak RSS (VmHWM of /proc/self/status, and
@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -46,6 +47,71 @@ def peak_rss_mb() -> tuple[float, float]:
     return hwm / 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # both in KB
 
 
+# The layer-streamed forward measured here (and in tests/test_layer_stream.py): the library's LayerRunner and
+# Activations carrying the windows through every decoder layer, one layer resident at a time.
+
+
+@dataclass
+class StreamResult:
+    """hidden: the last decoder layer's output [N, T, D] (before the final norm), where `placement` says.
+    activation_bytes: bytes of one buffer (N * T * D * itemsize). Close it (or use `with`) to free a disk placement."""
+
+    hidden: torch.Tensor
+    placement: str
+    activation_bytes: int
+    store: object = field(repr=False)
+
+    def close(self) -> None:
+        self.hidden = None
+        self.store.close()
+
+    def __enter__(self) -> "StreamResult":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def stream_forward(src, input_ids: torch.Tensor, *, chunk_size: int = 8, placement: str | None = None,
+                   device_budget: int | None = None, cpu_budget: int | None = None, tmp_root=None,
+                   on_layer=None) -> StreamResult:  # fmt: skip
+    """Run the windows input_ids [N, T] through the source's (a LayerSource) decoder layers, one layer resident at a
+    time. chunk_size: windows per layer call. placement: force 'device' / 'cpu' / 'disk', else chosen by
+    `choose_placement` from the budgets. on_layer(i, layer, inputs, outputs): called after layer i ran over all
+    windows, before it is freed. Returns the last layer's output; `src.head` makes logits."""
+    from hf_attn_patch.converters.io.layer_stream import Activations, LayerRunner, choose_placement
+
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [N, T] windows, got shape {tuple(input_ids.shape)}")
+    n, t = input_ids.shape
+    runner = LayerRunner(src, t, chunk_size)
+    nbytes = n * t * src.config.hidden_size * torch.empty((), dtype=src.dtype).element_size()
+    placement = placement or choose_placement(nbytes, src.device, device_budget, cpu_budget)
+    if placement == "device" and src.device.type == "cpu":
+        placement = "cpu"  # the device is the CPU: say so
+    store = Activations.allocate((n, t, src.config.hidden_size), src.dtype, placement, src.device, tmp_root)
+    try:
+        runner.embed(input_ids, store.current)
+        for i in range(src.num_layers):
+            layer = src.layer(i)
+            runner.apply(layer, i, store.current, store.spare)
+            if on_layer is not None:
+                on_layer(i, layer, store.current, store.spare)
+            del layer  # freed before the next layer is read
+            store.swap()
+    except BaseException:
+        store.close()
+        raise
+    return StreamResult(store.current, placement, nbytes, store)
+
+
+@torch.no_grad()
+def stream_logits(src, result: StreamResult, chunk_size: int = 8) -> torch.Tensor:
+    """Logits [N, T, V] on the CPU from a StreamResult: lm_head(norm(hidden)), chunk by chunk."""
+    hidden = result.hidden
+    return torch.cat([src.head(hidden[lo : lo + chunk_size]).cpu() for lo in range(0, hidden.shape[0], chunk_size)])
+
+
 def synthetic_config(depth: int, width: int, vocab: int = 49152):
     """A Llama config of SmolLM2-135M's proportions at `width` (head_dim 64, 3:1 GQA, MLP 8/3 x width)."""
     from transformers import LlamaConfig
@@ -61,7 +127,7 @@ def build_source(folder: Path, depth: int, width: int, vocab: int = 49152) -> in
     """Write a random source of `depth` layers to `folder`, one layer at a time; returns its weights' bytes."""
     from transformers import LlamaForCausalLM
 
-    from hf_attn_patch.converters.layer_writer import ShardedWriter
+    from hf_attn_patch.converters.io.layer_writer import ShardedWriter
 
     config = synthetic_config(depth, width, vocab)
     with torch.device("meta"):
@@ -85,9 +151,8 @@ def child(args) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     from transformers import AutoModelForCausalLM, LlamaForCausalLM  # noqa: F401  (imported before the floor)
 
-    from hf_attn_patch.converters.layer_source import LayerSource
-    from hf_attn_patch.converters.layer_stream import stream_forward
-    from hf_attn_patch.converters.layer_writer import ShardedWriter  # noqa: F401
+    from hf_attn_patch.converters.io.layer_source import LayerSource
+    from hf_attn_patch.converters.io.layer_writer import ShardedWriter  # noqa: F401
 
     floor = rss_mb()
     if args.child == "build":

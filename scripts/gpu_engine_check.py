@@ -81,7 +81,7 @@ def serve_check(device: str) -> bool:
     try:
         import urllib.request
 
-        from hf_attn_patch.engine.server import create_app, make_server
+        from hf_attn_patch.serving import create_app, make_server
     except ImportError as error:
         [out] = engine.generate(["Once upon a time"], SamplingParams(max_tokens=16, temperature=0))
         text, how = out.text, f"engine.generate (no HTTP: {error})"

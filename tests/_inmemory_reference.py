@@ -3,7 +3,9 @@ model resident (one model forward per calibration batch, reconstruction and sens
 model). The streamed pipeline's outputs are compared with it tensor by tensor (tests/test_streamed_*.py).
 
 A frozen copy: it imports only library functions whose math the streamed pipeline shares unchanged
-(closed forms, statistics accumulation, the per-layer fits, the deepseek_v3 export of a whole model)."""
+(closed forms, statistics accumulation, the per-layer fits, the deepseek_v3 export of a whole model); everything the
+streamed stages decide (sizes, steps, the whole-model statistics, the one-rank MLA layer) is its own, so a
+regression there shows up as a difference."""
 
 from __future__ import annotations
 
@@ -15,18 +17,25 @@ from types import SimpleNamespace
 import torch
 from torch import nn
 
-from hf_attn_patch.converters.budgets import MEASURE_TOKENS, Candidate, budget_values, candidate_grid, choose, exact_plan, mla_module
-from hf_attn_patch.converters.calibration import calibration_windows, collect_stats, read_calibration_text, teacher_windows
-from hf_attn_patch.converters.deepseek_export import check_source, engine_shape, stock_frequencies, to_deepseek_v3
-from hf_attn_patch.converters.exact import rebuild, stock_attention_layers
-from hf_attn_patch.converters.gqa_merge import gqa_layer
-from hf_attn_patch.hub import engines
-from hf_attn_patch.converters.methods import LatentPlan, allocate_ranks, lift_plan, plan_layer, ranked_components
-from hf_attn_patch.converters.reconstruct import LAYERWISE_LR, sequential, summary
-from hf_attn_patch.devices import resolve_device
-from hf_attn_patch.kv_memory import dtype_of, kv_cache_bytes
+from tqdm.auto import tqdm
+
 from hf_attn_patch.attention import MultiHeadLatentAttention
+from hf_attn_patch.converters.export.deepseek_export import check_source, engine_shape, to_deepseek_v3
+from hf_attn_patch.converters.export.stock_rope import stock_frequencies
+from hf_attn_patch.converters.fitting.reconstruct import LAYERWISE_LR, sequential, summary
+from hf_attn_patch.converters.io.calibration import (LayerStats, StatsAccumulator, calibration_windows,
+                                                     read_calibration_text, teacher_windows)
+from hf_attn_patch.converters.methods.budgets import (MEASURE_TOKENS, Candidate, budget_values, candidate_grid, choose,
+                                                      exact_plan, mla_module)
+from hf_attn_patch.converters.methods.exact import rebuild, stock_attention_layers
+from hf_attn_patch.converters.methods.gqa_merge import gqa_layer
+from hf_attn_patch.converters.methods.mla_plan import LatentPlan, allocate_ranks, lift_plan, plan_layer, ranked_components
+from hf_attn_patch.converters.options import ConvertOptions
+from hf_attn_patch.devices import resolve_device
+from hf_attn_patch.hub import engines
+from hf_attn_patch.kv_memory import dtype_of, kv_cache_bytes
 from hf_attn_patch.models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
+from hf_attn_patch.models.pretrained import load_source
 
 logger = logging.getLogger(__name__)
 STOCK_GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -34,25 +43,8 @@ AUTO_RECONSTRUCT_STEPS = (60, 150)
 
 
 def _flat_options(**options) -> SimpleNamespace:
-    """The options validated by the library, as today's flat names (mutable, as the old path mutated them)."""
-    try:
-        from hf_attn_patch.converters.options import ConvertOptions
-
-        return SimpleNamespace(**ConvertOptions.from_flat(**options).flat())
-    except ImportError:
-        from dataclasses import asdict
-
-        from hf_attn_patch.converters.convert import ConvertOptions
-
-        return SimpleNamespace(**asdict(ConvertOptions(**options)))
-
-
-def load_source(source):
-    try:
-        from hf_attn_patch.converters.load import load_source as load
-    except ImportError:
-        from hf_attn_patch.models.pretrained import load_source as load
-    return load(source)
+    """The options validated by the library, as flat names (mutable, as the in-memory path mutated them)."""
+    return SimpleNamespace(**ConvertOptions.from_flat(**options).flat())
 
 
 def convert_in_memory(source: str, **options):
@@ -398,3 +390,49 @@ def allocate(model, layers: dict[str, nn.Module], weights: dict[str, AttentionWe
 
 def _parent(name: str) -> str:
     return name.rsplit(".", 1)[0]
+
+
+# -- the in-memory path's statistics and one-rank MLA layer (the streamed conversion has its own) ----------------
+
+
+class _Done(Exception):
+    """Raised by the last attention layer's hook: its statistics are in."""
+
+
+@torch.no_grad()
+def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[str, LayerStats]:
+    """Run the whole source model on the windows and gather LayerStats for every stock attention layer (the
+    streamed conversion gathers them layer by layer: calibration.track_statistics)."""
+    arch = architecture_of(model.config)
+    layers = stock_attention_layers(model)
+    acc = {name: StatsAccumulator(arch.split_heads(m), model.config) for name, m in layers.items()}
+
+    last = list(layers)[-1]
+
+    def make_hook(name):
+        def hook(module, args, kwargs):
+            acc[name].add(args[0] if args else kwargs["hidden_states"])
+            if name == last:  # the rest of the forward (the last layer, the LM head) is not needed
+                raise _Done
+
+        return hook
+
+    handles = [m.register_forward_pre_hook(make_hook(name), with_kwargs=True) for name, m in layers.items()]
+    try:
+        for start in tqdm(range(0, len(windows), 4), desc="calibration", disable=not progress):
+            try:
+                model(windows[start : start + 4].to(model.device), use_cache=False)
+            except _Done:
+                pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: a.stats() for name, a in acc.items() if a.n}
+
+
+
+
+def mla_layer(method: str, w: AttentionWeights, config, stats: LayerStats, kv_lora_rank: int, rope_dim: int,
+              context: int = 256, frequencies: list[int] | None = None):  # fmt: skip
+    """(state dict, config fields) of one MLA layer by `method`, one rank (plan_layer + lift_plan)."""
+    return lift_plan(plan_layer(method, w, config, stats, rope_dim, context, frequencies), w, config, kv_lora_rank)

@@ -10,7 +10,7 @@ import time
 import urllib.error
 import urllib.request
 
-from hf_attn_patch.engine.server import create_app, make_server
+from hf_attn_patch.serving import create_app, make_server
 
 
 def free_port() -> int:

@@ -1,4 +1,4 @@
-"""KV budgets by measured sensitivity (converters/budgets.py, convert(rank_allocation="sensitivity"))."""
+"""KV budgets by measured sensitivity (converters/methods/budgets.py, convert(rank_allocation="sensitivity"))."""
 
 import copy
 import itertools
@@ -10,19 +10,20 @@ from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch import PagedKVCache
-from hf_attn_patch.converters.budgets import Candidate, LayerCandidates, budget_values, choose, exact_plan, mla_module
-from hf_attn_patch.converters.calibration import calibration_windows, collect_stats, read_calibration_text
+from hf_attn_patch.converters.methods.budgets import Candidate, LayerCandidates, budget_values, choose, exact_plan, mla_module
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.models.pretrained import load_source
-from hf_attn_patch.converters.exact import stock_attention_layers
-from hf_attn_patch.converters.layer_source import LayerSource
-from hf_attn_patch.converters.methods import lift_plan
+from hf_attn_patch.converters.methods.exact import stock_attention_layers
+from hf_attn_patch.converters.io.layer_source import LayerSource
+from hf_attn_patch.converters.methods.mla_plan import lift_plan
 from hf_attn_patch.converters.stages import windows as windows_stage
 from hf_attn_patch.converters.stages.sensitivity import Measurement
 from hf_attn_patch.kv_memory import kv_cache_bytes
 from hf_attn_patch.models.architectures import architecture_of
 
 from ._fast import FAST
+from ._inmemory_reference import collect_stats
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_attn_patch.converters.calibration import (TEACHER_PROMPT, calibration_windows, read_calibration_text,
+from hf_attn_patch.converters.io.calibration import (TEACHER_PROMPT, calibration_windows, read_calibration_text,
                                                   sample_from_teacher, teacher_windows)
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.stages.target import AUTO_RECONSTRUCT_STEPS, auto_reconstruct_steps

@@ -15,7 +15,7 @@ import hf_attn_patch
 from hf_attn_patch.attention import GroupedQueryAttention, MultiHeadLatentAttention
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
-from hf_attn_patch.converters.gqa_merge import mean_pool
+from hf_attn_patch.converters.methods.gqa_merge import mean_pool
 from hf_attn_patch.models import load_default
 from hf_attn_patch.models.architectures import architecture_of
 from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
@@ -23,6 +23,7 @@ from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
 from .conftest import STORIES_ATOL, tiny_model
 from .test_models import CORPORA
 from ._fast import FAST
+from ._inmemory_reference import collect_stats, mla_layer
 
 
 @pytest.fixture(scope="module")
@@ -170,9 +171,8 @@ def test_convert_cli(tmp_path):
 def test_aligned_pooling_is_exact_for_rotated_heads():
     """KV heads that are rotations of each other (V: any orthogonal map; K: one rotation per RoPE pair) merge
     exactly once aligned; mean pooling of the same heads does not."""
-    from hf_attn_patch.converters.calibration import collect_stats
-    from hf_attn_patch.converters.exact import rebuild
-    from hf_attn_patch.converters.gqa_merge import gqa_layer
+    from hf_attn_patch.converters.methods.exact import rebuild
+    from hf_attn_patch.converters.methods.gqa_merge import gqa_layer
 
     torch.manual_seed(0)
     model = tiny_model("llama", num_key_value_heads=6, attention_bias=True)  # MHA, head_dim 8 (4 RoPE pairs)
@@ -210,9 +210,7 @@ def test_rotated_rope_key_is_exact_when_kv_heads_share_their_pairs():
     commutes with RoPE): one rotated component per frequency carries all the positional signal, so `calibrated` with
     rope_dim = d_rot (half of all pairs) and a full-rank latent is exact. `mha2mla` keeps half the raw pairs instead
     and is not."""
-    from hf_attn_patch.converters.calibration import collect_stats
-    from hf_attn_patch.converters.exact import rebuild
-    from hf_attn_patch.converters.methods import mla_layer
+    from hf_attn_patch.converters.methods.exact import rebuild
 
     torch.manual_seed(0)
     model = tiny_model("llama")  # 6 heads, 2 KV heads, head_dim 8 (4 RoPE pairs), hidden 48
@@ -247,8 +245,7 @@ def test_rope_context_scores_the_rotation_lost_over_that_many_tokens():
     """A RoPE component left unrotated scores its energy x 2(1 - sinc(theta L)): the mean over distances d uniform in
     [0, L] of |1 - exp(i theta d)|^2, the score error of dropping its rotation. Scored over L = 4096 instead of 64,
     every component's score scales by exactly that ratio, so slow frequencies (theta x 64 << 1) rank higher."""
-    from hf_attn_patch.converters.calibration import collect_stats
-    from hf_attn_patch.converters.methods import inverse_frequencies, rotated_components
+    from hf_attn_patch.converters.methods.mla_plan import inverse_frequencies, rotated_components
 
     torch.manual_seed(0)
     model = tiny_model("llama")  # head_dim 8: 4 RoPE frequencies
@@ -274,7 +271,7 @@ def test_rope_context_scores_the_rotation_lost_over_that_many_tokens():
 def test_calibration_from_a_datasets_dataset(tmp_path):
     """--calib-data takes a save_to_disk folder or a .jsonl data file (datasets works offline on local files)."""
     datasets = pytest.importorskip("datasets")
-    from hf_attn_patch.converters.calibration import read_calibration_text
+    from hf_attn_patch.converters.io.calibration import read_calibration_text
 
     stories = read_calibration_text(None).split("\n\n")[:400]
     datasets.Dataset.from_dict({"story": stories, "id": list(range(len(stories)))}).save_to_disk(tmp_path / "ds")
@@ -327,7 +324,7 @@ def test_a_bf16_source_converts_and_heals_as_well_as_fp32(stories, tmp_path):
     run in the source's dtype (each layer's fit upcast to fp32, healing through fp32 master weights) and the output
     stays bf16, as close to the fp32 source as the fp32 conversion is."""
     from hf_attn_patch import cli
-    from hf_attn_patch.converters.calibration import read_calibration_text
+    from hf_attn_patch.converters.io.calibration import read_calibration_text
 
     source, tokenizer = stories
     bf16_dir = tmp_path / "bf16_source"

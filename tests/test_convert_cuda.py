@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_attn_patch.converters.calibration import read_calibration_text
+from hf_attn_patch.converters.io.calibration import read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 

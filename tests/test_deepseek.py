@@ -9,7 +9,7 @@ from transformers import DynamicCache
 import hf_attn_patch
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.attention import MultiHeadLatentAttention, mla
-from hf_attn_patch.converters.exact import to_variant
+from hf_attn_patch.converters.methods.exact import to_variant
 
 from .conftest import tiny_model
 from .test_exactness import ATOL, CallCounter, stepwise_logits

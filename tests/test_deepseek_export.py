@@ -12,16 +12,17 @@ from transformers import AutoModelForCausalLM
 
 import hf_attn_patch
 from hf_attn_patch.attention import MultiHeadLatentAttention
-from hf_attn_patch.converters.calibration import calibration_windows, collect_stats, read_calibration_text
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.converters.convert import convert
-from hf_attn_patch.converters.deepseek_export import (EXPORT_EPS, engine_shape, engine_support, stock_frequencies,
-                                                      to_deepseek_v3)
-from hf_attn_patch.converters.exact import rebuild, stock_attention_layers
-from hf_attn_patch.converters.methods import mla_layer
+from hf_attn_patch.converters.export.constants import EXPORT_EPS
+from hf_attn_patch.converters.export.deepseek_export import engine_shape, engine_support, to_deepseek_v3
+from hf_attn_patch.converters.export.stock_rope import stock_frequencies
+from hf_attn_patch.converters.methods.exact import rebuild, stock_attention_layers
 from hf_attn_patch.models.architectures import architecture_of
 
 from .conftest import STORIES_ATOL, tiny_model
 from ._fast import FAST
+from ._inmemory_reference import collect_stats, mla_layer
 
 
 def logits(model, ids):
@@ -103,7 +104,7 @@ def test_fp16_export_falls_back_to_the_fitted_norm(tmp_path):
 
 
 def test_stride_choice():
-    from hf_attn_patch.converters.mla_lift import RopeComponent
+    from hf_attn_patch.converters.methods.mla_lift import RopeComponent
 
     scores = [5.0, 0.1, 4.0, 0.1, 3.0, 0.1, 0.1, 0.1]
     ranked = sorted(((s, RopeComponent.pair(0, i, 1)) for i, s in enumerate(scores)), key=lambda x: -x[0])

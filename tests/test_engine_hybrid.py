@@ -89,9 +89,10 @@ def _run(model, tokenizer, **options):
     steps, calls = [], [0]
     forward = engine.runner.forward
 
-    def recording(scheduled, keep=None):
-        steps.append([(r.id, r.computed, n, len(r.prompt_ids)) for r, n in scheduled])
-        return forward(scheduled, keep)
+    def recording(output, keep):  # what the runner reads: the SchedulerOutput
+        steps.append([(r.id, start, n, len(r.prompt_ids))
+                      for r, start, n in zip(output.requests, output.starts, output.num_tokens)])  # fmt: skip
+        return forward(output, keep)
 
     get_conv_state = Cache.get_conv_state
 

@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_attn_patch.attention import GroupedQueryAttention, MultiHeadLatentAttention
-from hf_attn_patch.converters.exact import to_variant
+from hf_attn_patch.converters.methods.exact import to_variant
 
 from .conftest import TINY_ATOL, tiny_model
 

@@ -1,4 +1,4 @@
-"""GQA / MQA merges (converters/gqa_merge.py): exactness on planted head structure, regrouping, every bias / RoPE
+"""GQA / MQA merges (converters/methods/gqa_merge.py): exactness on planted head structure, regrouping, every bias / RoPE
 layout, and the ordering of the methods on real calibration data."""
 
 from __future__ import annotations
@@ -9,14 +9,15 @@ import math
 import pytest
 import torch
 
-from hf_attn_patch.converters import gqa_merge
-from hf_attn_patch.converters.calibration import calibration_windows, collect_stats, read_calibration_text
+from hf_attn_patch.converters.methods import gqa_merge
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
-from hf_attn_patch.converters.exact import rebuild, stock_attention_layers
-from hf_attn_patch.converters.gqa_merge import GQA_METHODS, choose_groups, gqa_layer, mean_pool
+from hf_attn_patch.converters.methods.exact import rebuild, stock_attention_layers
+from hf_attn_patch.converters.methods.gqa_merge import GQA_METHODS, choose_groups, gqa_layer, mean_pool
 from hf_attn_patch.models.architectures import architecture_of, head_dim, rotary_dim
 
 from .conftest import STORIES_ATOL, tiny_model
+from ._inmemory_reference import collect_stats
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # tiny matrices: a second thread only contends
 

@@ -184,7 +184,7 @@ def test_auto_tool_calls_are_widened_and_checked(stories, family, backend):
     """tool_choice "auto" compiles the tools' schemas like response_format (widened + checked, no refusal), with
     either backend: every valid call replays to EOS, every invalid one is stopped before its end, and free text
     stays free."""
-    from hf_attn_patch.engine.tools import read_tools
+    from hf_attn_patch.serving.tools import read_tools
     from hf_attn_patch.grammar import GrammarSpec, compile_grammar
 
     from .test_grammar_schemas import _replay

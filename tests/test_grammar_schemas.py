@@ -11,7 +11,7 @@ import torch
 
 from hf_attn_patch.grammar import GrammarError, GrammarSpec, JSONSchemaLogitsProcessor, compile_grammar
 from hf_attn_patch.grammar import bitmask as bm
-from hf_attn_patch.grammar.schema_checks import format_checker
+from hf_attn_patch.grammar.formats import format_checker
 
 from .conftest import tiny_model
 

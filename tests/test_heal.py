@@ -10,10 +10,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_attn_patch.attention import MultiHeadLatentAttention
-from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text, sample_from_teacher
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text, sample_from_teacher
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
-from hf_attn_patch.converters.heal import AUTO_LRS, heal
+from hf_attn_patch.converters.fitting.heal import AUTO_LRS, heal
 from hf_attn_patch.models import load_default
 
 from ._fast import FAST
@@ -122,7 +122,7 @@ def test_stock_format_gqa_heals_its_attention(tmp_path):
 
 def test_convert_heals_with_checkpoints_and_resumes(tmp_path, monkeypatch):
     """--checkpoint-dir/--checkpoint-every/--resume through convert: an interrupted run resumed equals a straight one."""
-    from hf_attn_patch.converters import heal as heal_module
+    from hf_attn_patch.converters.fitting import heal as heal_module
 
     options = dict(to="mla", kv_budget=0.5, heal_lr=1e-3, heal_batch_size=2, heal_steps=4)
     convert("default", tmp_path / "straight", **options, **FAST)

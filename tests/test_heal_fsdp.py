@@ -170,7 +170,7 @@ def test_convert_under_an_fsdp_launch_writes_the_healed_model_once(student_dir, 
     ({"ACCELERATE_USE_FSDP": "true"}, "fsdp_version=1 .*accelerate's default is 1"),
 ])  # fmt: skip
 def test_deepspeed_and_fsdp1_launches_are_refused_before_any_work(env, message, monkeypatch):
-    from hf_attn_patch.converters.heal import heal
+    from hf_attn_patch.converters.fitting.heal import heal
 
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -180,7 +180,7 @@ def test_deepspeed_and_fsdp1_launches_are_refused_before_any_work(env, message, 
 
 
 def test_a_checkpoint_resumes_only_under_the_launch_that_wrote_it(tmp_path):
-    from hf_attn_patch.converters.heal import heal
+    from hf_attn_patch.converters.fitting.heal import heal
 
     (tmp_path / "heal_fsdp" / "step_2").mkdir(parents=True)
     (tmp_path / "step.txt").write_text("2")
@@ -194,8 +194,8 @@ def _run(student_dir: str, out: str, *modes: str) -> None:
     or interrupted after step 2 and resumed; rank 0 saves the trainable weights as OUT/<mode>_<dtype>.safetensors."""
     import copy
 
-    from hf_attn_patch.converters import heal as heal_module
-    from hf_attn_patch.converters.calibration import calibration_windows, read_calibration_text
+    from hf_attn_patch.converters.fitting import heal as heal_module
+    from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text
     from hf_attn_patch.models import load_default
 
     source, tokenizer = load_default()
@@ -255,8 +255,8 @@ def _shards(student, teacher) -> dict:
     """What one process holds of the sharded copies (heal_fsdp.Sharded), and that the caller's models are untouched."""
     from accelerate import Accelerator
 
-    from hf_attn_patch.converters.heal import _trainable
-    from hf_attn_patch.converters.heal_fsdp import Sharded
+    from hf_attn_patch.converters.fitting.heal import _trainable
+    from hf_attn_patch.converters.fitting.heal_fsdp import Sharded
 
     before = {n: (p.data_ptr(), p.detach().clone()) for n, p in student.named_parameters()}
     for p in student.parameters():

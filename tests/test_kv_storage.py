@@ -85,7 +85,7 @@ def test_block_aligned_padding_reads_whole_pages_and_matches():
     reference, paged, cache = generate_both(model, ids, mask, block_size=4, cache_kwargs=no_room_for_runs(mask, 12),
                                             max_new_tokens=12, do_sample=False)  # fmt: skip
     assert torch.equal(reference, paged)
-    assert cache._pages[None] is not None  # the last step read whole pages
+    assert cache.slots.pages[None] is not None  # the last step read whole pages
 
 
 def test_unaligned_padding_reads_slot_by_slot_and_matches():
@@ -94,7 +94,7 @@ def test_unaligned_padding_reads_slot_by_slot_and_matches():
     reference, paged, cache = generate_both(model, ids, mask, block_size=4, cache_kwargs=no_room_for_runs(mask, 12),
                                             max_new_tokens=12, do_sample=False)  # fmt: skip
     assert torch.equal(reference, paged)
-    assert cache._pages[None] is None and isinstance(cache, PagedKVCache)
+    assert cache.slots.pages[None] is None and isinstance(cache, PagedKVCache)
 
 
 def test_unpadded_batch_is_laid_out_and_read_as_one_view():
@@ -115,15 +115,15 @@ def test_unpadded_batch_is_laid_out_and_read_as_one_view():
     finally:
         KVStorage.append_strided = original
     assert torch.equal(reference, paged)
-    first, stride = cache._strided[None]
+    first, stride = cache.slots.strided[None]
     assert stride == 5 * 4  # max_length 19 -> 5 blocks per row
     tables = [cache.manager.table(row.id) for row in cache.rows]
     assert tables == [list(range(first // 4 + 5 * r, first // 4 + 5 * r + 5)) for r in range(3)]
     steps = 12  # the prefill and 11 decode steps, every layer of each read through the view
-    assert len(views) == steps * model.config.num_hidden_layers and not cache._read
+    assert len(views) == steps * model.config.num_hidden_layers and not cache.slots.read
     out = model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=12, do_sample=False,
                          cache_implementation="paged_kv", return_dict_in_generate=True)  # fmt: skip
-    assert torch.equal(out.sequences, reference) and out.past_key_values._strided[None] is not None
+    assert torch.equal(out.sequences, reference) and out.past_key_values.slots.strided[None] is not None
 
 
 def test_padded_batch_is_laid_out_storing_the_padding_of_its_first_block():
@@ -133,7 +133,7 @@ def test_padded_batch_is_laid_out_storing_the_padding_of_its_first_block():
     ids, mask = ragged(lengths=(9, 4, 13))
     reference, paged, cache = generate_both(model, ids, mask, block_size=4, max_new_tokens=12, do_sample=False)
     assert torch.equal(reference, paged)
-    first, stride = cache._strided[None]
+    first, stride = cache.slots.strided[None]
     assert [row.pad for row in cache.rows] == [4, 8, 0] and stride == 7 * 4  # max_length 25
     held = 13 + 12 - 1  # positions written: the prompt and every generated token but the last
     for r, row in enumerate(cache.rows):
@@ -150,10 +150,10 @@ def test_without_max_length_a_batch_falls_back_to_page_reads():
     cache.start_request(ids, mask)
     with torch.no_grad():
         logits = model(ids, attention_mask=mask, past_key_values=cache).logits
-        assert cache._strided[None] == (4, 8)  # blocks 1-2 and 3-4: one view at a stride of 2 blocks
+        assert cache.slots.strided[None] == (4, 8)  # blocks 1-2 and 3-4: one view at a stride of 2 blocks
         token = logits[:, -1:].argmax(-1)
         mask = torch.cat((mask, mask.new_ones(2, 1)), 1)
         model(token, attention_mask=mask, past_key_values=cache)
-    assert cache._strided[None] is None and cache._pages[None] is not None
+    assert cache.slots.strided[None] is None and cache.slots.pages[None] is not None
     with pytest.raises(ValueError, match="max_length=5 must be an integer >= the prompt length 8"):
         cache.start_request(ids, mask[:, :8], max_length=5)

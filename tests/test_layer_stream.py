@@ -9,16 +9,37 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 
-from hf_attn_patch.converters.layer_source import LayerSource, resolve_folder
-from hf_attn_patch.converters.layer_stream import (
-    Activations,
-    LayerRunner,
-    choose_placement,
-    stream_forward,
-    stream_logits,
-)
+from hf_attn_patch.converters.io.layer_source import LayerSource, resolve_folder
+from hf_attn_patch.converters.io.layer_stream import Activations, LayerRunner, choose_placement
 
 STORIES15M = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories15m"
+
+
+def _load_bench():
+    """scripts/bench_stream_memory.py: the synthetic deep source and the streamed forward it measures."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("bench_stream_memory", Path(__file__).resolve().parents[1] /
+                                                  "scripts" / "bench_stream_memory.py")  # fmt: skip
+    bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclass looks its module up
+    spec.loader.exec_module(bench)
+    return bench
+
+
+_bench = _load_bench()
+stream_forward, stream_logits = _bench.stream_forward, _bench.stream_logits
+
+
+def write_streamed(model: torch.nn.Module, out, max_shard_size: int | str = "5GB") -> Path:
+    """Write an in-memory causal LM layer by layer through ShardedWriter (state_groups), as the conversion does."""
+    from hf_attn_patch.converters.io.layer_writer import ShardedWriter, state_groups
+
+    with ShardedWriter(out, max_shard_size) as writer:
+        for group in state_groups(model):
+            writer.add(group)
+        gen = getattr(model, "generation_config", None)
+        return writer.finish(model.config, gen if gen is not None and model.can_generate() else None)
 
 
 def tiny_qwen2(folder: Path, shard: str | None = None) -> Path:
@@ -223,8 +244,6 @@ def test_runner_carries_two_tracks(tmp_path):
 def test_writer_equals_save_pretrained(tmp_path, shard):
     import json
 
-    from hf_attn_patch.converters.layer_writer import write_streamed
-
     for folder in (tiny_qwen2(tmp_path / "q"), resolve_folder("default")):  # untied head with biases; tied head
         model = AutoModelForCausalLM.from_pretrained(folder).eval()
         ours, theirs = tmp_path / f"ours-{folder.name}", tmp_path / f"theirs-{folder.name}"
@@ -255,7 +274,7 @@ def test_writer_equals_save_pretrained(tmp_path, shard):
 
 
 def test_writer_leaves_nothing_half_written(tmp_path):
-    from hf_attn_patch.converters.layer_writer import ShardedWriter
+    from hf_attn_patch.converters.io.layer_writer import ShardedWriter
 
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="boom"):
@@ -282,14 +301,9 @@ def test_writer_leaves_nothing_half_written(tmp_path):
 
 def test_one_layer_resident_at_a_time(tmp_path):
     """A deep synthetic source: each decoder layer is freed before the next one is read."""
-    import importlib.util
     import weakref
 
-    spec = importlib.util.spec_from_file_location("bench", Path(__file__).resolve().parents[1] / "scripts" /
-                                                  "bench_stream_memory.py")  # fmt: skip
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
-    size = bench.build_source(tmp_path / "deep", depth=24, width=192, vocab=256)
+    size = _bench.build_source(tmp_path / "deep", depth=24, width=192, vocab=256)
     assert 0 < size <= sum(p.stat().st_size for p in (tmp_path / "deep").glob("*.safetensors"))
     src = LayerSource.open(tmp_path / "deep")
     alive, read = [], src.layer
@@ -308,7 +322,7 @@ def test_one_layer_resident_at_a_time(tmp_path):
 def test_shard_file_reads_back_every_dtype(tmp_path):
     from safetensors.torch import load_file
 
-    from hf_attn_patch.converters.layer_writer import ShardedWriter
+    from hf_attn_patch.converters.io.layer_writer import ShardedWriter
 
     g = torch.Generator().manual_seed(7)
     tensors = {"f32": torch.randn(3, 5, generator=g), "bf16": torch.randn(7, generator=g).bfloat16(),

@@ -9,7 +9,7 @@ from transformers import DynamicCache
 
 from hf_attn_patch import CacheFullError, PagedKVCache
 from hf_attn_patch.cache.paged_cache import PagedLayer
-from hf_attn_patch.converters.exact import to_variant
+from hf_attn_patch.converters.methods.exact import to_variant
 from hf_attn_patch.models import load_default
 
 from .conftest import tiny_model
@@ -81,7 +81,7 @@ def test_greedy_token_identical(model_type, variant, laid_out):
     reference, paged, cache = generate_both(model, ids, mask, cache_kwargs=options, max_new_tokens=14, do_sample=False)
     assert torch.equal(reference, paged)
     if cache.groups == [None]:  # (a window group's layout lasts until its first freed block)
-        assert (cache._strided[None] is not None) == laid_out
+        assert (cache.slots.strided[None] is not None) == laid_out
     stats = cache.stats()
     assert 0 < stats["used_bytes"] <= stats["allocated_bytes"]
 
@@ -140,7 +140,7 @@ def test_padding_takes_no_memory(laid_out):
         model(ids, attention_mask=mask, past_key_values=dynamic)
     per_token = sum(layer.keys[0, :, 0].numel() * 2 * 4 for layer in dynamic.layers)  # K and V, fp32
     assert cache.stats()["used_bytes"] == sum(stored) * per_token
-    assert (cache._strided[None] is not None) == laid_out
+    assert (cache.slots.strided[None] is not None) == laid_out
 
 
 def test_prefix_cache_hits_across_generate_calls():
@@ -310,7 +310,7 @@ def test_steady_decode_steps_reuse_the_slots_and_match(lengths, laid_out, monkey
     reference, paged, cache = generate_both(model, ids, mask, block_size=4, cache_kwargs=options, max_new_tokens=24,
                                             do_sample=False)  # fmt: skip
     assert torch.equal(reference, paged)
-    assert (cache._strided[None] is not None) == laid_out
+    assert (cache.slots.strided[None] is not None) == laid_out
     width, pads = ids.shape[1], [ids.shape[1] - n - (ids.shape[1] - n) % 4 * laid_out for n in lengths]
     decodes = range(width, width + 23)  # positions written by the 23 decode steps
     # planned: the prefill (0), the first decode step, and every step where some row's stored position starts a block

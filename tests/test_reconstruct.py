@@ -1,4 +1,4 @@
-"""Layer-by-layer reconstruction and propagated calibration (converters/reconstruct.py), measured on stories260k."""
+"""Layer-by-layer reconstruction and propagated calibration (converters/fitting/reconstruct.py), measured on stories260k."""
 
 from __future__ import annotations
 
@@ -6,13 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_attn_patch.converters.calibration import calibration_windows, collect_stats, read_calibration_text
+from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.options import ConvertOptions
-from hf_attn_patch.converters.reconstruct import (_additive_mask, _attention_inputs, _call, _first_layer_inputs, _kl,
+from hf_attn_patch.converters.fitting.reconstruct import (_additive_mask, _attention_inputs, _call, _first_layer_inputs, _kl,
                                                   _with_weights, sequential)
 
 from ._fast import FAST
+from ._inmemory_reference import collect_stats
 
 
 @pytest.fixture(scope="module")

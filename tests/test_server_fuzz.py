@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_attn_patch.engine import Engine
-from hf_attn_patch.engine.openai_protocol import CHAT_FIELDS, COMPLETION_FIELDS
+from hf_attn_patch.serving.protocol import CHAT_FIELDS, COMPLETION_FIELDS
 from hf_attn_patch.models.pretrained import load_default
 
 from ._server import assert_error_shape, running

@@ -14,10 +14,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..budgets import exact_plan
-from ..calibration import LayerStats
-from ..gqa_merge import gqa_layer
-from ..methods import LatentPlan, lift_plan, plan_layer, ranked_components
+from ..methods.budgets import exact_plan
+from ..io.calibration import LayerStats
+from ..methods.gqa_merge import gqa_layer
+from ..methods.mla_plan import LatentPlan, lift_plan, plan_layer, ranked_components
 from ..options import ConvertOptions
 
 

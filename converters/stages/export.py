@@ -14,10 +14,10 @@ import math
 
 import torch
 
-from ..deepseek_export import check_export, export_report
-from ..deepseek_layers import LatentStats, export_config, export_layer, export_resident, export_shape
-from ..layer_source import LayerSource
-from ..layer_stream import Activations, LayerRunner
+from ..export.deepseek_export import check_export, export_report
+from ..export.deepseek_layers import LatentStats, export_config, export_layer, export_resident, export_shape
+from ..io.layer_source import LayerSource
+from ..io.layer_stream import Activations, LayerRunner
 
 logger = logging.getLogger(__name__)
 CHECK_WINDOWS = 4  # windows the export's KL to the native form is measured on

@@ -17,10 +17,10 @@ from pathlib import Path
 import torch
 
 from ...kv_memory import dtype_of
-from ..calibration import calibration_windows, teacher_windows
-from ..deepseek_export import to_deepseek_v3
+from ..io.calibration import calibration_windows, teacher_windows
+from ..export.deepseek_export import to_deepseek_v3
 from ..options import ConvertOptions
-from ..reconstruct import LAYERWISE_LR, sequential, summary
+from ..fitting.reconstruct import LAYERWISE_LR, sequential, summary
 from .source import Source
 from .windows import calibration_text
 
@@ -77,7 +77,7 @@ def distill(student, teacher, tokenizer, opts: ConvertOptions, samples: torch.Te
     cyclically; `samples`, the teacher calibration windows when calib_source is "teacher", are used instead of
     sampling again); mix: the two alternating. The last heal_held_in windows (of the same kind) are never trained on:
     they pick the learning rate (lr "auto") and the state returned."""
-    from ..heal import heal as run_heal
+    from ..fitting.heal import heal as run_heal
 
     heal, length = opts.healing, opts.calibration.length
     text = calibration_text(opts.calibration)

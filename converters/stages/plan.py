@@ -16,12 +16,11 @@ from typing import Iterator
 
 import torch
 
-from ...models.architectures import architecture_of, rotary_dim
-from ..calibration import track_statistics
-from ..layer_stream import BATCH, LayerRunner, Tracks
-from ..budgets import MEASURE_TOKENS, LayerCandidates, allocation_report, budget_values, candidate_grid, choose
-from ..deepseek_export import stock_frequencies
-from ..methods import LatentPlan, allocate_ranks, ranked_components
+from ..io.calibration import track_statistics
+from ..io.layer_stream import BATCH, LayerRunner, Tracks
+from ..methods.budgets import MEASURE_TOKENS, LayerCandidates, allocation_report, budget_values, candidate_grid, choose
+from ..export.stock_rope import stock_frequencies
+from ..methods.mla_plan import LatentPlan, allocate_ranks, ranked_components
 from ..options import ConvertOptions
 from .closed_form import LayerChoice, mla_plan
 from .source import Source
@@ -58,7 +57,7 @@ def plan_layers(source: Source, opts: ConvertOptions, target: Target, windows: t
     elif opts.format == "deepseek_v3":  # one component per frequency 0, s, 2s, ...: what a stock RoPE key turns at
         ranked = [ranked_components(opts.method, w, source.config, stats, opts.rope_context)
                   for _, _, w, stats in layer_statistics(source, windows)]  # fmt: skip
-        frequencies, stride = stock_frequencies(ranked, rotary_dim(source.config) // 2, target.rope_dim // 2)
+        frequencies, stride = stock_frequencies(ranked, source.shape.rotary_dim // 2, target.rope_dim // 2)
         plan = Plan([LayerChoice(target.rope_dim, target.kv_lora_rank, frequencies) for _ in range(n)], stride=stride)
     else:
         return Plan(uniform)
@@ -68,9 +67,9 @@ def plan_layers(source: Source, opts: ConvertOptions, target: Target, windows: t
 
 def layer_statistics(source: Source, windows: torch.Tensor, measure=None) -> Iterator[tuple]:
     """(i, decoder layer i, its AttentionWeights on the CPU, its LayerStats) for every layer, in order: the source
-    track carried (one layer resident), as pipeline.run_layers computes them."""
+    track carried (one layer resident), as layers.run_layers computes them."""
     src, config = source.layers, source.config
-    split = architecture_of(config).split_heads
+    split = source.shape.arch.split_heads
     tracks = Tracks(["source"], (*windows.shape, config.hidden_size), src.dtype, src.device)
     runner = LayerRunner(src, windows.shape[1], BATCH)
     try:

@@ -15,7 +15,7 @@ import torch
 from ...hub import engines
 from ...kv_memory import kv_cache_bytes
 from ..options import ConvertOptions
-from ..reconstruct import summary
+from ..fitting.reconstruct import summary
 
 logger = logging.getLogger(__name__)
 STATUS, CLEAR_REFS = Path("/proc/self/status"), Path("/proc/self/clear_refs")

@@ -16,9 +16,9 @@ import logging
 
 import torch
 
-from ..budgets import LayerCandidates
-from ..layer_source import LayerSource
-from ..layer_stream import LayerRunner
+from ..methods.budgets import LayerCandidates
+from ..io.layer_source import LayerSource
+from ..io.layer_stream import LayerRunner
 
 logger = logging.getLogger(__name__)
 

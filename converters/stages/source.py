@@ -6,16 +6,36 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
 from ...devices import resolve_device
+from ...models.architectures import Architecture, architecture_of, head_dim, rotary_dim
 from ...models.pretrained import DEFAULT_MODEL_DIR, check_source_folder
-from ..layer_source import LayerSource, weight_map
+from ..io.layer_source import LayerSource, weight_map
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SourceShape:
+    """The source's attention as its config says, read once: the family's Architecture, the head dim d_h, the RoPE
+    dims per head (0 without RoPE), the query and KV heads. The stages read it instead of the raw config."""
+
+    arch: Architecture
+    head_dim: int
+    rotary_dim: int
+    heads: int
+    kv_heads: int
+
+    @classmethod
+    def of(cls, config) -> SourceShape:
+        arch = architecture_of(config)
+        return cls(arch, head_dim(config), rotary_dim(config) if arch.rotary else 0, config.num_attention_heads,
+                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads)  # fmt: skip
 
 
 @dataclass
@@ -31,6 +51,10 @@ class Source:
     @property
     def config(self):
         return self.layers.config
+
+    @cached_property
+    def shape(self) -> SourceShape:
+        return SourceShape.of(self.config)
 
     def whole(self):
         """The whole source model on `device`, in eval mode (transformers' from_pretrained: the checkpoint's dtype)."""

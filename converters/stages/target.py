@@ -1,17 +1,17 @@
 """What the conversion makes of each layer, decided from the source's config and the options before any weight is
-read: GQA / MQA (KV heads) or MLA (latent rank d_c, shared RoPE dims d_r, the export's shape), the output format and
-reconstruct_steps "auto"."""
+read: GQA / MQA (KV heads) or MLA (latent rank d_c, shared RoPE dims d_r, the export's shape), the output format, and
+the choices the options leave to the source (method with per-head q/k norms, reconstruct_steps "auto"), returned as
+Target.options (the options are frozen)."""
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
 
-from ...models.architectures import architecture_of, head_dim, rotary_dim
-from ..budgets import candidate_grid
-from ..deepseek_export import check_source, engine_shape
-from ..options import ConvertOptions
-from .source import Source
+from ..methods.budgets import candidate_grid
+from ..export.deepseek_export import check_source, engine_shape
+from ..options import ConvertOptions, resolved
+from .source import Source, SourceShape
 
 logger = logging.getLogger(__name__)
 
@@ -28,6 +28,7 @@ class Target:
     MLA: rope_dim d_r and kv_lora_rank d_c of the conversion (uniform allocation; the budget's split otherwise),
     export_rope: the deepseek_v3 export's RoPE dims (>= rope_dim: zero pairs beyond it)."""
 
+    options: ConvertOptions  # the options with this stage's resolved choices: the later stages read these
     source_kv: int
     d_h: int
     stock_format: bool
@@ -50,19 +51,17 @@ def auto_reconstruct_steps(kv_share: float) -> int:
 
 
 def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
-    """The Target; fills opts.method (GQA with per-head q/k norms: 'mean') and reconstruction.steps ("auto").
-    given: the options as the user gave them."""
-    config = source.config
-    arch = architecture_of(config)
+    """The Target, with the resolved options: method (GQA with per-head q/k norms: 'mean') and reconstruct_steps
+    ("auto": by the KV share kept). given: the options as the user gave them."""
+    config, dims = source.config, source.shape
+    arch = dims.arch
     if arch.replaces_stock:
         raise ValueError(f"model_type={config.model_type!r} is already MLA: there is nothing to convert")
-    d_h = head_dim(config)
-    source_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    d_h, source_kv = dims.head_dim, dims.kv_heads
     stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
                                               and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
     if stock_format and config.model_type not in STOCK_GQA_TYPES:
         raise ValueError(f"format='stock' exists for GQA/MQA of {STOCK_GQA_TYPES} only, not {config.model_type!r}")
-    rec = opts.reconstruction
     if opts.to in ("gqa", "mqa"):
         if source_kv % opts.kv_heads:
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
@@ -72,42 +71,44 @@ def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
                                  f"supported: use method='mean'")  # fmt: skip
             logger.warning("%s has per-head q/k norms: the default %r does not apply, using 'mean'",
                            config.model_type, opts.method)  # fmt: skip
-            opts.method = "mean"
+            opts = resolved(opts, method="mean")
         share = opts.kv_heads / source_kv
-        _resolve_steps(opts, share)
-        layerwise = bool(rec.steps or (opts.calibration.propagate and opts.method != "mean"))
-        return Target(source_kv, d_h, stock_format, share, opts.method != "mean" or layerwise, layerwise)
+        opts = _resolve_steps(opts, share)
+        layerwise = bool(opts.reconstruction.steps or (opts.calibration.propagate and opts.method != "mean"))
+        return Target(opts, source_kv, d_h, stock_format, share, opts.method != "mean" or layerwise, layerwise)
     deepseek = opts.format == "deepseek_v3"
     shape = None
     if deepseek:  # before any work: the source, then the engine's shapes
         check_source(config)
         shape = engine_shape(opts.engine, config, opts.kv_budget, opts.kv_lora_rank, opts.rope_dim)
     if shape is None:
-        rope_dim, kv_lora_rank = mla_sizes(opts, config, source_kv, d_h)
+        rope_dim, kv_lora_rank = mla_sizes(opts, dims)
         export_rope = rope_dim
     else:  # the conversion keeps at most the source's frequencies; the export pads with zero RoPE pairs
         kv_lora_rank, export_rope = shape
-        rope_dim = min(export_rope, rotary_dim(config))
+        rope_dim = min(export_rope, dims.rotary_dim)
     share = (export_rope + kv_lora_rank) / (2 * source_kv * d_h)
-    _resolve_steps(opts, share)
+    opts = _resolve_steps(opts, share)
     if deepseek:
         check_source(config, rope_dim)
     if opts.rank_allocation == "sensitivity":  # the candidate grid is checked against the budget before calibrating
         candidate_grid(config, opts.kv_budget, opts.rope_dim)
-    layerwise = bool(opts.calibration.propagate or rec.steps)
-    return Target(source_kv, d_h, False, share, True, layerwise, rope_dim, kv_lora_rank, export_rope)
+    layerwise = bool(opts.calibration.propagate or opts.reconstruction.steps)
+    return Target(opts, source_kv, d_h, False, share, True, layerwise, rope_dim, kv_lora_rank, export_rope)
 
 
-def _resolve_steps(opts: ConvertOptions, kv_share: float) -> None:
-    if opts.reconstruction.steps == "auto":
-        opts.reconstruction.steps = auto_reconstruct_steps(kv_share)
-        logger.info("reconstruct_steps auto: %d (KV share %.3g)", opts.reconstruction.steps, kv_share)
+def _resolve_steps(opts: ConvertOptions, kv_share: float) -> ConvertOptions:
+    if opts.reconstruction.steps != "auto":
+        return opts
+    steps = auto_reconstruct_steps(kv_share)
+    logger.info("reconstruct_steps auto: %d (KV share %.3g)", steps, kv_share)
+    return resolved(opts, reconstruct_steps=steps)
 
 
-def mla_sizes(opts: ConvertOptions, config, source_kv: int, d_h: int) -> tuple[int, int]:
+def mla_sizes(opts: ConvertOptions, shape: SourceShape) -> tuple[int, int]:
     """(rope_dim, kv_lora_rank) from the options, checked against the source."""
-    arch = architecture_of(config)
-    max_rope = source_kv * rotary_dim(config) if arch.rotary else 0
+    source_kv, d_h = shape.kv_heads, shape.head_dim
+    max_rope = source_kv * shape.rotary_dim
     budget = None if opts.kv_budget is None else int(round(opts.kv_budget * 2 * source_kv * d_h))  # values/token
     default_rope = min(d_h, max_rope) if budget is None else min(d_h, max_rope, 2 * (budget // 6))  # <= 1/3 of it
     rope_dim = opts.rope_dim if opts.rope_dim is not None else default_rope

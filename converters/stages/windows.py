@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..calibration import calibration_windows, read_calibration_text, teacher_windows
-from ..layer_stream import available_cpu_bytes
+from ..io.calibration import calibration_windows, read_calibration_text, teacher_windows
+from ..io.layer_stream import available_cpu_bytes
 from ..options import ConvertOptions
 from .source import Source
 

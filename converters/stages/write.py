@@ -14,9 +14,9 @@ import torch
 from ...extras import available
 from ...hub import model_card
 from ...kv_memory import dtype_of
-from ..heal import plot_curve
-from ..layer_writer import ShardedWriter, state_groups
-from ..output import STAGING
+from ..fitting.heal import plot_curve
+from ..io.layer_writer import ShardedWriter, state_groups
+from ..io.output import STAGING
 
 
 class OutputWriter:

@@ -158,3 +158,12 @@ class KVStorage:
     def block_is_zero(self, block: int) -> bool:
         bs = self.block_size
         return not any(bool(t[:, block * bs : (block + 1) * bs].any()) for t in self._tensors)
+
+
+def apply_copies(copies: list[tuple], layers: list[tuple]) -> None:
+    """The KV manager's copy-on-write copies [(group, source block, target block)] applied to every layer's storage:
+    layers [(group, KVStorage or None)]. Block contents move before the step writes into the targets."""
+    for group, source, target in copies:
+        for layer_group, storage in layers:
+            if storage is not None and layer_group == group:
+                storage.copy_block(source, target)

@@ -106,10 +106,14 @@ class KVManager:
         """Blocks referenced by some sequence, over all pools."""
         return sum(pool.num_live() for pool in self.pools.values())
 
-    def blocks_needed(self, seq_id, start: int, end: int) -> int:
-        """Blocks allocate(seq_id, start, end) would take from each pool (the largest over groups)."""
-        seq = self.sequences.get(seq_id)
-        return max((self._need(seq.tables[g] if seq else [], start, end, g)[0] for g in self.groups), default=0)
+    def block_stats(self) -> dict:
+        """Blocks over all pools (the null blocks left out): total, used (referenced), cached (unreferenced, kept for
+        prefix hits), free."""
+        pools = list(self.pools.values())
+        total = sum(p.num_blocks - 1 for p in pools)
+        used, cached = sum(p.num_live() for p in pools), sum(p.num_cached() for p in pools)
+        return {"block_size": self.block_size, "blocks_total": total, "blocks_used": used, "blocks_cached": cached,
+                "blocks_free": total - used - cached}
 
     def can_allocate(self, seq_id, start: int, end: int) -> bool:
         seq = self.sequences.get(seq_id)

@@ -38,10 +38,6 @@ class AttentionMetadata:
     _derived: dict = field(default_factory=dict, repr=False)  # per-forward values computed by the first layer
 
     @property
-    def num_seqs(self) -> int:
-        return len(self.query_lens)
-
-    @property
     def is_decode(self) -> bool:
         return self.max_query_len == 1
 

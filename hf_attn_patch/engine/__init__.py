@@ -1,4 +1,5 @@
-"""Continuous batching with chunked prefill, prefix caching and preemption over paged KV, and an OpenAI server."""
+"""Continuous batching with chunked prefill, prefix caching and preemption over paged KV (the OpenAI server on top of
+it is hf_attn_patch.serving)."""
 
 from .core import Engine
 from .params import RequestOutput, SamplingParams

@@ -37,6 +37,7 @@ import torch
 
 from ..devices import resolve_device, resolve_dtype
 from ..grammar.retry import RowRetry
+from ..cache.manager import KVManager
 from ..kv_memory import kv_cache_bytes
 from ..speculative.drafters import ngram_lookup
 from .detokenizer import IncrementalDetokenizer
@@ -109,9 +110,10 @@ class Engine:
         if num_blocks < 2:
             raise ValueError(f"Engine: max_memory={max_memory} holds {num_blocks} blocks; need at least 2")
         self.model, self.tokenizer = model, tokenizer
-        self.runner = ModelRunner(model, num_blocks, block_size, prefix_caching, max_num_seqs, chunked_prefill)
-        self.kv = self.runner.kv  # the KV manager: block tables, prefix hits, preemption
-        self.scheduler = Scheduler(self.kv, max_batch_tokens, max_num_seqs, chunked_prefill, prefill_chunk)
+        self.runner = ModelRunner(model, num_blocks, block_size, max_num_seqs, chunked_prefill)
+        kv = KVManager(block_size, num_blocks, self.runner.groups, prefix_caching,
+                       state_slots=max_num_seqs if self.runner.states is not None else 0)  # fmt: skip
+        self.scheduler = Scheduler(kv, max_batch_tokens, max_num_seqs, chunked_prefill, prefill_chunk)
         eos = model.generation_config.eos_token_id if model.generation_config is not None else None
         eos = eos if eos is not None else tokenizer.eos_token_id
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) - {None}
@@ -124,15 +126,17 @@ class Engine:
         self._aborted: list[RequestOutput] = []
         self.steps = 0
 
+    @property
+    def kv(self):
+        """The scheduler's KV manager (block tables, prefix hits, preemption): read it, the scheduler changes it."""
+        return self.scheduler.kv
+
     def kv_stats(self) -> dict:
         """The KV pool now: blocks total / used (referenced) / cached (kept for prefix hits) / free, and bytes."""
-        pools = list(self.kv.pools.values())
-        total = sum(p.num_blocks - 1 for p in pools)  # block 0 is the null block
-        used, cached = sum(p.num_live() for p in pools), sum(p.num_cached() for p in pools)
+        blocks = self.kv.block_stats()
         bytes_total = self.block_bytes * self.kv.num_blocks
-        return {"block_size": self.kv.block_size, "blocks_total": total, "blocks_used": used, "blocks_cached": cached,
-                "blocks_free": total - used - cached, "bytes_total": bytes_total,
-                "bytes_used": bytes_total * used // max(total, 1),
+        return {**blocks, "bytes_total": bytes_total,
+                "bytes_used": bytes_total * blocks["blocks_used"] // max(blocks["blocks_total"], 1),
                 "device": str(next(self.model.parameters()).device),
                 "sizing": self.memory_budget.to_dict() if self.memory_budget else None}  # fmt: skip
 
@@ -174,7 +178,7 @@ class Engine:
                       [] if params.logprobs is not None else None,
                       [None] * len(prompt_ids) if params.prompt_logprobs is not None else None,
                       max((len(s) for s in params.stop), default=1) - 1)  # fmt: skip
-        if grammar is not None and hasattr(grammar._m, "retry_point"):  # checked: rewinds possible, text held
+        if grammar is not None and grammar.retryable:  # checked: rewinds possible, text held
             out.retry, out.stop_hold = RowRetry(), sys.maxsize
         with self.lock:
             request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
@@ -224,11 +228,7 @@ class Engine:
                     keep.extend(range(start + n - 1 - len(request.draft), start + n))
                 start += n
             logits = self.runner.forward(scheduled, keep)[:, : self.vocab_size]
-            size = self.kv.block_size
-            for request, n in scheduled:
-                request.computed += n
-                if request.draft or request.computed // size > (request.computed - n) // size:  # a block filled
-                    self.kv.commit(request.id, request.tokens[: request.computed])  # drafts are not named
+            self.scheduler.update(scheduled)
             self._prompt_logprobs(logits, prompt_rows)
             outputs.extend(self._sample(logits, samplers))
             self.steps += 1
@@ -305,9 +305,8 @@ class Engine:
                     running.append((request, None))
                     continue
                 drafts = len(request.draft)
-                request.computed -= drafts - (len(tokens) - 1)  # the rejected drafts' K/V is overwritten later
                 request.proposed, request.accepted = request.proposed + drafts, request.accepted + len(tokens) - 1
-                request.draft = []
+                self.scheduler.drop_drafts(request, len(tokens) - 1)
                 taken, reason = self._append(request, tokens)
                 if request.params.logprobs is not None:
                     wanted.extend((offsets[i] + j, request, t) for j, t in enumerate(tokens[:taken]))

@@ -10,6 +10,9 @@ Policy (FIFO by arrival, documented in the README):
    blocks are usually still in the prefix cache). A request is never lost or corrupted: its tokens are the truth.
 Without chunked prefill, a prompt is prefilled whole in one step; the step's first prefill may exceed the budget
 (decodes then wait for it: the stall chunked prefill removes).
+
+The scheduler owns the KV manager: it allocates a step's blocks, returns the step as a SchedulerOutput (the runner
+reads only that), and after the forward `update()` advances the requests and names their full blocks.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import torch
 from ..cache.block_pool import NULL_BLOCK
 from ..cache.manager import KVManager
 from .params import SamplingParams
+from .scheduler_output import SchedulerOutput
 
 
 @dataclass(eq=False)  # identity: `in` / remove() on the queues must not compare every field
@@ -58,6 +62,7 @@ class Request:
 class Scheduler:
     def __init__(self, kv: KVManager, max_batch_tokens: int, max_num_seqs: int, chunked_prefill: bool,
                  prefill_chunk: int | None):  # fmt: skip
+        """kv: the KV manager, from now on this scheduler's (block tables, prefix hits, preemption)."""
         self.kv, self.max_batch_tokens, self.max_num_seqs = kv, max_batch_tokens, max_num_seqs
         self.chunked_prefill = chunked_prefill
         self.prefill_chunk = prefill_chunk or max_batch_tokens
@@ -65,14 +70,16 @@ class Scheduler:
         self._prefill_scheduled = False
         self.running: list[Request] = []
         self.preemptions = 0
+        self._preempted: list[str] = []  # ids preempted in the step being scheduled
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def schedule(self) -> list[tuple[Request, int]]:
-        """This step's (request, number of tokens to compute)."""
+    def schedule(self) -> SchedulerOutput:
+        """This step's plan: the requests, how many tokens each computes, and where (module docstring)."""
         budget, plan = self.max_batch_tokens, []
         self._prefill_scheduled = False
+        self._preempted = []
         for request in sorted(self.running, key=lambda r: r.arrival):
             if request not in self.running:  # preempted by an older request earlier in this loop
                 continue
@@ -93,7 +100,33 @@ class Scheduler:
             self.running.append(request)
             plan.append((request, n))
             budget -= n
-        return plan
+        return self._output(plan)
+
+    def _output(self, plan: list[tuple[Request, int]]) -> SchedulerOutput:
+        kv, groups = self.kv, self.kv.groups
+        return SchedulerOutput(
+            requests=[r for r, _ in plan], num_tokens=[n for _, n in plan],
+            token_ids=[(r.tokens + r.draft)[r.computed : r.computed + n] for r, n in plan],
+            starts=[r.computed for r, _ in plan],
+            block_tables=[{g: list(kv.table(r.id, g)) for g in groups} for r, _ in plan],
+            state_slots=[kv.state_slot(r.id) if kv.states is not None else None for r, _ in plan],
+            copies=kv.take_copies(), preempted=self._preempted,
+            pool_blocks={g: kv.pools[g].num_blocks for g in groups},
+        )  # fmt: skip
+
+    def update(self, output: SchedulerOutput) -> None:
+        """After the forward: each request's scheduled tokens are computed; blocks that filled are named for prefix
+        hits (drafts are not: they may be rejected)."""
+        size = self.kv.block_size
+        for request, n in output:
+            request.computed += n
+            if request.draft or request.computed // size > (request.computed - n) // size:  # a block filled
+                self.kv.commit(request.id, request.tokens[: request.computed])
+
+    def drop_drafts(self, request: Request, accepted: int) -> None:
+        """After sampling: the rejected drafts' positions are no longer computed (their K/V is overwritten later)."""
+        request.computed -= len(request.draft) - accepted
+        request.draft = []
 
     def finish(self, request: Request) -> None:
         if request in self.running:
@@ -170,6 +203,7 @@ class Scheduler:
         self._release(request)
         request.preemptions += 1
         self.preemptions += 1
+        self._preempted.append(request.id)
         position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting))
         self.waiting.insert(position, request)
 

@@ -30,6 +30,8 @@ INSTALL = {"llguidance": "pip install llguidance, a dependency of hf-attn-patch"
 
 
 class Matcher(Protocol):
+    retryable: bool  # True: a failed exact check can be retried (retry_point(), restart(): checked_matcher.py)
+
     def consume(self, tokens: list[int]) -> int: ...
     def validate(self, tokens: list[int]) -> int: ...
     def rollback(self, n: int) -> None: ...
@@ -151,6 +153,8 @@ class LLGuidanceBackend:
 
 
 class _LLGMatcher:
+    retryable = False
+
     def __init__(self, m):
         self.m = m
 
@@ -244,6 +248,8 @@ class XGrammarBackend:
 
 
 class _XGRMatcher:
+    retryable = False
+
     def __init__(self, m):
         self.m = m
 

@@ -9,7 +9,9 @@ from collections import OrderedDict
 
 from .backends import resolve_backend
 from .errors import GrammarError
-from .schema_checks import CheckedMatcher, check_schema, known_formats, schema_checks_for
+from .checked_matcher import CheckedMatcher
+from .formats import known_formats
+from .schema_checks import check_schema, schema_checks_for
 from .schema_relax import relax_and_compile
 from .spec import GrammarSpec
 from .state import GrammarState
@@ -91,7 +93,7 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
                               whitespace_flexible=whitespace_flexible, json_options=options)
 
         check_schema(schema)
-        compiled, relaxed = relax_and_compile(schema, compile_fn, known_formats(), be.name)
+        compiled, relaxed = relax_and_compile(schema, compile_fn, known_formats(), be.name, spec.property_order)
         checks = schema_checks_for(schema, relaxed, adapter.token_bytes(), frame=tags)
         widened = relaxed.dropped
         for note in relaxed.notes:

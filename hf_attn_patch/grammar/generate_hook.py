@@ -2,17 +2,19 @@
 GenerationMixin.generate for grammar keywords (installed by _patching.py, which restores the original).
 generate() rejects keywords the model does not know, and has no hook for extra ones: the wrapper takes ours off the
 call, compiles the grammar at once (errors before any work) and appends its processor to `logits_processor`; rows
-whose exact JSON Schema check failed are rolled back and decoded again after the call (retry.py).
+whose exact JSON Schema check failed are rolled back and decoded again after the call (retry.py). The output (a
+tensor, or generate()'s dict output) carries ``finish_reasons``: per row "eos", "length" or "check_failed: ...".
 """
 
 from __future__ import annotations
 
 import functools
 
+import torch
 from transformers import LogitsProcessorList
 
 from .generate_kwargs import processor_from_generate_kwargs
-from .retry import retry_failed_rows
+from .retry import retry_failed_rows, row_finish_reasons
 
 GRAMMAR_KEYWORDS = ("response_format", "grammar", "grammar_backend")
 
@@ -26,7 +28,12 @@ def generate_with_grammar(original):
             kwargs.pop(name, None)
         out = original(self, *args, **kwargs)
         if processor is not None:  # rows whose JSON Schema check failed: rolled back and decoded again
-            out = retry_failed_rows(self, original, processor, out, args, kwargs)
+            out, reasons = retry_failed_rows(self, original, processor, out, args, kwargs)
+            ids = out if torch.is_tensor(out) else getattr(out, "sequences", None)
+            if ids is not None and processor.prompt_len is not None:
+                # each row's finish reason: "eos", "length", or "check_failed: <keyword> at <schema path>"
+                out.finish_reasons = row_finish_reasons(ids, processor.prompt_len, set(processor.eos_token_ids),
+                                                        reasons)
         return out
 
     # name, docstring and signature (through __wrapped__) of the original; __module__ stays ours

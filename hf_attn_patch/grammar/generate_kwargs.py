@@ -4,6 +4,7 @@ response_format (OpenAI shape), or a list with one per input row:
     {"type": "text"}                                             unconstrained (all rows text -> no processor)
     {"type": "json_object"}                                      any JSON object
     {"type": "json_schema", "json_schema": {"schema": {...}, "name": "...", "strict": true}}
+                                                                 + "property_order": "schema" | "any" (GrammarSpec)
 grammar, or a list with one per input row:
     "start: ..." / "root ::= ..."                                Lark or GBNF text (auto-detected by ``::=``)
     {"type": "regex", "pattern": "..."}                          full match
@@ -41,9 +42,9 @@ def _response_format_spec(rf, field: str) -> GrammarSpec | None:
         if schema is None:
             raise ValueError(f"{field}['json_schema']['schema']: missing (keys present: {sorted(js)})")
         try:
-            return GrammarSpec.json_schema(schema)
+            return GrammarSpec.json_schema(schema, js.get("property_order", "schema"))
         except GrammarError as err:
-            raise GrammarError(f"{field}['json_schema']['schema']: {err}") from None
+            raise GrammarError(f"{field}['json_schema']: {err}") from None
     raise ValueError(f"{field}['type']: expected 'text', 'json_object' or 'json_schema', got {kind!r}")
 
 
@@ -69,7 +70,7 @@ def _grammar_spec(g, field: str) -> GrammarSpec | None:
         if kind == "choice":
             return GrammarSpec.choice(value)
         if kind == "json_schema":
-            return GrammarSpec.json_schema(value)
+            return GrammarSpec.json_schema(value, g.get("property_order", "schema"))
         if kind == "tagged_json":
             return GrammarSpec.tagged_json(value, g.get("open"), g.get("close"))
         return grammar_spec(value, "lark" if kind == "lark" else "gbnf")

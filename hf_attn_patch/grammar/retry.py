@@ -42,7 +42,7 @@ class RowRetry:
     def plan(self, state, max_new_tokens: int) -> int | None:
         """After `state` (a GrammarState) ended in a failed check: how many of its tokens to keep, the failing
         continuation recorded as forbidden; None when the budget is spent (attempts, or no token left to decode)."""
-        point = state._m.retry_point() if hasattr(state._m, "retry_point") else None
+        point = state._m.retry_point() if state.retryable else None
         if point is None or self.retries >= self.max_retries or not state.tokens:
             return None
         keep, before_last = point
@@ -70,15 +70,17 @@ def _plain(kwargs: dict, model) -> bool:
 
 
 def retry_failed_rows(model, original, processor, out, args: tuple, kwargs: dict):
-    """`out` (generate()'s [B, T] tensor) with its check_failed rows decoded again (module docstring)."""
+    """`out` (generate()'s [B, T] tensor) with its check_failed rows decoded again (module docstring), and every
+    row's finish reason: "eos", "length", or the reason a row still failing gives ("check_failed: ...")."""
+    reasons = list(processor.finish_reasons)
     if not torch.is_tensor(out) or processor.prompt_len is None or not _plain(kwargs, model):
-        return out
-    failed = [r for r, why in enumerate(processor.finish_reasons) if (why or "").startswith("check_failed")]
+        return out, reasons
+    failed = [r for r, why in enumerate(reasons) if (why or "").startswith("check_failed")]
     if not failed:
-        return out
+        return out, reasons
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
     if not torch.is_tensor(inputs) or inputs.dim() != 2:
-        return out
+        return out, reasons
     mask = kwargs.get("attention_mask")
     prompt_len = processor.prompt_len
     per_input = out.shape[0] // inputs.shape[0]
@@ -105,8 +107,8 @@ def retry_failed_rows(model, original, processor, out, args: tuple, kwargs: dict
             new = original(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new - keep,
                            logits_processor=[*others, sub], **rest)
             generated = generated[:keep] + _cut(new[0, ids.shape[1]:].tolist(), eos)
-            state = sub.states[0]
-            if not (sub.finish_reasons[0] or "").startswith("check_failed"):
+            state, reasons[r] = sub.states[0], sub.finish_reasons[0]
+            if not (reasons[r] or "").startswith("check_failed"):
                 break
         rows[r] = generated
     pad = kwargs.get("pad_token_id")
@@ -120,7 +122,13 @@ def retry_failed_rows(model, original, processor, out, args: tuple, kwargs: dict
     for r, generated in rows.items():
         result[r, prompt_len:] = pad
         result[r, prompt_len: prompt_len + len(generated)] = torch.tensor(generated, dtype=out.dtype)
-    return result
+    return result, reasons
+
+
+def row_finish_reasons(out, prompt_len: int, eos, reasons: list) -> list[str]:
+    """Per row of `out` ([B, T] ids): a failure the grammar named, else "eos" (an EOS was generated) or "length"."""
+    ended = [any(t in eos for t in row) for row in out[:, prompt_len:].tolist()]
+    return [why if why and why != "eos" else ("eos" if end else "length") for why, end in zip(reasons, ended)]
 
 
 def _cut(tokens: list[int], eos: set) -> list[int]:

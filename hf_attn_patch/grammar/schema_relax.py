@@ -23,9 +23,9 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from urllib.parse import unquote
 
 from .errors import GrammarError
+from .schema_refs import INERT, is_legacy, pointer_target, root_as_definition, sibling_nodes, strip_legacy_ref_siblings
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +47,11 @@ LIST_KEYS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
 _UNKNOWN_FORMAT = re.compile(r"Unknown format: (\S+)")
 _XGRAMMAR_FEATURE = re.compile(r"JSON Schema feature '([^']+)'")
+_CIRCULAR = re.compile(r"circular references with sibling keys are not supported: \S*?(#\S*)")
+_MISSING_POINTER = re.compile(r"Pointer '([^']*)' does not exist")
+_AT_PATH = re.compile(r"json-schema:///(#/\S*)|while processing \S*?(#/\S*)")
+MAX_ROUNDS = 40
+SKELETON_DEPTHS = (4, 2, 1)  # last fallbacks: subschemas deeper than this (and references) widened to any value
 
 
 @dataclass
@@ -89,18 +94,26 @@ def _escape(name) -> str:
 class _Relaxer:
     """Builds a widened copy of the original schema; records which original subschemas it widened."""
 
-    def __init__(self, original: dict, known_formats, backend: str = "llguidance"):
+    def __init__(self, original: dict, known_formats, backend: str = "llguidance", property_order: str = "schema"):
         self.original = original
+        self.any_order = property_order == "any" and backend == "llguidance"
         self.known_formats = known_formats
         self.xgrammar = backend == "xgrammar"
         self.backend_formats = XGRAMMAR_FORMATS if self.xgrammar else BACKEND_FORMATS
         self.drop = set(DROP_KEYS)
         self.formats_dropped: set = set()
         self.drop_patterns = False
+        self.legacy = is_legacy(original)  # keywords beside a $ref are ignored (drafts 03-07): dropped, exactly
+        self.root_def = False  # references to "#" point at a copy of the root (schema_refs.root_as_definition)
+        self.strip_at: set = set()  # paths whose keywords beside a $ref (or an anyOf / oneOf / allOf) are dropped
+        self.any_at: set = set()  # paths of subschemas widened to any value
+        self.skeleton: int | None = None  # depth below which every subschema (and every $ref) is any value
+        self.last: dict = {}
 
     def build(self, out: Relaxed) -> dict:
         relaxed = copy.deepcopy(self.original)
         originals = dict(walk(self.original))
+        unknown: dict = {}  # format -> paths: one note for the schema
         for path, sub in walk(relaxed):
             orig = originals.get(path)
             changed = []
@@ -125,9 +138,9 @@ class _Relaxer:
                 del sub["format"]
                 changed.append("format")
                 if fmt not in self.known_formats:
-                    note = f"format {fmt!r} at {path} is not a known format: any string is accepted"
-                    if note not in out.notes:
-                        out.notes.append(note)
+                    unknown.setdefault(fmt, []).append(path)
+            elif isinstance(fmt, str) and orig is not None:  # the backend's format regexes are close, not exact
+                out.modified.add(id(orig))  # (2023-02-29 passes as a date): checked at the close as well
             mult = sub.get("multipleOf")
             if isinstance(mult, float) and not mult.is_integer():
                 del sub["multipleOf"]  # llguidance 1.9 rejects valid multiples of non-integers (0.5 for 0.25)
@@ -152,7 +165,49 @@ class _Relaxer:
                 out.modified.add(id(orig))
                 for key in changed:
                     out.dropped.setdefault(key, []).append(path)
+        if unknown:
+            out.notes[:] = ["formats that are not known, any string accepted: " + "; ".join(
+                f"{fmt!r} at {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''}" for fmt, paths in unknown.items())]
+        self._structure(relaxed, originals, out)
+        self.last = relaxed
         return relaxed
+
+    def _structure(self, relaxed: dict, originals: dict, out: Relaxed) -> None:
+        """The widenings at one place each (a reference's siblings, a subschema named by an error, the skeleton),
+        then the exact reference rewrites (schema_refs.py)."""
+        def mark(path, key):
+            if path in originals:
+                out.modified.add(id(originals[path]))
+                out.dropped.setdefault(key, []).append(path)
+
+        if self.legacy:
+            strip_legacy_ref_siblings([sub for _, sub in walk(relaxed)])
+        nodes = dict(walk(relaxed))
+        for path in sorted(self.strip_at):
+            sub = nodes.get(path)
+            if sub is None:
+                continue
+            keep = INERT if "$ref" in sub else INERT | {"anyOf", "oneOf", "allOf"}
+            if any(k not in keep for k in sub):
+                for key in [k for k in sub if k not in keep]:
+                    del sub[key]
+                mark(path, "sibling keywords")
+        for path in sorted(self.any_at, key=len):
+            sub = nodes.get(path)
+            if sub is not None:
+                _to_any(sub, lambda: mark(path, "subschema"))
+        if self.skeleton is not None:
+            for path, sub in list(walk(relaxed)):
+                if "$ref" in sub or path.count("/") > 2 * self.skeleton:  # "#/properties/a/items": depth 2
+                    _to_any(sub, lambda: mark(path, "subschema"))
+        if self.any_order:  # last: it moves subschemas (their paths change)
+            for path, sub in list(walk(relaxed)):
+                changed = []
+                _any_order(sub, changed)
+                for key in changed:
+                    mark(path, key)
+        if self.root_def:
+            root_as_definition(relaxed, [sub for _, sub in walk(relaxed)])
 
     @staticmethod
     def _xgrammar(sub: dict, changed: list) -> None:
@@ -207,16 +262,86 @@ class _Relaxer:
         if "regex" in message.lower() and not self.drop_patterns:
             self.drop_patterns = True
             return True
+        return self._widen_at_reference(message)
+
+    def _widen_at_reference(self, message: str) -> bool:
+        """A reference the backend refuses: the exact rewrite first, else widened at the place the error names."""
+        m = _CIRCULAR.search(message)
+        if m:
+            target = m.group(1)
+            if not self.root_def and any(s.get("$ref") in ("#", "#/") for _, s in walk(self.last)):
+                self.root_def = True
+                return True
+            nodes = sibling_nodes(self.last, walk(self.last), target)
+            # in turn: the siblings beside a reference; the references to the target, each widened at its place;
+            # the siblings beside an anyOf / oneOf / allOf holding such a reference
+            refs = {p for p, s in walk(self.last) if s.get("$ref") == target}
+            for found, into in (({p for p, s in nodes if "$ref" in s}, self.strip_at), (refs, self.any_at),
+                                ({p for p, s in nodes if "$ref" not in s}, self.strip_at)):
+                found = {self._original_path(p) for p in found} - ({"#"} if into is self.any_at else set())
+                if found - into:
+                    into |= found
+                    return True
+            return self._widen_path(self._original_path(target))
+        m = _MISSING_POINTER.search(message)
+        if m:
+            ref = "#" + m.group(1)
+            found = {self._original_path(p) for p, s in walk(self.last) if str(s.get("$ref", "")).endswith(ref)}
+            if found - self.any_at:
+                self.any_at |= found
+                return True
+        m = _AT_PATH.search(message)
+        if m:
+            return self._widen_path(self._original_path(m.group(1) or m.group(2)))
         return False
 
+    def _widen_path(self, path: str) -> bool:
+        if path in self.any_at or path == "#":
+            return False
+        try:
+            pointer_target(self.original, path)
+        except (KeyError, IndexError, ValueError, TypeError):
+            return False
+        self.any_at.add(path)
+        return True
 
-def _pointer_target(root, ref: str):
-    """The subschema a local JSON-pointer ref ("#", "#/a/b") names, or raises KeyError / IndexError."""
-    node = root
-    for part in ref[2:].split("/") if ref not in ("#", "#/") else []:
-        part = unquote(part).replace("~1", "/").replace("~0", "~")
-        node = node[int(part)] if isinstance(node, list) else node[part]
-    return node
+    @staticmethod
+    def _original_path(path: str) -> str:
+        """A path inside the root's copy (root_as_definition) -> the same place in the original schema."""
+        for box in ("$defs", "definitions"):
+            prefix = f"#/{box}/__root__"
+            if path == prefix or path.startswith(prefix + "/"):
+                return "#" + path[len(prefix):]
+        return path
+
+
+def _any_order(sub: dict, changed: list) -> None:
+    """An object's ``properties`` as anchored ``patternProperties``, which llguidance accepts in any
+    order; ``required`` and min / maxProperties, which it cannot say then, are checked exactly, with no repeated
+    key (checked_matcher.py). Objects that have ``patternProperties`` already keep their order."""
+    props = sub.get("properties")
+    if not isinstance(props, dict) or not props or "patternProperties" in sub:
+        return
+    sub["patternProperties"] = {"^" + _regex_literal(k) + "$": v for k, v in props.items()}
+    del sub["properties"]
+    changed.append("properties")  # the order only; every object so rewritten is checked at its close
+    for key in ("required", "minProperties", "maxProperties"):
+        if key in sub:
+            del sub[key]
+            changed.append(key)
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + c if c in "\\.^$|?*+()[]{}-" else c for c in text)
+
+
+def _to_any(sub: dict, marked) -> None:
+    """`sub` (in place) admits any value: every keyword but the definitions it holds goes; marked() if it changed."""
+    keys = [k for k in sub if k not in ("definitions", "$defs")]
+    if any(k not in INERT or k == "$ref" for k in keys):
+        for key in keys:
+            del sub[key]
+        marked()
 
 
 def check_refs(schema: dict) -> None:
@@ -225,46 +350,69 @@ def check_refs(schema: dict) -> None:
         ref = sub.get("$ref")
         if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
             try:
-                _pointer_target(schema, ref)
+                pointer_target(schema, ref)
             except (KeyError, IndexError, ValueError, TypeError):
                 raise GrammarError(f"json_schema: '$ref' at {path}: {ref!r} names nothing in the schema") from None
 
 
-def relax_and_compile(schema: dict, compile_fn, known_formats, backend: str = "llguidance") -> tuple[object, Relaxed]:
+def relax_and_compile(schema: dict, compile_fn, known_formats, backend: str = "llguidance",
+                      property_order: str = "schema") -> tuple[object, Relaxed]:
     """compile_fn(schema dict, extra backend options) -> compiled (raises GrammarError). Widen until it compiles.
 
-    Order: the keywords the backend is known to refuse; then what each error names (keywords, formats, regexes);
-    then the backend's lenient mode; last, the whole schema as any JSON value (everything checked exactly).
+    Order: the keywords the backend is known to refuse; then what each error names (keywords, formats, regexes, a
+    reference: rewritten exactly, else widened there only, or a subschema: widened there only); then the backend's
+    lenient mode; then skeletons of the schema (the root's type, properties, required and additionalProperties kept,
+    deeper subschemas any value); last, the whole schema as any JSON value (everything checked exactly).
     Returns (compiled, Relaxed).
     """
     check_refs(schema)
     out = Relaxed(schema)
-    relaxer = _Relaxer(schema, known_formats, backend)
+    relaxer = _Relaxer(schema, known_formats, backend, property_order)
     options = {"coerce_one_of": True}
+
+    def attempt(rounds: int):
+        nonlocal last
+        for _ in range(rounds):
+            out.modified, out.dropped = set(), {}
+            relaxed = relaxer.build(out)
+            try:
+                compiled = compile_fn(relaxed, options)
+            except GrammarError as err:
+                last = str(err)
+                if "Unsatisfiable schema" in last:  # the widened schema admits no value: neither does the schema
+                    raise GrammarError(f"json_schema: the schema admits no value ({last})") from None
+                if relaxer.widen_from_error(last):
+                    continue
+                return None
+            out.schema, out.options = relaxed, options
+            return compiled
+        return None
+
     last = None
-    for _ in range(12):
-        out.modified, out.dropped = set(), {}
-        relaxed = relaxer.build(out)
-        try:
-            compiled = compile_fn(relaxed, options)
-        except GrammarError as err:
-            last = str(err)
-            if "Unsatisfiable schema" in last:  # the widened schema admits no value: neither does the schema
-                raise GrammarError(f"json_schema: the schema admits no value ({last})") from None
-            if relaxer.widen_from_error(last):
-                continue
-            break
-        out.schema, out.options = relaxed, options
+    compiled = attempt(MAX_ROUNDS)
+    if compiled is not None:
         return compiled, out
     logger.info("schema still refused after widening (%s); trying the lenient mode", last)
-    for attempt, (candidate, opts) in enumerate(((relaxed, {**options, "lenient": True}), ({}, {}))):
-        try:
-            compiled = compile_fn(candidate, opts)
-        except GrammarError as err:
-            last = str(err)
-            continue
-        out.schema, out.options, out.whole = candidate, opts, True
+    try:
+        compiled = compile_fn(relaxer.last, {**options, "lenient": True})
+    except GrammarError as err:
+        last = str(err)
+    else:
+        out.schema, out.options, out.whole = relaxer.last, {**options, "lenient": True}, True
         out.modified.add(id(schema))
-        out.dropped.setdefault("lenient" if attempt == 0 else "*", []).append("#")
+        out.dropped.setdefault("lenient", []).append("#")
         return compiled, out
-    raise GrammarError(f"json_schema: {last}")
+    for depth in SKELETON_DEPTHS:
+        relaxer.skeleton = depth
+        compiled = attempt(8)
+        if compiled is not None:
+            logger.info("schema widened below depth %d (%s)", depth, last)
+            return compiled, out
+    try:
+        compiled = compile_fn({}, {})
+    except GrammarError as err:
+        raise GrammarError(f"json_schema: {err}") from None
+    out.schema, out.options, out.whole = {}, {}, True
+    out.modified = {id(schema)}
+    out.dropped.setdefault("*", []).append("#")
+    return compiled, out

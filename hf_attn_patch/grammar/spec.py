@@ -8,7 +8,8 @@ from typing import Any
 
 from .errors import GrammarError
 
-KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf", "choice", "tagged_json")
+
+PROPERTY_ORDERS = ("schema", "any")
 
 
 @dataclass(frozen=True)
@@ -21,14 +22,19 @@ class GrammarSpec:
     ``tagged_json`` (source: (schema dict, open, close); the output is either text that does not start with the
     first character of ``open``, or ``open`` + JSON valid under the schema + ``close``: a tool call or an answer).
     key: a canonical string used to cache compiled grammars (two equal specs share one compilation).
+    property_order (json_schema): "schema" (an object's keys in the order its ``properties`` list them, required
+    ones enforced by the grammar) or "any" (keys in any order; required keys and no repeated key checked exactly).
     """
 
     kind: str
     source: Any = None
     key: str = field(default="", compare=False)
+    property_order: str = "schema"
 
     @staticmethod
-    def json_schema(schema) -> "GrammarSpec":
+    def json_schema(schema, property_order: str = "schema") -> "GrammarSpec":
+        if property_order not in PROPERTY_ORDERS:
+            raise GrammarError(f"property_order: expected one of {PROPERTY_ORDERS}, got {property_order!r}")
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -42,7 +48,7 @@ class GrammarSpec:
             key = json.dumps(schema, sort_keys=True, ensure_ascii=False)
         except (TypeError, ValueError) as err:
             raise GrammarError(f"schema: not JSON-serialisable ({err})") from None
-        return GrammarSpec("json_schema", schema, "json_schema:" + key)
+        return GrammarSpec("json_schema", schema, f"json_schema:{property_order}:" + key, property_order)
 
     @staticmethod
     def tagged_json(schema, open_tag: str, close_tag: str) -> "GrammarSpec":

@@ -93,6 +93,11 @@ class GrammarState:
         self.rollback(len(self.tokens))
 
     # ------------------------------------------------------------------ queries
+    @property
+    def retryable(self) -> bool:
+        """Whether a failed exact JSON Schema check can be retried from an earlier point (grammar/retry.py)."""
+        return self._m.retryable
+
     def is_terminated(self) -> bool:
         """True after an EOS was accepted, or when the grammar can only end (nothing but EOS can follow)."""
         return self._terminated or self._m.is_stopped()

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .. import __file__ as _package_file
-from ..models.architectures import architecture_of, head_dim, rotary_dim
+from ... import __file__ as _package_file
+from ...models.architectures import architecture_of, head_dim, rotary_dim
 
 logger = logging.getLogger(__name__)
 
@@ -221,47 +221,11 @@ def stats_of_inputs(x: torch.Tensor, w, config, batch: int = 8) -> LayerStats:
     return acc.stats()
 
 
-class _Done(Exception):
-    """Raised by the last attention layer's hook: its statistics are in."""
-
-
-@torch.no_grad()
-def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[str, LayerStats]:
-    """Run the source model on the windows and gather LayerStats for every stock attention layer."""
-    from .exact import stock_attention_layers
-
-    arch = architecture_of(model.config)
-    layers = stock_attention_layers(model)
-    acc = {name: StatsAccumulator(arch.split_heads(m), model.config) for name, m in layers.items()}
-
-    last = list(layers)[-1]
-
-    def make_hook(name):
-        def hook(module, args, kwargs):
-            acc[name].add(args[0] if args else kwargs["hidden_states"])
-            if name == last:  # the rest of the forward (the last layer, the LM head) is not needed
-                raise _Done
-
-        return hook
-
-    handles = [m.register_forward_pre_hook(make_hook(name), with_kwargs=True) for name, m in layers.items()]
-    try:
-        for start in tqdm(range(0, len(windows), 4), desc="calibration", disable=not progress):
-            try:
-                model(windows[start : start + 4].to(model.device), use_cache=False)
-            except _Done:
-                pass
-    finally:
-        for handle in handles:
-            handle.remove()
-    return {name: a.stats() for name, a in acc.items() if a.n}
-
-
 @torch.no_grad()
 def track_statistics(runner, layer, attn, w, config, i: int, track) -> LayerStats:
     """LayerStats of decoder layer i's attention `attn` (weights w) over the carried source track
     (layer_stream.Activations) while runner (a layer_stream.LayerRunner) advances it: the layer's output goes into the
-    spare buffer; the hook sees each batch of windows as the whole model's forward (collect_stats) did."""
+    spare buffer; the hook sees each batch of windows as a whole model's forward would."""
     acc = StatsAccumulator(w, config)
     hook = attn.register_forward_pre_hook(lambda m, a, kw: acc.add(a[0] if a else kw["hidden_states"]),
                                           with_kwargs=True)  # fmt: skip

@@ -9,7 +9,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..models.pretrained import source_folder
+from ...models.pretrained import source_folder
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from .params import MAX_LOGPROBS, SamplingParams
+from ..engine.params import MAX_LOGPROBS, SamplingParams
 
 MAX_N = 64  # choices per request
 MAX_PROMPTS = 256  # prompts in one /v1/completions body

@@ -52,8 +52,8 @@ from functools import lru_cache
 
 import torch
 
-from ..models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
-from .calibration import LayerStats
+from ...models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
+from ..io.calibration import LayerStats
 from .gqa_blocks import Block, join_rope, split_rope
 from .mla_lift import with_bias_column
 

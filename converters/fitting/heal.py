@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ..attention import GroupedQueryAttention, MultiHeadLatentAttention
-from ..models.architectures import architecture_of
+from ...attention import GroupedQueryAttention, MultiHeadLatentAttention
+from ...models.architectures import architecture_of
 from .heal_fsdp import FSDP_DIR, Sharded, launch_mode
 from .heal_masters import MasterWeights, load_tensors, save_tensors
 

@@ -37,9 +37,9 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..models.architectures import architecture_of
-from .calibration import LayerStats, stats_of_inputs
-from .exact import stock_attention_layers
+from ...models.architectures import architecture_of
+from ..io.calibration import LayerStats, stats_of_inputs
+from ..methods.exact import stock_attention_layers
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A forward pass over calibration windows that holds one decoder layer at a time.
+"""Carrying calibration windows through the decoder layers one layer at a time (LayerRunner, Activations, Tracks).
 
 The windows' hidden states [N, T, D] are carried from layer to layer: layer i is read from the checkpoint, run over the
 carried states in chunks of windows, and freed. The carried states need two buffers (a layer's input and its output),
@@ -17,9 +17,8 @@ import logging
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -128,27 +127,6 @@ class Tracks:
 
 
 
-@dataclass
-class StreamResult:
-    """hidden: the last decoder layer's output [N, T, D] (before the final norm), where `placement` says.
-    activation_bytes: bytes of one buffer (N * T * D * itemsize). Close it (or use `with`) to free a disk placement."""
-
-    hidden: torch.Tensor
-    placement: str
-    activation_bytes: int
-    store: Activations = field(repr=False)
-
-    def close(self) -> None:
-        self.hidden = None
-        self.store.close()
-
-    def __enter__(self) -> "StreamResult":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
 class LayerRunner:
     """Runs decoder layers over carried windows [N, T, D] in chunks, with the arguments the model's forward gives them.
 
@@ -192,46 +170,3 @@ class LayerRunner:
             args, kwargs = self.calls(x.shape[0])[i]
             y = layer(x, *args, **kwargs)
             outputs[lo : lo + self.chunk_size] = y.to(outputs.device)
-
-
-LayerHook = Callable[[int, torch.nn.Module, torch.Tensor, torch.Tensor], None]
-
-
-def stream_forward(src: LayerSource, input_ids: torch.Tensor, *, chunk_size: int = 8, placement: str | None = None,
-                   device_budget: int | None = None, cpu_budget: int | None = None, tmp_root=None,
-                   on_layer: LayerHook | None = None) -> StreamResult:  # fmt: skip
-    """Run the windows input_ids [N, T] through the source's decoder layers, one layer resident at a time.
-
-    chunk_size: windows per layer call. placement: force 'device' / 'cpu' / 'disk', else chosen by `choose_placement`
-    from the budgets. on_layer(i, layer, inputs, outputs): called after layer i ran over all windows, before it is
-    freed (inputs / outputs [N, T, D], wherever placed). Returns the last layer's output; `src.head` makes logits."""
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [N, T] windows, got shape {tuple(input_ids.shape)}")
-    n, t = input_ids.shape
-    runner = LayerRunner(src, t, chunk_size)
-    nbytes = n * t * src.config.hidden_size * torch.empty((), dtype=src.dtype).element_size()
-    placement = placement or choose_placement(nbytes, src.device, device_budget, cpu_budget)
-    if placement == "device" and src.device.type == "cpu":
-        placement = "cpu"  # the device is the CPU: say so
-    store = Activations.allocate((n, t, src.config.hidden_size), src.dtype, placement, src.device, tmp_root)
-    logger.info("carrying activations %s (2 x %.1f MB) on %s", tuple(store.current.shape), nbytes / 2**20, placement)
-    try:
-        runner.embed(input_ids, store.current)
-        for i in range(src.num_layers):
-            layer = src.layer(i)
-            runner.apply(layer, i, store.current, store.spare)
-            if on_layer is not None:
-                on_layer(i, layer, store.current, store.spare)
-            del layer  # freed before the next layer is read
-            store.swap()
-    except BaseException:
-        store.close()
-        raise
-    return StreamResult(store.current, placement, nbytes, store)
-
-
-@torch.no_grad()
-def stream_logits(src: LayerSource, result: StreamResult, chunk_size: int = 8) -> torch.Tensor:
-    """Logits [N, T, V] on the CPU from a StreamResult: lm_head(norm(hidden)), chunk by chunk."""
-    hidden = result.hidden
-    return torch.cat([src.head(hidden[lo : lo + chunk_size]).cpu() for lo in range(0, hidden.shape[0], chunk_size)])

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
+from ...models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
 
 
 @dataclass

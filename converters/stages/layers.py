@@ -19,17 +19,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..kv_memory import dtype_of
-from ..models.architectures import architecture_of, rotary_dim
-from .calibration import track_statistics
-from .layer_stream import BATCH, LayerRunner, Tracks
-from .layer_writer import ShardedWriter
-from .options import ConvertOptions
-from .reconstruct import LayerFit, fit_layer
-from .stages.closed_form import (LayerChoice, LayerResult, build_layer, closed_form, converted_config,
+from ...kv_memory import dtype_of
+from ..io.calibration import track_statistics
+from ..io.layer_stream import BATCH, LayerRunner, Tracks
+from ..io.layer_writer import ShardedWriter
+from ..options import ConvertOptions
+from ..fitting.reconstruct import LayerFit, fit_layer
+from .closed_form import (LayerChoice, LayerResult, build_layer, closed_form, converted_config,
                                  mla_layer_fields, relifted)  # fmt: skip
-from .stages.source import Source
-from .stages.target import Target
+from .source import Source
+from .target import Target
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +57,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
 
     windows: calibration tokens [n, T] (None: no statistics needed); choices: MLA per-layer ranks / RoPE dims."""
     src, config, n_layers = source.layers, source.config, source.config.num_hidden_layers
-    arch_split = architecture_of(config).split_heads
+    arch_split = source.shape.arch.split_heads
     names = (["source"] if windows is not None else []) + (["converted"] if target.layerwise else []) + \
         (["export"] if export is not None else [])  # fmt: skip
     tracks, runners = None, {}
@@ -73,7 +72,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
         result.activations = {"placement": tracks.placement, "bytes": tracks.bytes, "tracks": names}
     seconds = {"statistics": 0.0, "closed_form": 0.0, "layerwise": 0.0, "export": 0.0, "read_write": 0.0}
     pairs = [None] * n_layers
-    half = rotary_dim(config) // 2 if architecture_of(config).rotary else 0
+    half = source.shape.rotary_dim // 2
     last_fields: dict = {}
     gqa_config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads}) if opts.to != "mla" else None
     try:
@@ -161,7 +160,7 @@ def convert_layers(source: Source, opts: ConvertOptions, target: Target, windows
     """The layer loop, the resident parts (embeddings, final norm, LM head unless tied) written after it, and the
     config of what was written (`result.config`: the deepseek_v3 export's, unless `native`: the native form, which
     healing loads whole)."""
-    from .stages.export import LayerExport
+    from .export import LayerExport
 
     src = source.layers
     export = None

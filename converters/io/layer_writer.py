@@ -233,12 +233,3 @@ def state_groups(model: torch.nn.Module):
         key = ".".join(parts[:3]) if parts[:2] == ["model", "layers"] else name  # one group per layer
         groups.setdefault(key, {})[name] = tensor
     yield from groups.values()
-
-
-def write_streamed(model: torch.nn.Module, out, max_shard_size: int | str = "5GB", overwrite: bool = False) -> Path:
-    """Write an in-memory causal LM layer by layer through ShardedWriter (state_groups)."""
-    with ShardedWriter(out, max_shard_size, overwrite) as writer:
-        for group in state_groups(model):
-            writer.add(group)
-        gen = getattr(model, "generation_config", None)
-        return writer.finish(model.config, gen if gen is not None and model.can_generate() else None)

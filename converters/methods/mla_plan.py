@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models.architectures import AttentionWeights, head_dim, rotary_dim
-from .calibration import LayerStats
+from ...models.architectures import AttentionWeights, head_dim, rotary_dim
+from ..io.calibration import LayerStats
 from .mla_lift import RopeComponent, complex_pair, lift_mla, stacked_kv, with_bias_column
 
 MLA_METHODS = ("calibrated", "mha2mla")
@@ -141,12 +141,6 @@ def balanced(up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.
     serve with one step size."""
     s = (up.norm(dim=0) / down.norm(dim=1).clamp_min(1e-300)).sqrt()
     return up / s, down * s[:, None]
-
-
-def mla_layer(method: str, w: AttentionWeights, config, stats: LayerStats, kv_lora_rank: int, rope_dim: int,
-              context: int = 256, frequencies: list[int] | None = None):  # fmt: skip
-    """(state dict, config fields) of one MLA layer by `method`, one rank (plan_layer + lift_plan)."""
-    return lift_plan(plan_layer(method, w, config, stats, rope_dim, context, frequencies), w, config, kv_lora_rank)
 
 
 def allocate_ranks(plans: list[LatentPlan], total: int, floor: int = 1) -> list[int]:
