@@ -186,7 +186,7 @@ def main():
                     "k parts at once, then --merge their --out files)")
     ap.add_argument("--merge", nargs="+", default=None, help="--out files of the parts: print their figures together")
     ap.add_argument("--out", default=None, help="write the figures (and the counts, for --merge) as JSON here; "
-                    "rewritten every 20 schemas")
+                    "rewritten every 2 schemas")
     args = ap.parse_args()
     if args.merge:
         print(json.dumps(merge([json.loads(Path(f).read_text()) for f in args.merge]), indent=1))
@@ -209,7 +209,7 @@ def main():
     for i, (name, entry) in enumerate(tqdm(sample[part::parts] if args.replay else sample, desc="schemas")):
         if len(compiled_ok) >= need:
             break
-        if args.out and i % 20 == 19:
+        if args.out and i % 2 == 1:
             write(args, raw_of(args, sample, missing, splits, times, steps, refusals, t_start), {})
         schema, tests = entry["schema"], entry.get("tests") or []
         c = splits[split_of(name)]
