@@ -20,6 +20,8 @@ from transformers.generation import configuration_utils as generation_config_mod
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .attention.backend import interface_in_context
 from .cache.generate_hook import prefill_with_paged, prepare_cache_with_paged, with_paged_cache_name
@@ -28,6 +30,8 @@ from .attention.state_layers import mixer_classes, per_sequence_forward
 from .grammar.generate_hook import generate_with_grammar
 from .models import ARCHITECTURES
 from .models.construction_hooks import attention_dispatch, validating_post_init
+from .speculative.feature_drafter import MODEL_TYPE as DRAFTER_TYPE
+from .speculative.feature_drafter import FeatureDrafterConfig, FeatureDrafterForCausalLM
 from .speculative.generate_hook import assisted_decoding_any_batch, generate_with_speculative_options
 
 logger = logging.getLogger(__name__)
@@ -80,6 +84,10 @@ def patch_table() -> list[Patch]:
               "attention that reads the paged blocks itself (official hook)"),
         Patch(AttentionMaskInterface._global_mapping, PAGED_ATTENTION, registered(sdpa_mask),
               "its mask function (official hook; without one, padded batches would silently get mask=None)"),
+        Patch(CONFIG_MAPPING._extra_content, DRAFTER_TYPE, registered(FeatureDrafterConfig),
+              "AutoConfig reads a feature drafter's config.json (AutoConfig.register's registry)"),
+        Patch(MODEL_FOR_CAUSAL_LM_MAPPING._extra_content, FeatureDrafterConfig, registered(FeatureDrafterForCausalLM),
+              "AutoModelForCausalLM loads a feature drafter (AutoModelForCausalLM.register's registry)"),
         Patch(AttentionInterface, "get_interface", interface_in_context,
               "inside a forward context (the engine's step) every attention lookup returns the paged backend"),
     ]  # fmt: skip

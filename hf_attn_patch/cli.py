@@ -7,6 +7,7 @@ import os
 import sys
 
 from .demo import cmd_demo
+from .draft import add_draft_parser
 from .extras import MissingExtraError, require
 
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9  # as vLLM: the rest is left to the CUDA context, other processes and fragmentation
@@ -283,6 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--max-body-bytes", type=_positive_int, default=8 * 1024 * 1024,
                     help="larger request bodies are refused (413) before parsing (default 8 MiB)")
     sv.set_defaults(func=cmd_serve)
+
+    add_draft_parser(sub, _positive_int)
 
     demo = sub.add_parser("demo", help="KV tables and a story from the embedded model, stock vs our attention")
     demo.add_argument("--max-new-tokens", type=_positive_int, default=60)

@@ -220,7 +220,11 @@ def test_rejection_sampling_emits_target_distribution(point_mass):
 def test_speculative_sampling_in_generate_matches_target_marginal():
     """End to end, batch 4000: the second generated token's empirical distribution converges to the target's exact
     marginal sum_t1 p(t1) p(t2 | t1), with temperature and top-k applied to both models."""
-    target, drafter = tiny_model("llama", seed=0), tiny_model("llama", seed=3)
+    assert_second_token_marginal(tiny_model("llama", seed=0), tiny_model("llama", seed=3))
+
+
+def assert_second_token_marginal(target, drafter) -> None:
+    """Sampling 4000 rows of 2 tokens with `drafter` (draft length 2): both tokens follow the target's exact law."""
     prompt = torch.tensor([[5, 17, 33]])
     processors = LogitsProcessorList([TemperatureLogitsWarper(0.7), TopKLogitsWarper(12)])
     with torch.no_grad():

@@ -26,6 +26,8 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .draft_length import DraftLength
 from .drafters import Draft, ModelDrafter, PromptLookupDrafter
+from .combined import LookupOrFeatureDrafter
+from .feature_drafter import FeatureDrafter, FeatureDrafterForCausalLM
 from .grammar_rows import GrammarRows, grammar_processors
 from .ragged import RaggedModel, check_supported
 from .rejection import verify_greedy, verify_sampling
@@ -73,10 +75,19 @@ class SpeculativeStats:
 def make_drafter(model, generation_config, assistant_model):
     """(drafter, max draft length) from generate()'s keywords."""
     vocab = model.config.get_text_config(decoder=True).vocab_size
-    if generation_config.prompt_lookup_num_tokens is not None:
+    lookup_tokens, lookup = generation_config.prompt_lookup_num_tokens, None
+    if lookup_tokens is not None:
         ngram = generation_config.max_matching_ngram_size or 2
         # single-token matches propose mostly junk on free text: at least 2 tokens must match when allowed
-        return PromptLookupDrafter(max_ngram=ngram, min_ngram=min(2, ngram)), generation_config.prompt_lookup_num_tokens
+        lookup = PromptLookupDrafter(max_ngram=ngram, min_ngram=min(2, ngram))
+    if isinstance(assistant_model, FeatureDrafterForCausalLM):  # with lookup too: lookup where the history repeats
+        feature = FeatureDrafter(model, assistant_model, vocab)
+        longest = assistant_model.config.max_draft_tokens
+        if lookup is None:
+            return feature, longest
+        return LookupOrFeatureDrafter(lookup, feature, longest), max(lookup_tokens, longest)
+    if lookup is not None:
+        return lookup, lookup_tokens
     if generation_config.assistant_early_exit is not None:
         drafter = ModelDrafter(model, vocab, num_layers=generation_config.assistant_early_exit)
         return drafter, generation_config.num_assistant_tokens or 5
@@ -108,6 +119,16 @@ def unsupported_reason(generation_config, model_kwargs, assistant_tokenizer, str
 def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
                          streamer=None, assistant_model=None, **model_kwargs):  # fmt: skip
     """generate()'s decoding method for assisted generation (any batch size); see the module docstring."""
+    drafter, max_draft = make_drafter(model, generation_config, assistant_model)
+    try:
+        return _decode(model, drafter, max_draft, input_ids, logits_processor, stopping_criteria, generation_config,
+                       streamer, **model_kwargs)  # fmt: skip
+    finally:
+        drafter.finish()
+
+
+def _decode(model, drafter, max_draft, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
+            **model_kwargs):  # fmt: skip
     options = generate_options.get()
     stats = options.get("speculative_stats") or SpeculativeStats()
     started = time.perf_counter()
@@ -121,14 +142,13 @@ def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, 
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()
 
-    drafter, max_draft = make_drafter(model, generation_config, assistant_model)
     schedule = options.get("draft_length", "adaptive")
     if schedule != "adaptive" and not (isinstance(schedule, int) and schedule >= 1):
         raise ValueError(f"draft_length: expected 'adaptive' or an int >= 1, got {schedule!r}")
     # n-gram drafts cost nothing to make: start at the longest; a separate model drafter starts short (2) and
     # adapts; early exit starts at 1 (a draft token costs a fixed share of a target forward, and layers that were
     # not trained to exit early rarely agree with the last one)
-    start = max_draft if isinstance(drafter, PromptLookupDrafter) else 1 if drafter.early_exit else 2
+    start = max_draft if isinstance(drafter, PromptLookupDrafter) else 1 if getattr(drafter, "early_exit", False) else 2
     lengths = DraftLength(max_draft if schedule == "adaptive" else schedule, batch, adaptive=schedule == "adaptive",
                           start=start)  # fmt: skip
 

@@ -6,7 +6,8 @@ in by subclassing `Drafter`:
 - `propose(sequences, k, process, do_sample) -> Draft`: tokens [B, k], per-row lengths [B] (<= k) and, for
   drafters that sample, their processed probabilities q [B, k, V] (None = point mass on each token);
 - `accepted(counts)`: row b's first counts[b] drafts were accepted (the sequences are extended after this call);
-- `select(rows)`: only these rows remain in the batch.
+- `select(rows)`: only these rows remain in the batch;
+- `finish()`: once, when decoding ends (also on error): release what `__init__` or `start` hooked into the target.
 `process(tokens [B, W], logits [B, V]) -> scores [B, V]` applies generate()'s logits processors (temperature,
 top-k, top-p, ...), so q is processed exactly as the target's p is.
 """
@@ -44,6 +45,9 @@ class Drafter:
     def select(self, rows: torch.Tensor) -> None:
         pass
 
+    def finish(self) -> None:
+        pass
+
 
 class PromptLookupDrafter(Drafter):
     """n-gram lookup (prompt lookup decoding): find the row's last n tokens earlier in the row (prompt or output,
@@ -76,6 +80,25 @@ def ngram_lookup(row: torch.Tensor, k: int, max_ngram: int = 3, min_ngram: int =
             start = int(full[-1] if full.numel() else hits[0]) + n
             return row[start : start + k]
     return row[:0]
+
+
+def draft_chain(sequences: Sequences, k: int, process, do_sample: bool, logits: torch.Tensor, step):
+    """k draft tokens, one after another: the first from logits [B, V], each next from step(token [B]) -> [B, V].
+    Returns tokens [B, k] and, when sampling, their processed probabilities [B, k, V] (else None)."""
+    drafts, probs = [], []
+    for j in range(k):
+        step_tokens = sequences.with_drafts(torch.stack(drafts, 1) if drafts else sequences.tokens[:, :0])
+        scores = process(step_tokens, logits)
+        if do_sample:
+            q = scores.softmax(-1)
+            token = torch.multinomial(q, 1).squeeze(1)
+            probs.append(q)
+        else:
+            token = scores.argmax(-1)
+        drafts.append(token)
+        if j < k - 1:
+            logits = step(token)
+    return torch.stack(drafts, 1), torch.stack(probs, 1) if do_sample else None
 
 
 class ModelDrafter(Drafter):
@@ -122,23 +145,11 @@ class ModelDrafter(Drafter):
         feed = sequences.tokens[:, -n:]
         valid = torch.arange(n, device=feed.device)[None, :] >= (n - pending)[:, None]
         self.state.mark()
-        drafts, probs = [], []
         logits = self.state.forward(feed, valid, last_only=True)[:, -1]
-        for j in range(k):
-            step_tokens = sequences.with_drafts(torch.stack(drafts, 1) if drafts else feed[:, :0])
-            scores = process(step_tokens, self._fit_vocab(logits))
-            if do_sample:
-                q = scores.softmax(-1)
-                token = torch.multinomial(q, 1).squeeze(1)
-                probs.append(q)
-            else:
-                token = scores.argmax(-1)
-            drafts.append(token)
-            if j < k - 1:
-                logits = self.state.forward(token[:, None], last_only=True)[:, -1]
+        step = lambda token: self._fit_vocab(self.state.forward(token[:, None], last_only=True)[:, -1])  # noqa: E731
+        tokens, probs = draft_chain(sequences, k, process, do_sample, self._fit_vocab(logits), step)
         self._base_lengths, self._pending, self._proposed = sequences.lengths.clone(), pending, k
-        tokens = torch.stack(drafts, 1)
-        return Draft(tokens, torch.full_like(pending, k), torch.stack(probs, 1) if do_sample else None)
+        return Draft(tokens, torch.full_like(pending, k), probs)
 
     def accepted(self, counts: torch.Tensor) -> None:
         if self.target is not None:  # the next round aliases the target again

@@ -104,10 +104,11 @@ class RaggedModel:
     def columns(self) -> int:
         return self.mask.shape[1]
 
-    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, last_only: bool = False):
+    def forward(self, tokens: torch.Tensor, valid: torch.Tensor | None = None, last_only: bool = False, **extra):
         """Append tokens [B, n] (valid [B, n] bool; invalid ones are holes) -> float32 logits [B, n or 1, V].
 
-        Positions of valid tokens continue each row's count (`keep` may roll them back)."""
+        Positions of valid tokens continue each row's count (`keep` may roll them back). `extra` inputs go to the
+        model as they are; its whole output stays in `self.outputs` until the next forward."""
         valid = torch.ones_like(tokens, dtype=torch.bool) if valid is None else valid
         positions = self.next_position[:, None] + valid.long().cumsum(1) - 1
         positions = positions.clamp(min=0)
@@ -116,11 +117,13 @@ class RaggedModel:
         # an all-ones mask (no padding, no holes: always so at batch 1) is dropped, as generate() does: plain causal
         mask = None if bool(self.mask.all()) else self.mask
         inputs = {"input_ids": tokens, "attention_mask": mask, "past_key_values": self.cache, "use_cache": True}
+        inputs.update(extra)
         if self._takes_positions:
             inputs["position_ids"] = positions
         if last_only and self._takes_logits_to_keep:
             inputs["logits_to_keep"] = 1
-        logits = self.model(**inputs).logits
+        self.outputs = self.model(**inputs)
+        logits = self.outputs.logits
         return (logits[:, -1:] if last_only else logits).float()
 
     def mark(self) -> None:
