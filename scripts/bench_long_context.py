@@ -125,6 +125,7 @@ def curves(row: dict) -> dict[str, dict[int, float]]:
 def report(rows_dir: Path) -> None:
     """A markdown table (accuracy and retained per task and distance; held-in KL) and rows_dir.png."""
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -144,16 +145,27 @@ def report(rows_dir: Path) -> None:
             cells.append(" ".join(f"{a:.2f}" + (f" ({a / base[t][d]:.0%})" if r is not rows[0] and base.get(t, {}).get(d)
                                                  else "") for d, a in sorted(acc.items())) or "-")  # fmt: skip
         print(f"| {r['model']} | {kls} | " + " | ".join(cells) + " |")
-    fig, axes = plt.subplots(1, len(tasks), figsize=(4.2 * len(tasks), 3.6), squeeze=False)
+    fig, axes = plt.subplots(1, len(tasks) + 1, figsize=(4.2 * (len(tasks) + 1), 3.6), squeeze=False)
+    colours = {r["model"]: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(rows)}
     for ax, t in zip(axes[0], tasks):
         for r in rows:
             points = sorted(curves(r).get(t, {}).items())
             if points:
-                ax.plot(*zip(*points), marker="o", label=r["model"], ls="--" if r["model"] == "source" else "-")
+                ax.plot(*zip(*points), marker="o", label=r["model"], color=colours[r["model"]],
+                        ls="--" if r["model"] == "source" else "-")  # fmt: skip
         ax.set(xscale="log", title=t, xlabel="distance (tokens; passage: D)", ylabel="accuracy", ylim=(-0.02, 1.02))
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, alpha=0.3)
-    axes[0][0].legend(fontsize=7)
-    fig.tight_layout()
+    ax = axes[0][-1]  # the held-in criterion by position bin
+    for r in rows:
+        bins = [(k, v) for k, v in r.get("held_in_kl", {}).items() if "-" in k]
+        if bins:
+            ax.plot([int(k.split("-")[0]) for k, _ in bins], [v for _, v in bins], marker="s", color=colours[r["model"]])
+    ax.set(title="held-in KL by position", xlabel="position bin start", ylabel="KL(source || model)")
+    ax.grid(True, alpha=0.3)
+    handles = {h.get_label(): h for a in axes[0] for h in a.get_lines() if not h.get_label().startswith("_")}
+    fig.legend(handles.values(), handles.keys(), fontsize=7, loc="lower center", ncol=len(handles))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(rows_dir.with_suffix(".png"), dpi=100)
     print(f"plot: {rows_dir.with_suffix('.png')}")
 

@@ -182,8 +182,15 @@ def main():
                     help="also generate with the random model in the engine (retries) on this many schemas")
     ap.add_argument("--order", default="any", choices=ORDERS, help="key order of the generation runs")
     ap.add_argument("--replay", type=int, default=1, help="0: compile only, no replays (for the generation figures)")
-    ap.add_argument("--out", default=None, help="write the figures as JSON here")
+    ap.add_argument("--part", default="0/1", help="i/k: replay every k-th schema of the sample from the i-th (run the "
+                    "k parts at once, then --merge their --out files)")
+    ap.add_argument("--merge", nargs="+", default=None, help="--out files of the parts: print their figures together")
+    ap.add_argument("--out", default=None, help="write the figures (and the counts, for --merge) as JSON here; "
+                    "rewritten every 2 schemas")
     args = ap.parse_args()
+    if args.merge:
+        print(json.dumps(merge([json.loads(Path(f).read_text()) for f in args.merge]), indent=1))
+        return
     logging.getLogger("hf_attn_patch").setLevel(logging.ERROR)
     from tqdm import tqdm
     from transformers import AutoTokenizer
@@ -197,7 +204,13 @@ def main():
     steps = defaultdict(int)
     refusals, compiled_ok = [], []
     t_start = time.perf_counter()
-    for name, entry in tqdm(sample, desc="schemas"):
+    part, parts = (int(x) for x in args.part.split("/"))
+    need = max(args.generate, args.engine) if not args.replay else len(sample)
+    for i, (name, entry) in enumerate(tqdm(sample[part::parts] if args.replay else sample, desc="schemas")):
+        if len(compiled_ok) >= need:
+            break
+        if args.out and i % 2 == 1:
+            write(args, raw_of(args, sample, missing, splits, times, steps, refusals, t_start), {})
         schema, tests = entry["schema"], entry.get("tests") or []
         c = splits[split_of(name)]
         c["schemas"] += 1
@@ -257,15 +270,56 @@ def main():
                     c["invalid_llg_compiled"] += 1
                     c["caught_llg"] += not replay(GrammarState(llg.matcher(alone), adapter.eos_token_ids,
                                                                adapter.vocab_size), ids)[0]
-    replay_seconds = time.perf_counter() - t_start
+    raw = raw_of(args, sample, missing, splits, times, steps, refusals, t_start)
+    gens = {}
+    if args.generate:
+        gens["generation"] = generate(compiled_ok[: args.generate], tok, args.max_new_tokens)
+    if args.smollm2:
+        gens["generation_smollm2"] = generate_smollm2(sample[: args.smollm2], args.max_new_tokens, args.order)
+    if args.engine:
+        gens["generation_engine"] = generate_engine(compiled_ok[: args.engine], tok, args.max_new_tokens, args.order)
+    print(json.dumps(write(args, raw, gens), indent=1))
 
-    gen = generate(compiled_ok[: args.generate], tok, args.max_new_tokens) if args.generate else {}
-    gen_smol = generate_smollm2(sample[: args.smollm2], args.max_new_tokens, args.order) if args.smollm2 else {}
-    gen_engine = generate_engine(compiled_ok[: args.engine], tok, args.max_new_tokens, args.order) \
-        if args.engine else {}
+
+def raw_of(args, sample, missing, splits, times, steps, refusals, t_start) -> dict:
+    return {"sample": {"n": len(sample), "seed": args.seed, "skipped_not_in_mirror": missing, "part": args.part,
+                       "tokenizer": Path(args.tokenizer).name, "generation_order": args.order},
+            "splits": {k: dict(v) for k, v in splits.items()}, "times": dict(times), "steps": dict(steps),
+            "refusals": refusals, "replay_seconds": round(time.perf_counter() - t_start, 1)}
+
+
+def write(args, raw: dict, gens: dict) -> dict:
+    figures = {**report(raw), **gens, "counts": raw}
+    if args.out:
+        Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
+    return figures
+
+
+def merge(parts: list[dict]) -> dict:
+    """The figures of several parts' --out files (their counts summed; generations as each part gave them)."""
+    raw = {"sample": parts[0]["counts"]["sample"], "splits": {}, "times": defaultdict(float),
+           "steps": defaultdict(int), "refusals": [], "replay_seconds": 0.0}
+    for part in parts:
+        c = part["counts"]
+        for split, counter in c["splits"].items():
+            into = raw["splits"].setdefault(split, defaultdict(int))
+            for k, v in counter.items():
+                into[k] += v
+        for key in ("times", "steps"):
+            for k, v in c[key].items():
+                raw[key][k] += v
+        raw["refusals"] += c["refusals"]
+        raw["replay_seconds"] = max(raw["replay_seconds"], c["replay_seconds"])
+    gens = {k: v for part in parts for k, v in part.items() if k.startswith("generation")}
+    return {**report(raw), **gens}
+
+
+def report(raw: dict) -> dict:
+    """Figures from the counts: overall and per source split; mask time per token."""
     pct = lambda a, b: round(100.0 * a / max(b, 1), 2)  # noqa: E731
 
     def figures_of(c) -> dict:
+        c = defaultdict(int, c)
         row = {"schemas": c["schemas"], "valid": c["valid"], "invalid": c["invalid"],
                "refused_pct": {o: pct(c[f"refused_{o}"], c["schemas"]) for o in ORDERS + ("llg",)}}
         for o in ORDERS:
@@ -280,9 +334,10 @@ def main():
         return row
 
     total = defaultdict(int)
-    for c in splits.values():
+    for c in raw["splits"].values():
         for k, v in c.items():
             total[k] += v
+    times, steps = defaultdict(float, raw["times"]), defaultdict(int, raw["steps"])
     mask = {}
     for o in ORDERS:
         for kind in ("nocheck", "check"):
@@ -291,21 +346,9 @@ def main():
             plain_us = round(1e6 * times[f"plain_{key}"] / max(steps[key], 1), 1)
             mask[key] = {"ours": ours_us, "plain": plain_us, "ratio": round(ours_us / plain_us, 3) if plain_us else None,
                          "tokens": steps[key]}
-    figures = {
-        "sample": {"n": len(sample), "seed": args.seed, "skipped_not_in_mirror": missing,
-                   "tokenizer": Path(args.tokenizer).name, "generation_order": args.order},
-        "all": figures_of(total),
-        "splits": {k: figures_of(v) for k, v in sorted(splits.items())},
-        "mask_us_per_token": mask,
-        "generation": gen,
-        "generation_smollm2": gen_smol,
-        "generation_engine": gen_engine,
-        "replay_seconds": round(replay_seconds, 1),
-        "refusals": refusals[:20],
-    }
-    print(json.dumps(figures, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
+    return {"sample": raw["sample"], "all": figures_of(total),
+            "splits": {k: figures_of(v) for k, v in sorted(raw["splits"].items())}, "mask_us_per_token": mask,
+            "replay_seconds": raw["replay_seconds"], "refusals": raw["refusals"][:20]}
 
 
 def random_model(tok):

