@@ -276,9 +276,8 @@ class ConvertOptions:
     format: str = option("auto", "auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock "
                          "DeepseekV3ForCausalLM (MLA)", choices=FORMATS)  # fmt: skip
     engine: str | None = option(None, "--format deepseek_v3: the engine whose MLA kernels the shapes fit (default "
-                                "llama.cpp, any shape, with the query LoRA llama.cpp needs; vllm: 512+64, every backend "
-                                "incl. vLLM-CPU, or 256+64, GPU backends only; sglang: 512+64 or 256+64; flashmla: "
-                                "512+64)", choices=ENGINES)  # fmt: skip
+                                "llama.cpp, any shape, with llama.cpp's query LoRA; vllm: 512+64, or 256+64 GPU-only; "
+                                "sglang: 512+64 or 256+64; flashmla: 512+64)", choices=ENGINES)  # fmt: skip
     seed: int = option(0, "seed of the teacher samples and the fits (default 0)", parse=int)
     device: str = option("auto", "where the model passes run (teacher samples, statistics, sensitivity, "
                          "reconstruction): auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, cuda:N")
