@@ -4,7 +4,8 @@ It keeps the bytes it consumed and a JSON scanner state (json_scan.py) per token
 described in schema_checks.py. Budget: a step that masks the closing token of a value is an attempt of that value
 (steps that only added whitespace count once); after ``max_attempts`` of them (for one value) the row ends with
 the smallest valid completion (completion.py); when none is found, or no continuation is left, the row is failed:
-no token is allowed any more, and :meth:`CheckedMatcher.error` names the keyword and the schema path that failed.
+no token is allowed any more, and :meth:`CheckedMatcher.error` names the keyword and the schema path that keep
+failing.
 """
 
 from __future__ import annotations
