@@ -1,11 +1,10 @@
 """CheckedMatcher: a backend matcher plus the exact checks of a widened schema (schema_checks.py).
 
 It keeps the bytes it consumed and a JSON scanner state (json_scan.py) per token; what it checks, and when, is
-described in schema_checks.py. Budget: a step that masks the closing token of a value is an attempt of that value
-(steps that only added whitespace count once); after ``max_attempts`` of them (for one value) the row ends with
-the smallest valid completion (completion.py); when none is found, or no continuation is left, the row is failed:
-no token is allowed any more, and :meth:`CheckedMatcher.error` names the keyword and the schema path that keep
-failing.
+described in schema_checks.py. Budget: every mask that forbids a closing token is an attempt; after
+``max_attempts`` of them (per row) the row ends with the smallest valid completion (completion.py); when none is
+found, or no continuation is left, the row is failed: no token is allowed any more, and :meth:`CheckedMatcher.error`
+names the keyword and the schema path that keep failing.
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ class CheckedMatcher:
         self.words = (len(checks.token_bytes) + 31) // 32
         self.text = bytearray()
         self.hist = [(_BEFORE if checks.frame else INITIAL, 0)]  # scanner state and text length after each token
-        self.attempts = 0  # the most refused closes of one value (tries)
-        self.tries: dict = {}  # start offset of a value -> (closes refused, text length without trailing whitespace)
+        self.attempts = 0
         self.failed: str | None = None
         self.failed_at = 0  # tokens consumed when the row failed; a rollback below that point clears the failure
         self.last_failure: str | None = None
@@ -191,8 +189,6 @@ class CheckedMatcher:
             del self.text[self.hist[-1][1]:]
             self._gate = {}  # cached by length: another text may reach the same length
             self.completion = None
-            self.tries = {k: v for k, v in self.tries.items() if k < len(self.text)}
-            self.attempts = max((c for c, _ in self.tries.values()), default=0)
             if self.failed and len(self.hist) - 1 < self.failed_at:
                 self.failed = None  # back before the failure (rejected drafts): judged afresh when reached again
 
@@ -201,7 +197,7 @@ class CheckedMatcher:
         token ids}) masked from now on."""
         self.retry_reason = reason or self.retry_reason
         self.failed = None
-        self.attempts, self.tries = 0, {}
+        self.attempts = 0
         self.forbid = forbid
 
     def _needs_lookahead(self, state) -> bool:
@@ -271,12 +267,7 @@ class CheckedMatcher:
         if forbidden:
             for t in forbidden:
                 words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
-            if checked:  # an attempt of the failing value, once per step that wrote more than whitespace
-                count, seen = self.tries.get(self.fail_start, (0, -1))
-                grown = len(bytes(self.text).rstrip())
-                if grown != seen:
-                    self.tries[self.fail_start] = (count + 1, grown)
-                    self.attempts = max(self.attempts, count + 1)
+            self.attempts += checked > 0
             alive = words.any() or self.m.is_accepting() and self._gate_failure() is None
             if alive and self.attempts >= self.checks.max_attempts:  # out of attempts: end with a valid document
                 self.completion = smallest_completion(self)
@@ -393,7 +384,6 @@ class CheckedMatcher:
         other.text = bytearray(self.text)
         other.hist = list(self.hist)
         other.attempts, other.failed, other.last_failure = self.attempts, self.failed, self.last_failure
-        other.tries = dict(self.tries)
         other.failed_at, other.retry_reason = self.failed_at, self.retry_reason
         other.fail_start, other.forbid = self.fail_start, self.forbid
         other.completion = None if self.completion is None else list(self.completion)
