@@ -152,8 +152,8 @@ def test_convert_heals_with_checkpoints_and_resumes(tmp_path, monkeypatch):
         convert("default", tmp_path / "bad", resume=True, **options, **FAST)
 
 
-@pytest.mark.xfail(strict=False, reason="on some 2-core machines the two runs differ past 1e-5 in q_proj (seen on the "
-                   "commit before the layout change too); Adam turns near-zero gradients' reduction-order noise into "
+@pytest.mark.xfail(strict=False, reason="on some 2-core machines the two runs differ past 1e-5 in q_proj "
+                   "; Adam turns near-zero gradients' reduction-order noise into "
                    "lr-sized steps, so the bound needs rederiving")
 def test_two_process_data_parallel_healing_equals_one_process_with_twice_the_batch(tmp_path):
     """torchrun --nproc_per_node 2 (accelerate picks gloo on CPU): each process takes its own windows, gradients are

@@ -141,7 +141,7 @@ def _compare(runs: Path, deterministic: bool) -> None:
 
 
 @pytest.mark.xfail(strict=False, reason="the same weight comparison as test_heal's two-process test: on some 2-core "
-                   "machines q_proj differs past its bound (seen before this round's changes too)")
+                   "machines q_proj differs past its bound")
 def test_convert_under_an_fsdp_launch_writes_the_healed_model_once(student_dir, tmp_path):
     """hf-attn convert through `accelerate launch --config_file scripts/accelerate_fsdp.yaml`: every process converts
     and heals its shards, rank 0 writes OUT, and the result equals one process with both processes' batches."""
