@@ -1,10 +1,10 @@
 """CheckedMatcher: a backend matcher plus the exact checks of a widened schema (schema_checks.py).
 
 It keeps the bytes it consumed and a JSON scanner state (json_scan.py) per token; what it checks, and when, is
-described in schema_checks.py. Budget: every mask that forbids a closing token is an attempt; after
-``max_attempts`` of them (per row) the row ends with the smallest valid completion (completion.py); when none is
-found, or no continuation is left, the row is failed: no token is allowed any more, and :meth:`CheckedMatcher.error`
-names the keyword and the schema path that keep failing.
+described in schema_checks.py. Budget (attempts.py): a mask that forbids the closing token of a failing value is an
+attempt of that value; once a value has had ``max_attempts`` of them the row ends with the smallest valid completion
+(completion.py); when none is found, or no continuation is left, the row is failed: no token is allowed any more,
+and :meth:`CheckedMatcher.error` names the keyword and the schema path that keep failing.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import bitmask as bm
+from .attempts import Attempts
 from .completion import smallest_completion
 from .json_scan import _BEFORE, _FREE, INITIAL, _parent, _value_path, scan
 from .schema_checks import SchemaChecks, _pointer
@@ -35,11 +36,12 @@ class CheckedMatcher:
         self.words = (len(checks.token_bytes) + 31) // 32
         self.text = bytearray()
         self.hist = [(_BEFORE if checks.frame else INITIAL, 0)]  # scanner state and text length after each token
-        self.attempts = 0
+        self.budget = Attempts()
         self.failed: str | None = None
         self.failed_at = 0  # tokens consumed when the row failed; a rollback below that point clears the failure
         self.last_failure: str | None = None
         self.fail_start = 0  # text offset where the value of the last failure starts
+        self.fail_free = False  # the last failure is structural (a member missing, a repeated key): costs no attempt
         self.retry_reason: str | None = None  # the failure a retry (restart) started from
         self.forbid: dict = {}  # text so far -> token ids masked there (continuations that failed before)
         self.completion: list | None = None  # tokens left of the valid completion that ends this row (completion.py)
@@ -89,7 +91,7 @@ class CheckedMatcher:
         except ValueError:
             return None
         if any(k == key for k, _ in pairs[-1]):
-            self.fail_start = start
+            self.fail_start, self.fail_free = start, True
             return f"a repeated key {key!r} in the object at byte {parent}"
         return None
 
@@ -99,11 +101,11 @@ class CheckedMatcher:
         for sub in checks:
             fail = self.checks.failure(sub, full[start:end])
             if fail:
-                self.fail_start = start
+                self.fail_start, self.fail_free = start, self.checks.wanting(sub, full[start:end])
                 return fail
         if path and isinstance(path[-1], int) and path[-1] > 0 and parent is not None:
             if self.checks.roots_at(path[:-1])[1] and self.checks.duplicate(full[parent:end] + b"]"):
-                self.fail_start = parent
+                self.fail_start, self.fail_free = parent, False
                 return f"'uniqueItems' at the array {_pointer(path[:-1])} (item {path[-1]} repeats one)"
         return None
 
@@ -189,6 +191,7 @@ class CheckedMatcher:
             del self.text[self.hist[-1][1]:]
             self._gate = {}  # cached by length: another text may reach the same length
             self.completion = None
+            self.budget.rollback(len(self.text))
             if self.failed and len(self.hist) - 1 < self.failed_at:
                 self.failed = None  # back before the failure (rejected drafts): judged afresh when reached again
 
@@ -197,7 +200,7 @@ class CheckedMatcher:
         token ids}) masked from now on."""
         self.retry_reason = reason or self.retry_reason
         self.failed = None
-        self.attempts = 0
+        self.budget = Attempts(self.budget.counted)
         self.forbid = forbid
 
     def _needs_lookahead(self, state) -> bool:
@@ -250,7 +253,7 @@ class CheckedMatcher:
         if scalar is None or scalar[0] == "n":  # numbers the grammar will have to close
             candidates |= allowed & self.checks._last_number
         text = bytes(self.text)
-        forbidden = []
+        forbidden, tried = [], set()  # tried: start offsets of the values whose close failed (attempts)
         for t in np.flatnonzero(candidates).tolist():
             new, fail = self._check_token(state, text, t)
             if not fail and isinstance(new, tuple) and self.checks._last_number[t]:
@@ -258,8 +261,9 @@ class CheckedMatcher:
             if fail:
                 forbidden.append(t)
                 self.last_failure = fail
-        checked = len(forbidden)  # closes that failed: attempts; the pruning below is exact and costs none
-        if self._in_unique_enum_array(state, text):  # an item that can only repeat one: masked where it starts
+                if not self.fail_free:
+                    tried.add(self.fail_start)
+        if self._in_unique_enum_array(state, text):  # an item that can only repeat one (exact pruning: no attempt)
             done = set(forbidden)
             for t in np.flatnonzero(allowed).tolist():
                 if t not in done and self._futile_item(state, text, t):
@@ -267,16 +271,16 @@ class CheckedMatcher:
         if forbidden:
             for t in forbidden:
                 words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
-            self.attempts += checked > 0
+            spent = self.budget.add(tried, text, self.checks.max_attempts)
             alive = words.any() or self.m.is_accepting() and self._gate_failure() is None
-            if alive and self.attempts >= self.checks.max_attempts:  # out of attempts: end with a valid document
+            if alive and spent:  # out of attempts: end with a valid document
                 self.completion = smallest_completion(self)
                 if self.completion is not None:
                     logger.info("checked row out of attempts (%s): finished with %d tokens", self.last_failure,
                                 len(self.completion))
                     self.fill(bitmask, index)
                     return
-            if not alive or self.attempts >= self.checks.max_attempts:
+            if not alive or spent:
                 self.failed = self.last_failure  # no continuation left, or none found to a valid end: failed
                 self.failed_at = len(self.hist) - 1
                 bitmask[index].zero_()
@@ -383,9 +387,9 @@ class CheckedMatcher:
         other = CheckedMatcher(self.m.clone(), self.checks)
         other.text = bytearray(self.text)
         other.hist = list(self.hist)
-        other.attempts, other.failed, other.last_failure = self.attempts, self.failed, self.last_failure
+        other.budget, other.failed, other.last_failure = self.budget.copy(), self.failed, self.last_failure
         other.failed_at, other.retry_reason = self.failed_at, self.retry_reason
-        other.fail_start, other.forbid = self.fail_start, self.forbid
+        other.fail_start, other.fail_free, other.forbid = self.fail_start, self.fail_free, self.forbid
         other.completion = None if self.completion is None else list(self.completion)
         return other
 

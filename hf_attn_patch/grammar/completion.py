@@ -1,7 +1,7 @@
 """The smallest valid completion of a checked row whose attempts ran out (checked_matcher.py).
 
-When the exact checks have masked ``max_attempts`` closing tokens of a row, the model keeps choosing values that
-fail; rather than ending the row with an invalid prefix, the matcher finishes it with a short valid completion
+When the exact checks have masked ``max_attempts`` closing tokens of one value (attempts.py), the model keeps
+choosing values that fail; rather than ending the row with an invalid prefix, the matcher finishes it with a short valid completion
 found here, so that the row ends inside the grammar with a valid document. Best-first search over the
 grammar's allowed tokens (exact checks included): cost = tokens so far + a small penalty for a token that does not
 close anything (bytes ``"`` ``]`` ``}`` first, then digits); a node's children are built when they are taken
@@ -35,7 +35,7 @@ def smallest_completion(matcher) -> list[int] | None:
     token_bytes = matcher.checks.token_bytes
     mask = torch.zeros((1, (len(token_bytes) + 31) // 32), dtype=torch.int32)
     start = matcher.clone()
-    start.attempts, start.completion = -(10**9), None  # the search itself has no attempt budget
+    start.budget.counted, start.completion = False, None  # no budget in the search: no search inside it
     tie = itertools.count()
     heap = [(0.0, next(tie), [], start, None)]  # (cost, tie, path, parent, token): a child is built when popped
     for _ in range(MAX_EXPANSIONS):

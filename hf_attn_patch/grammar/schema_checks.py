@@ -28,7 +28,8 @@ from .schema_relax import walk
 
 logger = logging.getLogger(__name__)
 
-MAX_ATTEMPTS = 64
+MAX_ATTEMPTS = 64  # refused closes of one value (attempts.py)
+_WANTING = frozenset({"required", "minProperties", "dependentRequired"})
 
 
 # ------------------------------------------------------------------------------------------------- the schema
@@ -62,6 +63,7 @@ class SchemaChecks:
         self._roots: dict = {}
         self._sub_validators: dict = {}
         self._results: dict = {}
+        self._wanting: set = set()  # keys of _results whose value only lacks members (wanting())
         self.token_bytes = token_bytes
         lengths = np.fromiter((len(b) for b in token_bytes), dtype=np.int64, count=len(token_bytes))
         self._has = {}
@@ -215,14 +217,23 @@ class SchemaChecks:
             if errors:
                 import jsonschema
 
+                if all(e.validator in _WANTING and not e.path for e in errors):
+                    self._wanting.add(key)
                 best = jsonschema.exceptions.best_match(errors)
                 where = self.pointers.get(id(sub), "#")
                 rel = "/".join(str(p) for p in best.schema_path)
                 result = f"{best.validator!r} at {where}{'/' + rel if rel else ''}"
         if len(self._results) > 65536:
             self._results.clear()
+            self._wanting = {key} & self._wanting
         self._results[key] = result
         return result
+
+    def wanting(self, sub: dict, value_bytes: bytes) -> bool:
+        """Whether the failure of the object `value_bytes` against `sub` (failure(), called first) is only that it
+        lacks members (``required``, ``minProperties``, ``dependentRequired`` at the object itself): more members
+        may fix it, as a grammar with keys in declaration order would make them come."""
+        return (id(sub), value_bytes) in self._wanting
 
     def duplicate(self, items_bytes: bytes) -> bool:
         """Whether the JSON array text `items_bytes` has two equal items (jsonschema's uniqueItems equality)."""
