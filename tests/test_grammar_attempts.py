@@ -74,3 +74,15 @@ def test_the_completion_search_has_no_budget(stories, monkeypatch):
         assert state.accept_token(allowed[0])
         text += adapter.token_bytes()[allowed[0]].decode()
     assert calls[0] == 1 and _is_valid(NEEDS_A_SEVEN, text), (calls, text)
+
+
+def test_no_valid_end_is_a_failed_check_not_a_dead_end(stories):
+    """A root number whose every end fails its check: the backend still sets EOS in its mask (its grammar accepts),
+    which must not count as a continuation: the row fails naming the check (it ended as an unnamed dead end)."""
+    schema = {"type": "integer", "minimum": 0, "maximum": 10, "not": {"type": "integer", "minimum": 0, "maximum": 10}}
+    grammar = compile_grammar(GrammarSpec.json_schema(schema), stories[1])
+    state = grammar.new_state()
+    mask = bm.allocate_bitmask(1, grammar.adapter.vocab_size)
+    assert state.accept_tokens(grammar.adapter.llguidance_tokenizer().tokenize_str("1")) == 1
+    assert not state.fill_bitmask(mask, 0)
+    assert (state.error() or "").startswith("check_failed: 'not' at #/not"), state.error()

@@ -24,6 +24,13 @@ from .schema_checks import SchemaChecks, _pointer
 logger = logging.getLogger(__name__)
 
 
+def _key(data: bytes) -> str:
+    try:
+        return json.loads(data)
+    except ValueError:
+        return ""
+
+
 # ------------------------------------------------------------------------------------------------ the matcher
 class CheckedMatcher:
     """A backend matcher (backends.Matcher protocol) plus the exact checks of `checks` (module docstring)."""
@@ -134,15 +141,7 @@ class CheckedMatcher:
     @staticmethod
     def _concrete(path, full: bytes) -> tuple:
         """Key spans (start, end) in the path -> the key strings."""
-        out = []
-        for step in path:
-            if isinstance(step, tuple):
-                try:
-                    step = json.loads(full[step[0]: step[1]])
-                except ValueError:
-                    step = ""
-            out.append(step)
-        return tuple(out)
+        return tuple(_key(full[s[0]: s[1]]) if isinstance(s, tuple) else s for s in path)
 
     # ------------------------------------------------------------------ protocol
     def consume(self, tokens):
@@ -234,8 +233,7 @@ class CheckedMatcher:
             banned = self.forbid.get(bytes(self.text))
             if banned:
                 bm.set_tokens(bitmask, index, banned, False)
-                if not bm.any_allowed(bitmask, index, len(self.checks.token_bytes)) and not (
-                        self.m.is_accepting() and self._gate_failure() is None):
+                if not self._alive(bitmask[index].numpy().view(np.uint32)):
                     # the retried value has no other continuation here: the check still fails (not a dead end)
                     self.failed = self.last_failure or self.retry_reason or "a retried value"
                     self.failed_at = len(self.hist) - 1
@@ -272,7 +270,7 @@ class CheckedMatcher:
             for t in forbidden:
                 words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
             spent = self.budget.add(tried, text, self.checks.max_attempts)
-            alive = words.any() or self.m.is_accepting() and self._gate_failure() is None
+            alive = self._alive(words)
             if alive and spent:  # out of attempts: end with a valid document
                 self.completion = smallest_completion(self)
                 if self.completion is not None:
@@ -284,6 +282,12 @@ class CheckedMatcher:
                 self.failed = self.last_failure  # no continuation left, or none found to a valid end: failed
                 self.failed_at = len(self.hist) - 1
                 bitmask[index].zero_()
+
+    def _alive(self, words) -> bool:
+        """A token with bytes left in `words`, or an end where the whole text validates (not just the backend's EOS)."""
+        allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: len(self.checks.token_bytes)]
+        return bool((allowed.astype(bool) & self.checks._has["any"]).any()) or (
+            self.m.is_accepting() and self._gate_failure() is None)
 
     def _unique_enum(self, frame, full: bytes):
         """Items of the array `frame` (a scanner frame) under uniqueItems whose schema allows only the strings of an
