@@ -18,17 +18,10 @@ import torch
 from . import bitmask as bm
 from .attempts import Attempts
 from .completion import smallest_completion
-from .json_scan import _BEFORE, _FREE, INITIAL, _parent, _value_path, scan
+from .json_scan import _BEFORE, _FREE, INITIAL, _forms, _items, _key, _parent, _value_path, scan
 from .schema_checks import SchemaChecks, _pointer
 
 logger = logging.getLogger(__name__)
-
-
-def _key(data: bytes) -> str:
-    try:
-        return json.loads(data)
-    except ValueError:
-        return ""
 
 
 # ------------------------------------------------------------------------------------------------ the matcher
@@ -327,13 +320,10 @@ class CheckedMatcher:
         prefix = full[start:]
         if found is None or b"\\" in prefix:
             return False
-        try:
-            present = json.loads(full[frame[1]: start].rstrip(b" \t\n\r,") + b"]")
-        except ValueError:
+        present = _items(full[frame[1]: start].rstrip(b" \t\n\r,") + b"]")
+        if present is None:
             return False
-        left = [v for v in found[0] if v not in present]
-        forms = {json.dumps(v, ensure_ascii=a).encode() for v in left for a in (True, False)}
-        if any(f.startswith(prefix) for f in forms):
+        if any(f.startswith(prefix) for v in found[0] if v not in present for f in _forms(v)):
             return False
         self.last_failure = f"'uniqueItems' at the array {_pointer(found[1])} (item {frame[5]} can only repeat one)"
         self.fail_start = frame[1]

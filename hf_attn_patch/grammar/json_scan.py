@@ -6,6 +6,9 @@ it closes. It does not judge the grammar: text that is not JSON makes :func:`sca
 
 from __future__ import annotations
 
+import functools
+import json
+
 _NUMBER_BYTES = frozenset(b"0123456789+-.eE")
 _WS = frozenset(b" \t\n\r")
 
@@ -142,3 +145,26 @@ def _after_value(stack, top):
     kind, start, path, _, key, index = stack[-1]
     return stack[:-1] + ((kind, start, path, ",", key, index),), top
 
+
+@functools.lru_cache(maxsize=4096)
+def _forms(value: str) -> tuple:
+    """The JSON texts of a string (ASCII escapes or not)."""
+    return json.dumps(value).encode(), json.dumps(value, ensure_ascii=False).encode()
+
+
+@functools.lru_cache(maxsize=256)
+def _items(array: bytes):
+    """The items of a JSON array text (hashable ones as a set, else the list), None if not JSON."""
+    try:
+        items = json.loads(array)
+    except ValueError:
+        return None
+    return set(items) if all(isinstance(v, str) for v in items) else items
+
+
+def _key(data: bytes) -> str:
+    """A JSON key text -> the key ("" if it is not JSON yet)."""
+    try:
+        return json.loads(data)
+    except ValueError:
+        return ""
