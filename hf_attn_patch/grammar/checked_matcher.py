@@ -18,7 +18,7 @@ import torch
 from . import bitmask as bm
 from .attempts import Attempts
 from .completion import smallest_completion
-from .json_scan import _BEFORE, _FREE, INITIAL, _forms, _items, _key, _parent, _value_path, scan
+from .json_scan import _BEFORE, _FREE, INITIAL, _items, _key, _parent, _prefixes, _value_path, scan
 from .schema_checks import SchemaChecks, _pointer
 
 logger = logging.getLogger(__name__)
@@ -290,16 +290,20 @@ class CheckedMatcher:
         path = self._concrete(frame[2], full)
         if not self.checks.roots_at(path)[1]:
             return None
-        allowed = None
-        for node in self.checks.nodes_at(path + (frame[5],)):
-            values = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node \
-                else None
-            if values is not None:
-                strings = {v for v in values if isinstance(v, str)}
-                if len(strings) < len(values):
-                    return None  # other kinds of values: left to the close check
-                allowed = strings if allowed is None else allowed & strings
-        return (allowed, path) if allowed is not None else None
+        key = ("unique enum", path, frame[5])
+        if key not in self.checks._results:  # (shared by the rows of the schema)
+            allowed = None
+            for node in self.checks.nodes_at(path + (frame[5],)):
+                values = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node \
+                    else None
+                if values is not None:
+                    strings = frozenset(v for v in values if isinstance(v, str))
+                    if len(strings) < len(values):
+                        allowed = ()  # other kinds of values: left to the close check
+                        break
+                    allowed = strings if allowed is None else allowed & strings
+            self.checks._results[key] = (allowed, path) if allowed else None
+        return self.checks._results[key]
 
     def _in_unique_enum_array(self, state, text: bytes) -> bool:
         return isinstance(state, tuple) and bool(state[0]) and self._unique_enum(state[0][-1], text) is not None
@@ -323,7 +327,8 @@ class CheckedMatcher:
         present = _items(full[frame[1]: start].rstrip(b" \t\n\r,") + b"]")
         if present is None:
             return False
-        if any(f.startswith(prefix) for v in found[0] if v not in present for f in _forms(v)):
+        if prefix in _prefixes(found[0] - present if isinstance(present, set) else
+                               frozenset(v for v in found[0] if v not in present)):
             return False
         self.last_failure = f"'uniqueItems' at the array {_pointer(found[1])} (item {frame[5]} can only repeat one)"
         self.fail_start = frame[1]

@@ -146,10 +146,11 @@ def _after_value(stack, top):
     return stack[:-1] + ((kind, start, path, ",", key, index),), top
 
 
-@functools.lru_cache(maxsize=4096)
-def _forms(value: str) -> tuple:
-    """The JSON texts of a string (ASCII escapes or not)."""
-    return json.dumps(value).encode(), json.dumps(value, ensure_ascii=False).encode()
+@functools.lru_cache(maxsize=64)
+def _prefixes(strings: frozenset) -> frozenset:
+    """Every prefix of the JSON texts of `strings` (ASCII escapes or not; b"" if there is one)."""
+    forms = {json.dumps(v, ensure_ascii=a).encode() for v in strings for a in (True, False)}
+    return frozenset(f[:i] for f in forms for i in range(len(f) + 1))
 
 
 @functools.lru_cache(maxsize=256)
