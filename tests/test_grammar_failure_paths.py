@@ -109,3 +109,16 @@ def test_engine_and_server(random_llama, stories, one_attempt, name):
         for choice in body["choices"]:
             _judge(schema, choice["text"], choice["finish_reason"], completed)
     assert bool(completed) == (name == "needs_a_seven"), completed
+
+
+def test_engine_dead_end_is_not_a_stop(stories):
+    """A grammar that allows no token the model can sample (here: only 'Z', outside a 440-token model's logits;
+    in the wild: a grammar backend's error such as llguidance's lexer limit) ends with the forced EOS and the
+    finish reason "dead_end", never "stop" with an incomplete answer."""
+    from hf_attn_patch.engine import Engine, SamplingParams
+
+    tok = stories[1]
+    engine = Engine(tiny_model("llama", vocab_size=440, seed=3), tok, block_size=8)
+    params = SamplingParams(max_tokens=8, temperature=0.0, grammar={"type": "regex", "pattern": "ZZ"})
+    out = engine.generate([[tok.bos_token_id]], [params])[0]
+    assert out.finish_reason == "dead_end" and out.text == "", (out.finish_reason, out.text)

@@ -14,7 +14,7 @@ free their blocks at once (full blocks stay cached for prefix hits until evicted
 Finish reasons: "stop" (EOS, a stop token, a stop string: cut from the text, or a grammar that can only end: the
 EOS it forces is not emitted), "length" (max_tokens; also max_tokens=0, which only computes the prompt), "abort",
 "check_failed" (an exact JSON Schema check left no valid continuation and its retries are spent: the text is not a
-valid answer).
+valid answer), "dead_end" (the grammar allowed no token, e.g. a grammar backend's error: not an answer either).
 
 Checked JSON Schemas (keywords the grammar widens, grammar/schema_relax.py): when a row's check leaves no valid
 continuation, the request is rewound (grammar/retry.py's RowRetry, the policy generate() uses): its grammar state,
@@ -365,9 +365,9 @@ class Engine:
                 reason = "length"
             elif request.grammar is not None and request.grammar.is_terminated():
                 reason = "stop"
-            if reason == "stop" and request.grammar is not None and (request.grammar.dead_reason or "").startswith(
-                    "check_failed"):
-                reason = "check_failed"  # a JSON Schema check failed with no valid continuation: not an answer
+            if reason == "stop" and request.grammar is not None and request.grammar.dead_at is not None:
+                # no valid continuation (a failed JSON Schema check, or the backend's error): not an answer
+                reason = "check_failed" if request.grammar.dead_reason.startswith("check_failed") else "dead_end"
             if reason is not None:
                 out.detok.flush()
             if params.stop and (cut := _find_stop(out.detok.text, params.stop, len(out.text))) is not None:

@@ -114,8 +114,8 @@ class BatchMatcher:
             limit = state.vocab_size if width is None else min(width, state.vocab_size)
             if not state.is_terminated() and not bm.any_allowed(bitmask, out, limit):
                 error = state.error() or ""
-                self._dead(row, error if error.startswith("check_failed")
-                           else "no token allowed by the grammar within the model's vocabulary")
+                self._dead(row, error if error.startswith("check_failed") else f"grammar backend error: {error}"
+                           if error else "no token allowed by the grammar within the model's vocabulary")
                 bm.only_tokens(bitmask, out, state.eos_token_ids)
         return bitmask
 

@@ -118,4 +118,4 @@ async def _stream(ctx: ServingContext, ids, queue, head, req, plan: ToolPlan, pr
 def _finish_reason(engine_reason: str, calls: list[dict] | None) -> str:
     """"tool_calls" for a complete call; a call the length limit cut keeps "length" (one whose JSON Schema check
     failed keeps "check_failed"), so a client never runs it."""
-    return "tool_calls" if calls and engine_reason not in ("length", "check_failed") else engine_reason
+    return "tool_calls" if calls and engine_reason not in ("length", "check_failed", "dead_end") else engine_reason
