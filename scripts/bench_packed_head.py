@@ -57,7 +57,8 @@ def main() -> None:
                 run = run_ours(engine, batch, args.tokens)
                 tok_s[name].append(run["tokens"] / run["wall_s"])
         p, q = max(tok_s["packed"]), max(tok_s["plain"])
-        print(f"{args.model} batch {b:>2}: packed lm_head {p:7.1f} tok/s, plain {q:7.1f} tok/s, {p / q:.2f}x", flush=True)
+        print(f"{args.model} batch {b:>2}: packed lm_head {p:7.1f} tok/s, plain {q:7.1f} tok/s, {p / q:.2f}x",
+              flush=True)  # fmt: skip
     engine.runner._head = packed
 
 
