@@ -2,7 +2,7 @@
 in one process, interleaved: offline greedy throughput at each batch size.
 
     flock /tmp/hfap-bench.lock .venv/bin/python scripts/bench_packed_head.py [--model stories15m|smollm2]
-        [--threads 2] [--batches 1 8 32] [--prompt 64] [--tokens 64] [--reps 3]
+        [--threads 1] [--batches 1 8 32] [--prompt 64] [--tokens 64] [--reps 3]
 
 Same workload as scripts/bench_vs_vllm.py (fresh seeded TinyStories prompts per run, each generating exactly `tokens`
 tokens, all submitted at t = 0); the best run of each counts. Also checks both produce the same tokens.
@@ -24,7 +24,7 @@ from hf_attn_patch.models.pretrained import smollm2_dir
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["stories15m", "smollm2"], default="stories15m")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=64)

@@ -1,15 +1,17 @@
 """Our Engine vs vLLM's CPU build on the same model, threads and requests, measured in one process.
 
     flock /tmp/hfap-bench.lock .venv/bin/python scripts/bench_vs_vllm.py [--model stories15m|smollm2|both]
-        [--threads 2] [--batches 1 8 32] [--prompt 64] [--tokens 64] [--reps 2]
+        [--threads 1] [--batches 1 8 32] [--prompt 64] [--tokens 64] [--reps 2]
 
 vLLM runs in its own venv (build/vllm-venv: scripts/vllm_env.sh) as a child process that loads the model once and
 then answers batches on stdin (scripts/vllm_run.py --bench), so the two engines' runs interleave here: for each
 batch size, `reps` times, ours and vLLM's in alternating order; the best of each counts. Workload: B prompts of
 `prompt` tokens cut from TinyStories (seeded, fresh for every run, the same for both engines: no prefix-cache hits),
 each generating exactly `tokens` tokens (greedy, EOS ignored), all submitted at t = 0 (offline). Both fp32 on the CPU
-with the same thread count (vLLM: VLLM_CPU_OMP_THREADS_BIND, ours: torch threads) and the same step token budget
-(vLLM's max_num_batched_tokens, 4096 for its offline LLM on a CPU). vLLM runs as it does by default (compiled).
+with the same thread count on the same cores (vLLM: VLLM_CPU_OMP_THREADS_BIND, ours: torch threads and this
+process's CPU affinity) and the same step token budget
+(vLLM's max_num_batched_tokens, 4096 for its offline LLM on a CPU). One thread by default: on a busy 2-core machine
+two threads mostly wait for each other at every op. vLLM runs as it does by default (compiled).
 Reports generated tokens / s per batch size, median time to first token (from submission) and inter-token latency
 (per request: (last - first token time) / (tokens - 1)), KV-cache bytes per token, and the ratios ours / vLLM.
 """
@@ -101,6 +103,7 @@ def best(runs: list[dict]) -> dict:
 
 def bench(label: str, model_dir: Path, args) -> list[dict]:
     torch.set_num_threads(args.threads)
+    os.sched_setaffinity(0, range(args.threads))  # the cores vLLM's threads are bound to (VLLM_CPU_OMP_THREADS_BIND)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     max_len, corpus = args.prompt + args.tokens, corpus_ids(tokenizer)
@@ -135,7 +138,7 @@ def bench(label: str, model_dir: Path, args) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["stories15m", "smollm2", "both"], default="stories15m")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
