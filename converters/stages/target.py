@@ -50,9 +50,9 @@ def auto_reconstruct_steps(kv_share: float) -> int:
     return AUTO_RECONSTRUCT_STEPS[0] if kv_share >= 0.5 else AUTO_RECONSTRUCT_STEPS[1]
 
 
-def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
-    """The Target, with the resolved options: method (GQA with per-head q/k norms: 'mean') and reconstruct_steps
-    ("auto": by the KV share kept). given: the options as the user gave them."""
+def resolve_target(source: Source, opts: ConvertOptions) -> Target:
+    """The Target, with the resolved options: method (GQA with per-head q/k norms: 'mean', unless the user named
+    another: refused) and reconstruct_steps ("auto": by the KV share kept)."""
     config, dims = source.config, source.shape
     arch = dims.arch
     if arch.replaces_stock:
@@ -66,7 +66,7 @@ def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
         if source_kv % opts.kv_heads:
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
         if opts.method != "mean" and arch.split_heads(source.layers.attention(source.layers.layer(0))[1]).q_norm is not None:
-            if given.get("method") is not None:  # asked for by name: refused before calibrating
+            if dict(opts.given).get("method") is not None:  # asked for by name: refused before calibrating
                 raise ValueError(f"method={opts.method!r} with per-head q/k norms ({config.model_type}) is not "
                                  f"supported: use method='mean'")  # fmt: skip
             logger.warning("%s has per-head q/k norms: the default %r does not apply, using 'mean'",
