@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from ..methods.budgets import candidate_grid
 from ..export.deepseek_export import check_source, engine_shape
 from ..options import ConvertOptions, resolved
-from .source import Source, SourceShape
+from ...models.architectures import AttentionShape
+from .source import Source
 
 logger = logging.getLogger(__name__)
 
@@ -92,7 +93,7 @@ def resolve_target(source: Source, opts: ConvertOptions) -> Target:
     if deepseek:
         check_source(config, rope_dim)
     if opts.rank_allocation == "sensitivity":  # the candidate grid is checked against the budget before calibrating
-        candidate_grid(config, opts.kv_budget, opts.rope_dim)
+        candidate_grid(dims, opts.kv_budget, opts.rope_dim)
     layerwise = bool(opts.calibration.propagate or opts.reconstruction.steps)
     return Target(opts, source_kv, d_h, False, share, True, layerwise, rope_dim, kv_lora_rank, export_rope)
 
@@ -105,7 +106,7 @@ def _resolve_steps(opts: ConvertOptions, kv_share: float) -> ConvertOptions:
     return resolved(opts, reconstruct_steps=steps)
 
 
-def mla_sizes(opts: ConvertOptions, shape: SourceShape) -> tuple[int, int]:
+def mla_sizes(opts: ConvertOptions, shape: AttentionShape) -> tuple[int, int]:
     """(rope_dim, kv_lora_rank) from the options, checked against the source."""
     source_kv, d_h = shape.kv_heads, shape.head_dim
     max_rope = source_kv * shape.rotary_dim
