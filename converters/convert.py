@@ -42,7 +42,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
     torch.manual_seed(opts.seed)
     src = open_source(source, opts.device)
     clock = Clock(src.device)
-    target = clock.run("target", resolve_target, src, opts, options)  # refuses a bad source before any weight
+    target = clock.run("target", resolve_target, src, opts)  # refuses a bad source before any weight
     opts = target.options  # with the choices resolved from the source (frozen, as the user's)
     clock.run("resident", src.layers.load_resident)
     cal = clock.run("calibration", calibrate, src, opts, target.needs_stats)
@@ -64,7 +64,7 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
             config = layers.config
         if opts.dtype is not None:
             config.dtype = opts.dtype
-        report = build_report(src, opts, options, target, cal, plan, layers, healed, config, clock)
+        report = build_report(src, opts, target, cal, plan, layers, healed, config, clock)
         if not _is_main_process():  # under torchrun / accelerate launch every process converts and heals; one writes
             return report
         writer.finish(config, src.generation_config, src.tokenizer, report)

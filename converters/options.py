@@ -239,7 +239,7 @@ SECTIONS = {"calibration": CalibrationOptions, "reconstruction": ReconstructionO
 def option_fields() -> list[tuple[str, tuple | None, dict]]:
     """(flat name, (section, field) or None for a field of ConvertOptions itself, metadata) of every option, in
     declaration order: ConvertOptions' own fields, then each section's."""
-    top = [(f.name, None, f.metadata) for f in fields(ConvertOptions) if f.name not in SECTIONS]
+    top = [(f.name, None, f.metadata) for f in fields(ConvertOptions) if f.metadata and f.name not in SECTIONS]
     return top + [(f.metadata["flat"] or f.name, (section, f.name), f.metadata) for section, kind in SECTIONS.items()
                   for f in fields(kind)]  # fmt: skip
 
@@ -286,6 +286,7 @@ class ConvertOptions:
     reconstruction: ReconstructionOptions = option(factory=ReconstructionOptions)
     healing: HealingOptions = option(factory=HealingOptions)
     output: OutputOptions = option(factory=OutputOptions)
+    given: tuple = field(default=(), compare=False, repr=False)  # (flat name, value) as the user gave them, in order
 
     @classmethod
     def from_flat(cls, **options) -> ConvertOptions:
@@ -301,7 +302,8 @@ class ConvertOptions:
                 sections[section][key] = value
         if top.get("to") is None:
             raise TypeError("the conversion option 'to' is required (one of 'gqa', 'mqa', 'mla')")
-        return cls(**top, **{section: SECTIONS[section](**kw) for section, kw in sections.items()})
+        return cls(**top, **{section: SECTIONS[section](**kw) for section, kw in sections.items()},
+                   given=tuple(options.items()))
 
     def flat(self) -> dict:
         """The flat options, by FLAT_NAMES (the report's "options"); ConvertOptions.from_flat(**o.flat()) == o."""
@@ -339,9 +341,8 @@ class ConvertOptions:
             _one_of("engine", self.engine, ENGINES)
         if self.to == "mla":
             if (self.kv_lora_rank is None) == (self.kv_budget is None):
-                raise ValueError(
-                    f"to='mla' needs exactly one of kv_lora_rank={self.kv_lora_rank!r} and kv_budget={self.kv_budget!r}"
-                )
+                raise ValueError(f"to='mla' needs exactly one of kv_lora_rank={self.kv_lora_rank!r} and "
+                                 f"kv_budget={self.kv_budget!r}")  # fmt: skip
             if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
                 raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
         _positive_int("kv_heads", self.kv_heads)
@@ -364,8 +365,7 @@ class ConvertOptions:
 
     def _refuse_inapplicable(self) -> None:
         """An option the chosen target or method would ignore is an error (it was given for a reason)."""
-        mla_only = [n for n in ("kv_lora_rank", "rope_dim", "kv_budget", "rope_context")
-                    if getattr(self, n) is not None]
+        mla_only = [n for n in ("kv_lora_rank", "rope_dim", "kv_budget", "rope_context") if getattr(self, n) is not None]
         if self.to != "mla" and mla_only:
             raise ValueError(f"{mla_only[0]}={getattr(self, mla_only[0])!r} applies to to='mla' only, not to={self.to!r}")
         if self.to == "mla" and self.kv_heads is not None:

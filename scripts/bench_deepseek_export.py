@@ -40,7 +40,8 @@ def native_conversion(source: str, options: dict):
 
     opts = ConvertOptions.from_flat(**options)
     src = open_source(source, opts.device)
-    target = resolve_target(src, opts, options)
+    target = resolve_target(src, opts)
+    opts = target.options  # with the choices resolved from the source
     cal = calibrate(src, opts, True)
     plan = plan_layers(src, opts, target, cal.windows)
     with tempfile.TemporaryDirectory() as tmp:

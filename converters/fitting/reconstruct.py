@@ -37,7 +37,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ...models.architectures import architecture_of
+from ...models.architectures import AttentionShape
 from ..io.calibration import LayerStats, stats_of_inputs
 from ..methods.exact import stock_attention_layers
 
@@ -82,10 +82,10 @@ def sequential(source: nn.Module, new: nn.Module, windows: torch.Tensor, *, reli
     windows = windows.to(device)
     h_new, layer_kw = _first_layer_inputs(new, names[0], windows, batch_size)
     h_src, src_layer_kw = _first_layer_inputs(source, names[0], windows, batch_size)  # the source's positions
-    fits = []
+    fits, shape = [], AttentionShape.of(source.config)
     for name in tqdm(names, desc="reconstruct" if steps else "propagate", disable=not progress):
         block_new, block_src = new.get_submodule(_parent(name)), source.get_submodule(_parent(name))
-        fits.append(fit_layer(name, block_src, block_new, h_src, h_new, src_layer_kw, layer_kw, source.config,
+        fits.append(fit_layer(name, block_src, block_new, h_src, h_new, src_layer_kw, layer_kw, shape,
                               relift=relift, steps=steps, lr=lr, batch_size=batch_size, held_in=held_in,
                               target=target, attention_kl=attention_kl))  # fmt: skip
         h_new = _run_block(block_new, h_new, layer_kw, batch_size)
@@ -95,7 +95,7 @@ def sequential(source: nn.Module, new: nn.Module, windows: torch.Tensor, *, reli
 
 
 def fit_layer(name: str, block_src: nn.Module, block_new: nn.Module, h_src: torch.Tensor, h_new: torch.Tensor,
-              src_kw: dict, new_kw: dict, config, *, relift: Relift | None = None, steps: int = 0, lr: float = 1e-2,
+              src_kw: dict, new_kw: dict, shape: AttentionShape, *, relift: Relift | None = None, steps: int = 0, lr: float = 1e-2,
               batch_size: int = 4, held_in: float = 0.25, target: str = "source",
               attention_kl: float = 0.0) -> LayerFit:  # fmt: skip
     """Propagate and / or reconstruct the attention of one converted decoder layer `block_new` in place.
@@ -107,7 +107,7 @@ def fit_layer(name: str, block_src: nn.Module, block_new: nn.Module, h_src: torc
     The last max(1, round(n * held_in)) windows are held in. Only the attention's weights change."""
     _check(steps, lr, held_in, target, len(h_new), attention_kl)
     started, cpu_started = time.perf_counter(), time.process_time()
-    arch = architecture_of(config)
+    arch = shape.arch
     attr = name.rsplit(".", 1)[1]  # the attention module's name in its decoder layer
     attn_new, attn_src = block_new.get_submodule(attr), block_src.get_submodule(attr)
     held = max(1, round(len(h_new) * held_in))
@@ -136,7 +136,7 @@ def fit_layer(name: str, block_src: nn.Module, block_new: nn.Module, h_src: torc
     propagated, kept = None, False
     if relift is not None:
         saved = _clone_state(attn_new)
-        stats = stats_of_inputs(x_new[train_idx], arch.split_heads(attn_src), config)
+        stats = stats_of_inputs(x_new[train_idx], arch.split_heads(attn_src), shape)
         attn_new.load_state_dict(relift(name, stats))
         propagated = held_in()
         kept = objective(propagated) < objective(closed)

@@ -20,7 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ... import __file__ as _package_file
-from ...models.architectures import architecture_of, head_dim, rotary_dim
+from ...models.architectures import AttentionShape
 
 logger = logging.getLogger(__name__)
 
@@ -187,10 +187,8 @@ def input_device(model) -> torch.device:
 class StatsAccumulator:
     """Running sums of LayerStats for one layer: add() attention inputs x [..., D] batch after batch."""
 
-    def __init__(self, w, config):
-        self.w, self.config = w, config
-        self.d_h = head_dim(config)
-        self.half = (rotary_dim(config) if architecture_of(config).rotary else 0) // 2
+    def __init__(self, w, shape: AttentionShape):
+        self.w, self.d_h, self.half = w, shape.head_dim, shape.half
         self.cov, self.q, self.k, self.n = 0.0, 0.0, 0.0, 0
 
     @torch.no_grad()
@@ -212,21 +210,21 @@ class StatsAccumulator:
                           k_pair_norm=(self.k / self.n).cpu() if self.half else empty, tokens=self.n)  # fmt: skip
 
 
-def stats_of_inputs(x: torch.Tensor, w, config, batch: int = 8) -> LayerStats:
+def stats_of_inputs(x: torch.Tensor, w, shape: AttentionShape, batch: int = 8) -> LayerStats:
     """LayerStats of one layer (weights w: AttentionWeights) from its attention inputs x [n, T, D]: the propagated
     calibration of reconstruct.py feeds the inputs the converted prefix produces."""
-    acc = StatsAccumulator(w, config)
+    acc = StatsAccumulator(w, shape)
     for start in range(0, len(x), batch):
         acc.add(x[start : start + batch])
     return acc.stats()
 
 
 @torch.no_grad()
-def track_statistics(runner, layer, attn, w, config, i: int, track) -> LayerStats:
+def track_statistics(runner, layer, attn, w, shape: AttentionShape, i: int, track) -> LayerStats:
     """LayerStats of decoder layer i's attention `attn` (weights w) over the carried source track
     (layer_stream.Activations) while runner (a layer_stream.LayerRunner) advances it: the layer's output goes into the
     spare buffer; the hook sees each batch of windows as a whole model's forward would."""
-    acc = StatsAccumulator(w, config)
+    acc = StatsAccumulator(w, shape)
     hook = attn.register_forward_pre_hook(lambda m, a, kw: acc.add(a[0] if a else kw["hidden_states"]),
                                           with_kwargs=True)  # fmt: skip
     try:

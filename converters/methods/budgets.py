@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ...attention import MultiHeadLatentAttention
-from ...models.architectures import AttentionWeights, architecture_of, attention_spec, head_dim, rotary_dim
+from ...models.architectures import AttentionShape, AttentionWeights, attention_spec
 from .mla_plan import LatentPlan, lift_plan, plan_layer, ranked_components
 from .mla_lift import all_pairs, stacked_kv
 
@@ -49,28 +49,24 @@ class Candidate:
         return self.rope_dim + self.rank
 
 
-def budget_values(config, kv_budget: float) -> int:
+def budget_values(shape: AttentionShape, kv_budget: float) -> int:
     """The budget in KV values per token over all layers: floor(kv_budget x the source's values per token)."""
-    d_h = head_dim(config)
-    source_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return math.floor(kv_budget * config.num_hidden_layers * 2 * source_kv * d_h + 1e-9)
+    return math.floor(kv_budget * shape.layers * 2 * shape.kv_heads * shape.head_dim + 1e-9)
 
 
-def candidate_grid(config, kv_budget: float, rope_dim: int | None = None) -> list[Candidate]:
+def candidate_grid(shape: AttentionShape, kv_budget: float, rope_dim: int | None = None) -> list[Candidate]:
     """The lossy candidates shared by every layer (sizes around the uniform share b; see the module docstring).
     rope_dim: fix d_r instead of measuring it. Raises, naming kv_budget, when no candidate fits the budget."""
-    arch = architecture_of(config)
-    d_h = head_dim(config)
-    source_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    max_rope = source_kv * rotary_dim(config) if arch.rotary else 0
+    d_h, source_kv = shape.head_dim, shape.kv_heads
+    max_rope = source_kv * shape.rotary_dim
     min_rope = 2 if max_rope else 0  # a rotary model keeps some position: every per-layer list stays a list
-    max_rank = min(config.hidden_size, 2 * source_kv * d_h)  # rank of [K_nope; V] (d_nope = d_h)
-    total = budget_values(config, kv_budget)
-    share = total // config.num_hidden_layers
+    max_rank = min(shape.hidden, 2 * source_kv * d_h)  # rank of [K_nope; V] (d_nope = d_h)
+    total = budget_values(shape, kv_budget)
+    share = total // shape.layers
     if rope_dim is not None and rope_dim > max_rope:
         raise ValueError(f"rope_dim={rope_dim} exceeds the source's {max_rope} RoPE dims (KV heads x rotary dims)")
     if share < min_rope + 1:
-        raise ValueError(f"kv_budget={kv_budget} gives {total} KV values per token over {config.num_hidden_layers} "
+        raise ValueError(f"kv_budget={kv_budget} gives {total} KV values per token over {shape.layers} "
                          f"layers: rank allocation by sensitivity needs at least {min_rope + 1} per layer (or --rank-allocation "
                          f"uniform)")  # fmt: skip
     out = set()
@@ -84,18 +80,18 @@ def candidate_grid(config, kv_budget: float, rope_dim: int | None = None) -> lis
                 continue
             if 1 <= size - d_r <= max_rank:
                 out.add(Candidate(d_r, size - d_r))
-    if not out or min(c.values for c in out) * config.num_hidden_layers > total:
+    if not out or min(c.values for c in out) * shape.layers > total:
         raise ValueError(f"kv_budget={kv_budget}: no per-layer RoPE / latent split fits {total} KV values per token "
                          f"(rope_dim={rope_dim})")  # fmt: skip
     return sorted(out, key=lambda c: (c.values, c.rope_dim))
 
 
-def exact_plan(w: AttentionWeights, config) -> LatentPlan:
+def exact_plan(w: AttentionWeights, shape: AttentionShape) -> LatentPlan:
     """The layer's exact MLA form as a LatentPlan: every (KV head, frequency) pair rotated, the orthonormal
     column basis of [K_nope; V | V bias] at its numerical rank (lift_plan at len(energy) reproduces the layer)."""
-    kv_heads = w.k_w.shape[0] // head_dim(config)
-    components = all_pairs(config, kv_heads) if architecture_of(config).rotary else []
-    stacked = stacked_kv(w, config, components)  # rotated pairs leave zero K_nope rows
+    kv_heads = w.k_w.shape[0] // shape.head_dim
+    components = all_pairs(shape, kv_heads) if shape.rotary_dim else []
+    stacked = stacked_kv(w, shape, components)  # rotated pairs leave zero K_nope rows
     v_bias = torch.zeros(w.v_w.shape[0], dtype=torch.float64) if w.v_b is None else w.v_b.to(torch.float64)
     bias = torch.cat((torch.zeros(stacked.shape[0] - len(v_bias), dtype=torch.float64), v_bias))
     u, sigma, _ = torch.linalg.svd(torch.cat((stacked, bias[:, None]), dim=1), full_matrices=False)
@@ -155,10 +151,11 @@ class LayerCandidates:
     """Every candidate of one layer (the shared grid's that fit the layer, then its exact form) and their plans
     (one per RoPE dims, the components ranked once)."""
 
-    def __init__(self, index: int, w: AttentionWeights, config, stats, method: str, context: int,
-                 grid: list[Candidate]):  # fmt: skip
-        self.index, self.w, self.config, self.stats, self.method, self.context = index, w, config, stats, method, context
-        self.exact = exact_plan(w, config)
+    def __init__(self, index: int, w: AttentionWeights, config, shape: AttentionShape, stats, method: str,
+                 context: int, grid: list[Candidate]):  # fmt: skip
+        self.index, self.w, self.stats, self.method, self.context = index, w, stats, method, context
+        self.config, self.shape = config, shape  # config: to build the candidates' modules
+        self.exact = exact_plan(w, shape)
         e = self.exact
         self.options = [c for c in grid if c.values < len(e.energy) + len(e.components) * 2] + \
             [Candidate(2 * len(e.components), len(e.energy), exact=True)]  # fmt: skip
@@ -170,15 +167,15 @@ class LayerCandidates:
             return self.exact
         if cand.rope_dim not in self._plans:
             if self._ranked is None and cand.rope_dim:
-                self._ranked = ranked_components(self.method, self.w, self.config, self.stats, self.context)
-            self._plans[cand.rope_dim] = plan_layer(self.method, self.w, self.config, self.stats, cand.rope_dim,
+                self._ranked = ranked_components(self.method, self.w, self.shape, self.stats, self.context)
+            self._plans[cand.rope_dim] = plan_layer(self.method, self.w, self.shape, self.stats, cand.rope_dim,
                                                     self.context, ranked=self._ranked)  # fmt: skip
         return self._plans[cand.rope_dim]
 
     def module(self, k: int) -> MultiHeadLatentAttention:
         """Candidate k as an attention module to stand in the source's decoder layer for a measurement."""
         cand = self.options[k]
-        state, fields = lift_plan(self.plan(cand), self.w, self.config, cand.rank)
+        state, fields = lift_plan(self.plan(cand), self.w, self.shape, cand.rank)
         return mla_module(state, fields, self.config, self.index, fields["mla_rope_pairs"])
 
 

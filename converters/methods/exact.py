@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ...attention import MultiHeadLatentAttention
-from ...models.architectures import architecture_of, head_dim
+from ...models.architectures import AttentionShape, architecture_of
 from .mla_lift import all_pairs, lift_mla
 
 
@@ -27,15 +27,16 @@ def to_variant(model: nn.Module, variant: str) -> nn.Module:
     layers = stock_attention_layers(model, allow_ours=variant == "mla" and arch.replaces_stock)
     if variant == "gqa":
         lifted = {name: arch.split_heads(m).gqa_state_dict() for name, m in layers.items()}
-        fields = {"num_key_value_heads": next(iter(lifted.values()))["k_proj.weight"].shape[0] // head_dim(model.config)}
+        d_h = AttentionShape.of(model.config).head_dim
+        fields = {"num_key_value_heads": next(iter(lifted.values()))["k_proj.weight"].shape[0] // d_h}
     elif variant == "mla" and arch.replaces_stock:  # DeepSeek: already MLA, same parameter names
         lifted, fields = {name: m.state_dict() for name, m in layers.items()}, {}
     elif variant == "mla":
-        lifted, fields = {}, {}
+        lifted, fields, shape = {}, {}, AttentionShape.of(model.config)
         for name, m in layers.items():
             weights = arch.split_heads(m)
-            kv_heads = weights.k_w.shape[0] // head_dim(model.config)
-            lifted[name], fields = lift_mla(weights, model.config, all_pairs(model.config, kv_heads), None)
+            kv_heads = weights.k_w.shape[0] // shape.head_dim
+            lifted[name], fields = lift_mla(weights, shape, all_pairs(shape, kv_heads), None)
     else:
         raise ValueError(f"variant={variant!r} is not one of ('gqa', 'mla')")
     return rebuild(model, variant, fields, lifted)

@@ -52,7 +52,7 @@ from functools import lru_cache
 
 import torch
 
-from ...models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
+from ...models.architectures import AttentionShape, AttentionWeights
 from ..io.calibration import LayerStats
 from .gqa_blocks import Block, join_rope, split_rope
 from .mla_lift import with_bias_column
@@ -62,9 +62,9 @@ _REGROUP_TOLERANCE = 1e-6  # retained-energy fraction another partition must gai
 _MAX_PARTITIONS = 2000  # enumerate every equal-size partition up to this many, else build groups greedily
 
 
-def mean_pool(w: AttentionWeights, config, kv_heads: int) -> dict[str, torch.Tensor]:
+def mean_pool(w: AttentionWeights, shape: AttentionShape, kv_heads: int) -> dict[str, torch.Tensor]:
     """GroupedQueryAttention state dict with each group's K/V heads averaged into one (groups of consecutive heads)."""
-    d_h = head_dim(config)
+    d_h = shape.head_dim
     source_kv = w.k_w.shape[0] // d_h
     if source_kv % kv_heads:
         raise ValueError(f"kv_heads={kv_heads} must divide the source's {source_kv} KV heads")
@@ -78,8 +78,9 @@ def mean_pool(w: AttentionWeights, config, kv_heads: int) -> dict[str, torch.Ten
     return pooled.gqa_state_dict()
 
 
-def gqa_layer(method: str, w: AttentionWeights, config, kv_heads: int, stats: LayerStats | None = None, *,
-              regroup: bool = True, refit: bool = True) -> tuple[dict[str, torch.Tensor], list[list[int]]]:  # fmt: skip
+def gqa_layer(method: str, w: AttentionWeights, shape: AttentionShape, kv_heads: int,
+              stats: LayerStats | None = None, *, regroup: bool = True,
+              refit: bool = True) -> tuple[dict[str, torch.Tensor], list[list[int]]]:  # fmt: skip
     """(GroupedQueryAttention state dict, groups) of one layer merged to kv_heads KV heads by `method`.
 
     groups[j]: the source KV heads merged into new KV head j (sorted; new KV head j serves query heads
@@ -88,26 +89,26 @@ def gqa_layer(method: str, w: AttentionWeights, config, kv_heads: int, stats: La
     """
     if method not in GQA_METHODS:
         raise ValueError(f"method={method!r} is not one of {GQA_METHODS}")
-    source_kv = _check(w, config, kv_heads, method)
+    source_kv = _check(w, shape, kv_heads, method)
     if method == "mean":
-        return mean_pool(w, config, kv_heads), _by_index(source_kv, kv_heads)
+        return mean_pool(w, shape, kv_heads), _by_index(source_kv, kv_heads)
     if stats is None:
         raise ValueError(f"method={method!r} needs calibration stats (stats=None)")
-    layer = _Layer.of(w, config, stats)
+    layer = _Layer.of(w, shape, stats)
     groups = layer.choose(kv_heads) if regroup else _by_index(source_kv, kv_heads)
     return layer.merged(groups, method, refit, w), groups
 
 
-def choose_groups(w: AttentionWeights, config, kv_heads: int, stats: LayerStats) -> list[list[int]]:
+def choose_groups(w: AttentionWeights, shape: AttentionShape, kv_heads: int, stats: LayerStats) -> list[list[int]]:
     """Partition of the source KV heads into kv_heads equal groups retaining the most consumer-weighted energy
     under the PCA merge (see _Layer.choose); the partition by index unless another is measurably better."""
-    _check(w, config, kv_heads, "pca")
-    return _Layer.of(w, config, stats).choose(kv_heads)
+    _check(w, shape, kv_heads, "pca")
+    return _Layer.of(w, shape, stats).choose(kv_heads)
 
 
-def _check(w: AttentionWeights, config, kv_heads: int, method: str) -> int:
+def _check(w: AttentionWeights, shape: AttentionShape, kv_heads: int, method: str) -> int:
     """The source's KV head count, after refusing impossible requests."""
-    source_kv = w.k_w.shape[0] // head_dim(config)
+    source_kv = w.k_w.shape[0] // shape.head_dim
     if not isinstance(kv_heads, int) or kv_heads < 1 or source_kv % kv_heads:
         raise ValueError(f"kv_heads={kv_heads} must divide the source's {source_kv} KV heads")
     if method != "mean" and w.q_norm is not None:
@@ -130,10 +131,10 @@ class _Layer:
     cov: torch.Tensor  # S [D+1, D+1]
 
     @classmethod
-    def of(cls, w: AttentionWeights, config, stats: LayerStats) -> "_Layer":
-        d_h = head_dim(config)
+    def of(cls, w: AttentionWeights, shape: AttentionShape, stats: LayerStats) -> "_Layer":
+        d_h = shape.head_dim
         heads, source_kv = w.q_w.shape[0] // d_h, w.k_w.shape[0] // d_h
-        half = (rotary_dim(config) if architecture_of(config).rotary else 0) // 2
+        half = shape.half
         cov = stats.input_cov.to(torch.float64)
         if cov.shape != (w.q_w.shape[1] + 1,) * 2:
             needs = (w.q_w.shape[1] + 1,) * 2

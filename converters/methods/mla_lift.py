@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...models.architectures import AttentionWeights, architecture_of, head_dim, rotary_dim
+from ...models.architectures import AttentionShape, AttentionWeights
 
 
 @dataclass
@@ -48,7 +48,7 @@ class RopeComponent:
 
 def lift_mla(
     w: AttentionWeights,
-    config,
+    shape: AttentionShape,
     components: list[RopeComponent],
     basis: torch.Tensor | None,
     down: torch.Tensor | None = None,
@@ -59,13 +59,12 @@ def lift_mla(
     dims of frequencies with no remainder leave the nope part; with a basis d_nope = d_h, the same in every layer);
     down: [r, rows] with down @ basis = I (default basis^T, for orthonormal columns).
     """
-    arch = architecture_of(config)
     if w.q_norm is not None:
         raise ValueError("MLA from per-head q/k norms (qwen3) is not supported: the norm sits between W_k and RoPE")
-    d_h, hidden = head_dim(config), w.q_w.shape[1]
+    d_h, hidden = shape.head_dim, w.q_w.shape[1]
     heads, kv_heads = w.q_w.shape[0] // d_h, w.k_w.shape[0] // d_h
     group = heads // kv_heads
-    half = (rotary_dim(config) if arch.rotary else 0) // 2
+    half = shape.half
     f64 = lambda t: None if t is None else t.to(torch.float64)  # noqa: E731 - exact arithmetic, cast back at the end
     v_w, o_w, v_b, o_b = map(f64, (w.v_w, w.o_w, w.v_b, w.o_b))
     q_aug = with_bias_column(w.q_w, w.q_b).view(heads, d_h, hidden + 1)
@@ -97,7 +96,7 @@ def lift_mla(
     basis = exact_basis(stacked) if exact else basis.to(torch.float64)
     down = basis.t() if down is None else down.to(torch.float64)
     down_w = down @ stacked
-    spec_bias = arch.biases(config)
+    spec_bias = shape.biases
     if spec_bias[3]:  # fold V's bias into o_proj exactly: attention weights sum to one
         o_bias = o_b + o_w @ v_bias.view(kv_heads, 1, d_h).expand(kv_heads, group, d_h).reshape(-1)
         down_b = torch.zeros(basis.shape[1], dtype=torch.float64)
@@ -136,11 +135,11 @@ def lift_mla(
     return state, fields
 
 
-def stacked_kv(w: AttentionWeights, config, components: list[RopeComponent]) -> torch.Tensor:
+def stacked_kv(w: AttentionWeights, shape: AttentionShape, components: list[RopeComponent]) -> torch.Tensor:
     """[W_K_nope; W_V] in float64, [H_kv * d_h + H_kv * d_h, hidden]: the map a latent basis factors (d_nope = d_h)."""
-    d_h = head_dim(config)
+    d_h = shape.head_dim
     kv_heads, hidden = w.k_w.shape[0] // d_h, w.k_w.shape[1]
-    half = (rotary_dim(config) if architecture_of(config).rotary else 0) // 2
+    half = shape.half
     k_aug = with_bias_column(w.k_w, w.k_b).view(kv_heads, d_h, hidden + 1)
     k_nope, _ = _nope_keys(k_aug, half, components, drop_common=False)
     return torch.cat((k_nope[..., :hidden].reshape(-1, hidden), w.v_w.to(torch.float64)))
@@ -178,9 +177,9 @@ def exact_basis(stacked: torch.Tensor) -> torch.Tensor:
     return torch.linalg.svd(stacked.to(torch.float64), full_matrices=False)[0]
 
 
-def all_pairs(config, kv_heads: int) -> list[RopeComponent]:
+def all_pairs(shape: AttentionShape, kv_heads: int) -> list[RopeComponent]:
     """Every (kv_head, frequency) pair: the exact RoPE key (d_r = H_kv * d_rot)."""
-    half = (rotary_dim(config) if architecture_of(config).rotary else 0) // 2
+    half = shape.half
     return [RopeComponent.pair(g, i, kv_heads) for g in range(kv_heads) for i in range(half)]
 
 

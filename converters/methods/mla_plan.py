@@ -25,24 +25,25 @@ from dataclasses import dataclass
 
 import torch
 
-from ...models.architectures import AttentionWeights, head_dim, rotary_dim
+from ...models.architectures import AttentionShape, AttentionWeights
 from ..io.calibration import LayerStats
 from .mla_lift import RopeComponent, complex_pair, lift_mla, stacked_kv, with_bias_column
 
 MLA_METHODS = ("calibrated", "mha2mla")
 
 
-def rotated_components(w: AttentionWeights, config, stats: LayerStats, context: int) -> list[tuple[float, RopeComponent]]:
+def rotated_components(w: AttentionWeights, shape: AttentionShape, stats: LayerStats,
+                       context: int) -> list[tuple[float, RopeComponent]]:  # fmt: skip
     """Every RoPE component of the query-weighted basis change across KV heads, with its loss if left unrotated.
 
     Returns (score, component) for all d_rot/2 * H_kv components, best first (see the module docstring)."""
-    d_h = head_dim(config)
+    d_h = shape.head_dim
     heads, kv_heads = w.q_w.shape[0] // d_h, w.k_w.shape[0] // d_h
-    half = rotary_dim(config) // 2
+    half = shape.half
     cov = stats.input_cov.to(torch.complex128)
     q_aug = with_bias_column(w.q_w, w.q_b).view(heads, d_h, -1)
     k_aug = with_bias_column(w.k_w, w.k_b).view(kv_heads, d_h, -1)
-    theta = inverse_frequencies(config)
+    theta = shape.frequencies
     scored = []
     for i in range(half):
         k_c, q_c = complex_pair(k_aug, i, half), complex_pair(q_aug, i, half)  # [H_kv, in], [H, in]
@@ -59,22 +60,10 @@ def rotated_components(w: AttentionWeights, config, stats: LayerStats, context: 
     return scored
 
 
-def inverse_frequencies(config) -> list[float]:
-    """theta_i (radians per position) of each RoPE pair i < d_rot/2, as the model's rotary embedding computes them."""
-    params = config.rope_parameters or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        d_rot = rotary_dim(config)
-        return [params["rope_theta"] ** (-2 * i / d_rot) for i in range(d_rot // 2)]
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    return ROPE_INIT_FUNCTIONS[rope_type](config)[0].tolist()
-
-
-def ranked_components(method: str, w: AttentionWeights, config, stats: LayerStats, context: int):
+def ranked_components(method: str, w: AttentionWeights, shape: AttentionShape, stats: LayerStats, context: int):
     """(score, RopeComponent) candidates for the shared RoPE key, best first: raw pairs (mha2mla) or rotated ones."""
     if method == "calibrated":
-        return rotated_components(w, config, stats, context)
+        return rotated_components(w, shape, stats, context)
     k = stats.k_pair_norm  # [H_kv, d_rot/2]
     score = stats.q_pair_norm.view(k.shape[0], -1, k.shape[1]).sum(1) * k
     order = torch.argsort(score.flatten(), descending=True).tolist()
@@ -95,17 +84,18 @@ class LatentPlan:
         return float(self.energy[:rank].sum() / self.energy.sum().clamp_min(1e-300))
 
 
-def plan_layer(method: str, w: AttentionWeights, config, stats: LayerStats, rope_dim: int, context: int = 256,
-               frequencies: list[int] | None = None, ranked: list | None = None) -> LatentPlan:  # fmt: skip
+def plan_layer(method: str, w: AttentionWeights, shape: AttentionShape, stats: LayerStats, rope_dim: int,
+               context: int = 256, frequencies: list[int] | None = None,
+               ranked: list | None = None) -> LatentPlan:  # fmt: skip
     """The RoPE components and the full latent basis of one layer by `method`; context: L of the RoPE sensitivity.
 
     frequencies: keep the best component of each of these frequencies (a stock DeepSeek RoPE key has one per
-    frequency; a repeated frequency takes its next best) instead of the best rope_dim/2 components overall. ranked: ranked_components(...) when the caller
-    already has it."""
+    frequency; a repeated frequency takes its next best) instead of the best rope_dim/2 components overall.
+    ranked: ranked_components(...) when the caller already has it."""
     if method not in MLA_METHODS:
         raise ValueError(f"method={method!r} is not one of {MLA_METHODS}")
     if rope_dim and ranked is None:
-        ranked = ranked_components(method, w, config, stats, context)
+        ranked = ranked_components(method, w, shape, stats, context)
     ranked = [c for _, c in ranked] if rope_dim else []
     if rope_dim // 2 > len(ranked):
         raise ValueError(f"rope_dim={rope_dim} exceeds the {2 * len(ranked)} RoPE dims of all KV heads")
@@ -116,22 +106,22 @@ def plan_layer(method: str, w: AttentionWeights, config, stats: LayerStats, rope
         for f in frequencies:
             components.append(free.pop(next(j for j, c in enumerate(free) if c.freq == f)))
     components.sort(key=lambda c: c.freq)
-    stacked = stacked_kv(w, config, components)  # [W_K_nope; W_V] (d_nope = d_h): the map the latent factors
+    stacked = stacked_kv(w, shape, components)  # [W_K_nope; W_V] (d_nope = d_h): the map the latent factors
     if method == "mha2mla":
         u, sigma, _ = torch.linalg.svd(stacked, full_matrices=False)
         return LatentPlan(components, u, u.t(), sigma**2)
-    root, inverse_root = consumer_metric(w, config, stats)
+    root, inverse_root = consumer_metric(w, shape, stats)
     energy, vectors = torch.linalg.eigh(root @ stacked @ stats.input_cov[:-1, :-1] @ stacked.t() @ root)
     energy, vectors = energy.flip(0).clamp_min(0), vectors.flip(-1)  # eigh sorts ascending
     return LatentPlan(components, inverse_root @ vectors, vectors.t() @ root, energy)
 
 
-def lift_plan(plan: LatentPlan, w: AttentionWeights, config, kv_lora_rank: int):
+def lift_plan(plan: LatentPlan, w: AttentionWeights, shape: AttentionShape, kv_lora_rank: int):
     """(state dict, config fields) of one MLA layer keeping the plan's top `kv_lora_rank` latent directions."""
     if kv_lora_rank > len(plan.energy):
         raise ValueError(f"kv_lora_rank={kv_lora_rank} exceeds the rank of [W_K_nope; W_V] ({len(plan.energy)})")
     up, down = balanced(plan.up[:, :kv_lora_rank], plan.down[:kv_lora_rank])
-    return lift_mla(w, config, plan.components, up, down=down)
+    return lift_mla(w, shape, plan.components, up, down=down)
 
 
 def balanced(up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,9 +148,10 @@ def allocate_ranks(plans: list[LatentPlan], total: int, floor: int = 1) -> list[
     return ranks
 
 
-def consumer_metric(w: AttentionWeights, config, stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:
+def consumer_metric(w: AttentionWeights, shape: AttentionShape,
+                    stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """(M^1/2, M^-1/2) of the metric on the stacked [K_nope; V] rows (module docstring), [2 H_kv d_h] square."""
-    d_h = head_dim(config)
+    d_h = shape.head_dim
     heads, kv_heads = w.q_w.shape[0] // d_h, w.k_w.shape[0] // d_h
     group = heads // kv_heads
     q = with_bias_column(w.q_w, w.q_b).view(heads, d_h, -1)

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ...models.architectures import AttentionShape
 from ..methods.budgets import exact_plan
 from ..io.calibration import LayerStats
 from ..methods.gqa_merge import gqa_layer
@@ -43,38 +44,39 @@ class LayerResult:
     fields: dict = field(default_factory=dict)
 
 
-def mla_plan(opts: ConvertOptions, w, config, stats: LayerStats, choice: LayerChoice) -> LatentPlan:
+def mla_plan(opts: ConvertOptions, w, shape: AttentionShape, stats: LayerStats, choice: LayerChoice) -> LatentPlan:
     """The layer's LatentPlan from `stats` (the RoPE components ranked once, as every allocation ranks them)."""
     if choice.exact:
-        return exact_plan(w, config)
-    ranked = ranked_components(opts.method, w, config, stats, opts.rope_context) if choice.rope_dim else None
-    return plan_layer(opts.method, w, config, stats, choice.rope_dim, opts.rope_context,
+        return exact_plan(w, shape)
+    ranked = ranked_components(opts.method, w, shape, stats, opts.rope_context) if choice.rope_dim else None
+    return plan_layer(opts.method, w, shape, stats, choice.rope_dim, opts.rope_context,
                       frequencies=choice.frequencies, ranked=ranked)  # fmt: skip
 
 
-def closed_form(opts: ConvertOptions, w, config, stats: LayerStats | None, choice: LayerChoice | None) -> LayerResult:
+def closed_form(opts: ConvertOptions, w, shape: AttentionShape, stats: LayerStats | None,
+                choice: LayerChoice | None) -> LayerResult:  # fmt: skip
     """The layer's closed form from the source's statistics (GQA 'mean' needs none)."""
     if opts.to != "mla":
-        state, groups = gqa_layer(opts.method, w, config, opts.kv_heads, stats, regroup=opts.regroup)
+        state, groups = gqa_layer(opts.method, w, shape, opts.kv_heads, stats, regroup=opts.regroup)
         return LayerResult(state, groups=groups)
-    plan = mla_plan(opts, w, config, stats, choice)
-    state, fields = lift_plan(plan, w, config, choice.rank)
+    plan = mla_plan(opts, w, shape, stats, choice)
+    state, fields = lift_plan(plan, w, shape, choice.rank)
     return LayerResult(state, plan=plan, fields=fields)
 
 
-def relifted(opts: ConvertOptions, w, config, stats: LayerStats, choice: LayerChoice | None,
+def relifted(opts: ConvertOptions, w, shape: AttentionShape, stats: LayerStats, choice: LayerChoice | None,
              first: LayerResult) -> LayerResult:  # fmt: skip
     """The same conversion (GQA: the same merge; MLA: the same rank and RoPE frequencies) from the converted
     prefix's statistics; an exact layer keeps its plan."""
     if opts.to != "mla":
-        return closed_form(opts, w, config, stats, None)
+        return closed_form(opts, w, shape, stats, None)
     if choice.exact:
         plan = first.plan
     else:
         pairs = first.fields["mla_rope_pairs"] or []
-        plan = plan_layer(opts.method, w, config, stats, choice.rope_dim, opts.rope_context,
+        plan = plan_layer(opts.method, w, shape, stats, choice.rope_dim, opts.rope_context,
                           frequencies=pairs if choice.rope_dim else None)  # fmt: skip
-    state, fields = lift_plan(plan, w, config, choice.rank)
+    state, fields = lift_plan(plan, w, shape, choice.rank)
     return LayerResult(state, plan=plan, fields=fields)
 
 

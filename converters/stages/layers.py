@@ -83,11 +83,11 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             attn_name, attn = src.attention(layer)
             w = arch_split(attn).cpu()
             t = time.perf_counter()
-            stats = track_statistics(runners.get(BATCH), layer, attn, w, config, i, tracks["source"]) if windows is not None else None
+            stats = track_statistics(runners.get(BATCH), layer, attn, w, source.shape, i, tracks["source"]) if windows is not None else None
             seconds["statistics"] += time.perf_counter() - t
             t = time.perf_counter()
             choice = choices[i] if choices is not None else None
-            first = closed_form(opts, w, config, stats, choice)
+            first = closed_form(opts, w, source.shape, stats, choice)
             if opts.to == "mla":
                 pairs[i], last_fields = first.fields["mla_rope_pairs"], first.fields
                 new_config = converted_config(config, "mla", mla_layer_fields(last_fields, choices, pairs,
@@ -100,7 +100,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             final = first
             if target.layerwise:
                 final = _layerwise(opts, runners[BATCH], layer, converted, f"{src.layers_name}.{i}.{attn_name}", w,
-                                   config, choice, first, i, tracks, result)  # fmt: skip
+                                   source.shape, choice, first, i, tracks, result)  # fmt: skip
             seconds["layerwise"] += time.perf_counter() - t
             if opts.to == "mla":
                 result.retained.append(round(first.plan.retained(choice.rank), 4))
@@ -132,7 +132,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
     return result
 
 
-def _layerwise(opts, runner: LayerRunner, layer, converted, name: str, w, config, choice, first: LayerResult, i: int,
+def _layerwise(opts, runner: LayerRunner, layer, converted, name: str, w, shape, choice, first: LayerResult, i: int,
                tracks: Tracks, result: LayersResult) -> LayerResult:  # fmt: skip
     """Propagate (recompute the closed form from the converted prefix's statistics, kept if better held-in) and / or
     reconstruct layer i in place (reconstruct.fit_layer); then advance the converted track through it."""
@@ -140,13 +140,13 @@ def _layerwise(opts, runner: LayerRunner, layer, converted, name: str, w, config
     relift = None
     if opts.calibration.propagate and not (opts.to != "mla" and opts.method == "mean"):
         def relift(name, stats):  # noqa: E306
-            kept["result"] = relifted(opts, w, config, stats, choice, first)
+            kept["result"] = relifted(opts, w, shape, stats, choice, first)
             return kept["result"].state
 
     h_src, h_new = tracks["source"].current, tracks["converted"].current
     kw = runner.layer_kwargs(i)
     rec = opts.reconstruction
-    fit = fit_layer(name, layer, converted, h_src, h_new, kw, kw, config, relift=relift,
+    fit = fit_layer(name, layer, converted, h_src, h_new, kw, kw, shape, relift=relift,
                     steps=rec.steps, lr=rec.lr, batch_size=BATCH, target=rec.target,
                     attention_kl=rec.attention_kl)  # fmt: skip
     result.fits.append(fit)

@@ -44,20 +44,20 @@ def plan_layers(source: Source, opts: ConvertOptions, target: Target, windows: t
     """The per-layer choices; a first pass over the layers when the allocation or the export needs one."""
     if opts.to != "mla":
         return Plan(None)
-    n = source.config.num_hidden_layers
+    n = source.shape.layers
     uniform = [LayerChoice(target.rope_dim, target.kv_lora_rank) for _ in range(n)]
     started = time.perf_counter()
     if opts.rank_allocation == "sensitivity":
         plan = _sensitivity(source, opts, windows)
     elif opts.rank_allocation == "energy":
-        energies = [LatentPlan([], torch.empty(0), torch.empty(0), mla_plan(opts, w, source.config, stats, c).energy)
+        energies = [LatentPlan([], torch.empty(0), torch.empty(0), mla_plan(opts, w, source.shape, stats, c).energy)
                     for (_, _, w, stats), c in zip(layer_statistics(source, windows), uniform)]  # fmt: skip
         ranks = allocate_ranks(energies, target.kv_lora_rank * n)
         plan = Plan([LayerChoice(target.rope_dim, r) for r in ranks])
     elif opts.format == "deepseek_v3":  # one component per frequency 0, s, 2s, ...: what a stock RoPE key turns at
-        ranked = [ranked_components(opts.method, w, source.config, stats, opts.rope_context)
+        ranked = [ranked_components(opts.method, w, source.shape, stats, opts.rope_context)
                   for _, _, w, stats in layer_statistics(source, windows)]  # fmt: skip
-        frequencies, stride = stock_frequencies(ranked, source.shape.rotary_dim // 2, target.rope_dim // 2)
+        frequencies, stride = stock_frequencies(ranked, source.shape.half, target.rope_dim // 2)
         plan = Plan([LayerChoice(target.rope_dim, target.kv_lora_rank, frequencies) for _ in range(n)], stride=stride)
     else:
         return Plan(uniform)
@@ -68,17 +68,16 @@ def plan_layers(source: Source, opts: ConvertOptions, target: Target, windows: t
 def layer_statistics(source: Source, windows: torch.Tensor, measure=None) -> Iterator[tuple]:
     """(i, decoder layer i, its AttentionWeights on the CPU, its LayerStats) for every layer, in order: the source
     track carried (one layer resident), as layers.run_layers computes them."""
-    src, config = source.layers, source.config
-    split = source.shape.arch.split_heads
-    tracks = Tracks(["source"], (*windows.shape, config.hidden_size), src.dtype, src.device)
+    src, shape = source.layers, source.shape
+    tracks = Tracks(["source"], (*windows.shape, shape.hidden), src.dtype, src.device)
     runner = LayerRunner(src, windows.shape[1], BATCH)
     try:
         runner.embed(windows, tracks["source"].current)
         for i in range(src.num_layers):
             layer = src.layer(i)
             attn = src.attention(layer)[1]
-            w = split(attn).cpu()
-            stats = track_statistics(runner, layer, attn, w, config, i, tracks["source"])
+            w = shape.arch.split_heads(attn).cpu()
+            stats = track_statistics(runner, layer, attn, w, shape, i, tracks["source"])
             tracks["source"].swap()
             yield i, layer, w, stats
             del layer
@@ -91,14 +90,13 @@ def _sensitivity(source: Source, opts: ConvertOptions, windows: torch.Tensor) ->
     from .sensitivity import Measurement
 
     started = time.process_time()
-    config = source.config
-    total = budget_values(config, opts.kv_budget)
-    grid = candidate_grid(config, opts.kv_budget, opts.rope_dim)
+    total = budget_values(source.shape, opts.kv_budget)
+    grid = candidate_grid(source.shape, opts.kv_budget, opts.rope_dim)
     count = max(1, MEASURE_TOKENS // windows.shape[1])
     measurement = Measurement(source.layers, windows[:count])
     options, kl = [], []
     for i, layer, w, stats in layer_statistics(source, windows):
-        candidates = LayerCandidates(i, w, config, stats, opts.method, opts.rope_context, grid)
+        candidates = LayerCandidates(i, w, source.config, source.shape, stats, opts.method, opts.rope_context, grid)
         options.append(candidates.options)
         kl.append(measurement.layer(i, layer, candidates))
     chosen = choose([[(c.values, kl[l][k]) for k, c in enumerate(row)] for l, row in enumerate(options)], total)

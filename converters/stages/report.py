@@ -63,12 +63,12 @@ class Clock:
         return max((s["peak_rss_mb"] for s in self.stages.values()), default=rss_peak_mb())
 
 
-def build_report(source, opts: ConvertOptions, given: dict, target, cal, plan, layers, healed, config,
+def build_report(source, opts: ConvertOptions, target, cal, plan, layers, healed, config,
                  clock: Clock) -> dict:  # fmt: skip
     """conversion_report.json's keys (the in-memory converter's, plus "stages", "activations" and
     "teacher_sampling")."""
     src_config = source.config
-    report = {"source": source.name, "options": opts.flat(), "given_options": dict(given),
+    report = {"source": source.name, "options": opts.flat(), "given_options": dict(opts.given),
               "model_type": src_config.model_type}  # fmt: skip
     if cal.windows is not None:
         report["calibration"] = cal.section

@@ -13,29 +13,11 @@ import torch
 from safetensors import safe_open
 
 from ...devices import resolve_device
-from ...models.architectures import Architecture, architecture_of, head_dim, rotary_dim
+from ...models.architectures import AttentionShape
 from ...models.pretrained import DEFAULT_MODEL_DIR, check_source_folder
 from ..io.layer_source import LayerSource, weight_map
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SourceShape:
-    """The source's attention as its config says, read once: the family's Architecture, the head dim d_h, the RoPE
-    dims per head (0 without RoPE), the query and KV heads. The stages read it instead of the raw config."""
-
-    arch: Architecture
-    head_dim: int
-    rotary_dim: int
-    heads: int
-    kv_heads: int
-
-    @classmethod
-    def of(cls, config) -> SourceShape:
-        arch = architecture_of(config)
-        return cls(arch, head_dim(config), rotary_dim(config) if arch.rotary else 0, config.num_attention_heads,
-                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads)  # fmt: skip
 
 
 @dataclass
@@ -53,8 +35,9 @@ class Source:
         return self.layers.config
 
     @cached_property
-    def shape(self) -> SourceShape:
-        return SourceShape.of(self.config)
+    def shape(self) -> AttentionShape:
+        """The source's attention shape, read once from its config: the stages pass it on."""
+        return AttentionShape.of(self.config)
 
     def whole(self):
         """The whole source model on `device`, in eval mode (transformers' from_pretrained: the checkpoint's dtype)."""

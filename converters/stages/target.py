@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from ..methods.budgets import candidate_grid
 from ..export.deepseek_export import check_source, engine_shape
 from ..options import ConvertOptions, resolved
-from .source import Source, SourceShape
+from ...models.architectures import AttentionShape
+from .source import Source
 
 logger = logging.getLogger(__name__)
 
@@ -50,9 +51,9 @@ def auto_reconstruct_steps(kv_share: float) -> int:
     return AUTO_RECONSTRUCT_STEPS[0] if kv_share >= 0.5 else AUTO_RECONSTRUCT_STEPS[1]
 
 
-def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
-    """The Target, with the resolved options: method (GQA with per-head q/k norms: 'mean') and reconstruct_steps
-    ("auto": by the KV share kept). given: the options as the user gave them."""
+def resolve_target(source: Source, opts: ConvertOptions) -> Target:
+    """The Target, with the resolved options: method (GQA with per-head q/k norms: 'mean', unless the user named
+    another: refused) and reconstruct_steps ("auto": by the KV share kept)."""
     config, dims = source.config, source.shape
     arch = dims.arch
     if arch.replaces_stock:
@@ -66,7 +67,7 @@ def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
         if source_kv % opts.kv_heads:
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
         if opts.method != "mean" and arch.split_heads(source.layers.attention(source.layers.layer(0))[1]).q_norm is not None:
-            if given.get("method") is not None:  # asked for by name: refused before calibrating
+            if dict(opts.given).get("method") is not None:  # asked for by name: refused before calibrating
                 raise ValueError(f"method={opts.method!r} with per-head q/k norms ({config.model_type}) is not "
                                  f"supported: use method='mean'")  # fmt: skip
             logger.warning("%s has per-head q/k norms: the default %r does not apply, using 'mean'",
@@ -92,7 +93,7 @@ def resolve_target(source: Source, opts: ConvertOptions, given: dict) -> Target:
     if deepseek:
         check_source(config, rope_dim)
     if opts.rank_allocation == "sensitivity":  # the candidate grid is checked against the budget before calibrating
-        candidate_grid(config, opts.kv_budget, opts.rope_dim)
+        candidate_grid(dims, opts.kv_budget, opts.rope_dim)
     layerwise = bool(opts.calibration.propagate or opts.reconstruction.steps)
     return Target(opts, source_kv, d_h, False, share, True, layerwise, rope_dim, kv_lora_rank, export_rope)
 
@@ -105,7 +106,7 @@ def _resolve_steps(opts: ConvertOptions, kv_share: float) -> ConvertOptions:
     return resolved(opts, reconstruct_steps=steps)
 
 
-def mla_sizes(opts: ConvertOptions, shape: SourceShape) -> tuple[int, int]:
+def mla_sizes(opts: ConvertOptions, shape: AttentionShape) -> tuple[int, int]:
     """(rope_dim, kv_lora_rank) from the options, checked against the source."""
     source_kv, d_h = shape.kv_heads, shape.head_dim
     max_rope = source_kv * shape.rotary_dim

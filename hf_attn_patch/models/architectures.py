@@ -256,3 +256,48 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
             getattr(config, "rope_interleave", False)
         ),
     )
+
+
+def rope_frequencies(config) -> tuple[float, ...]:
+    """theta_i (radians per position) of each RoPE pair i < d_rot/2, as the model's rotary embedding computes them
+    (empty without RoPE)."""
+    if not architecture_of(config).rotary:
+        return ()
+    params = config.rope_parameters or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        d_rot = rotary_dim(config)
+        return tuple(params["rope_theta"] ** (-2 * i / d_rot) for i in range(d_rot // 2))
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    return tuple(ROPE_INIT_FUNCTIONS[rope_type](config)[0].tolist())
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """A model's attention as its config says, read once (the converters pass it instead of the config): the
+    family's Architecture, head dim d_h, RoPE dims per head d_rot (0 without RoPE) and their frequencies, query and
+    KV heads, decoder layers, hidden size D, and which of q, k, v, o have a bias."""
+
+    arch: Architecture
+    head_dim: int
+    rotary_dim: int
+    heads: int
+    kv_heads: int
+    layers: int
+    hidden: int
+    biases: tuple[bool, bool, bool, bool]
+    frequencies: tuple[float, ...]
+
+    @property
+    def half(self) -> int:
+        """RoPE pairs per head, d_rot / 2."""
+        return self.rotary_dim // 2
+
+    @classmethod
+    def of(cls, config) -> AttentionShape:
+        arch = architecture_of(config)
+        return cls(arch, head_dim(config), rotary_dim(config) if arch.rotary else 0, config.num_attention_heads,
+                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+                   config.num_hidden_layers, config.hidden_size, tuple(arch.biases(config)),
+                   rope_frequencies(config))  # fmt: skip
