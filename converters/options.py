@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 TARGETS = ("gqa", "mqa", "mla")
 FORMATS = ("auto", "native", "stock", "deepseek_v3")
 HEAL_DATA = ("calib", "teacher", "mix")
-RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity")
+RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity", "retrieval")
 
 
 def option(default=None, help: str = "", *, flat: str | None = None, choices: tuple | None = None, parse=None,
@@ -267,8 +267,8 @@ class ConvertOptions:
                                   "similarity (default: grouped)", flag="--no-regroup")  # fmt: skip
     rank_allocation: str | None = option(None, "mla with --kv-budget: per layer RoPE dims + rank (or the layer left "
                                          "exact) by the measured KL of each layer's choice (default; uniform with "
-                                         "--format deepseek_v3), one rank for all layers, or per layer by retained "
-                                         "energy", choices=RANK_ALLOCATIONS)  # fmt: skip
+                                         "--format deepseek_v3), one rank for all layers, per layer by retained "
+                                         "energy, or the layers with copy heads exact", choices=RANK_ALLOCATIONS)
     # a dropped RoPE component costs energy x 2(1 - sinc(theta L)) (mla_plan.py)
     rope_context: int | None = option(None, "mla: the distances the RoPE split keeps attention scores right over "
                                       "(default: --calib-len; the served context keeps retrieval at long distances "
@@ -385,10 +385,10 @@ class ConvertOptions:
             sensitivity = self.to == "mla" and self.kv_budget is not None and self.format != "deepseek_v3"
             _fill(self, "rank_allocation", "sensitivity" if sensitivity else "uniform")
         _one_of("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
-        if self.rank_allocation == "sensitivity" and (self.to != "mla" or self.kv_budget is None
-                                                      or self.format == "deepseek_v3"):  # fmt: skip
-            raise ValueError("rank_allocation='sensitivity' needs to='mla', kv_budget and a native format (stock "
-                             "DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)")  # fmt: skip
+        if self.rank_allocation in ("sensitivity", "retrieval") and (self.to != "mla" or self.kv_budget is None
+                                                                    or self.format == "deepseek_v3"):  # fmt: skip
+            raise ValueError(f"rank_allocation={self.rank_allocation!r} needs to='mla', kv_budget and a native format "
+                             "(stock DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)")
         if self.rank_allocation == "energy" and (self.to != "mla" or self.kv_budget is None or self.method != "calibrated"
                                                  or self.format == "deepseek_v3"):
             raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "

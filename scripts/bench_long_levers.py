@@ -1,0 +1,116 @@
+"""Long-context levers of an MLA conversion, each converted once into --keep/<lever> and then measured with
+scripts/bench_long_context.py (held-in criterion, passage, passkey) like the source and the CLI default.
+
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_long_levers.py --lever uniform_ds --keep /tmp/i40w
+    OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_long_context.py --model "uniform_ds=/tmp/i40w/uniform_ds" \
+        --texts wikitext --passkey 4096 --parts held_in,passage,passkey
+
+Every lever states all its options (nothing rides on convert()'s defaults); MLA 50% of the source's KV bytes:
+    uniform_ds   --format deepseek_v3 (one rank and RoPE split for all layers), teacher 32 x 256, reconstruction 60,
+                 RoPE scored over L = 256: what the stock DeepSeek shape gives up against the per-layer default
+    retrieval    native, --rank-allocation retrieval: the layers holding a copy head (measured on the source's own
+                 samples, converters/methods/retrieval_heads.py) kept exact, the others share the rest uniformly;
+                 otherwise as uniform_ds
+    mixed        --calib-lengths 2048,1024,512,256,256: each calibration row packs teacher samples of these lengths
+                 (positions restart per sample, attention stays within it), 2 rows = the default's 8,192 tokens;
+                 uniform ranks, reconstruction 60, L = the source's context (as the 1,024-window recipe)
+    recipe       the 1,024-window recipe of BENCHMARKS.md (teacher 8 x 1,024, uniform, reconstruction 60,
+                 L = the source's context): the base the mixed lever changes one thing of
+MIXED: the mixed lever's packing, applied by patching the calibration's sampling (each segment its own teacher
+sample) and the layer pass's positions (LayerSource._skeleton_pass gets position_ids restarting per segment, from
+which transformers builds the block-diagonal causal mask of packed sequences).
+Teacher calibration samples are cached in --keep (safetensors), so levers with the same windows sample once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import hf_attn_patch  # noqa: F401
+from hf_attn_patch.converters.convert import convert
+from hf_attn_patch.converters.io import layer_source
+from hf_attn_patch.converters.stages import windows as windows_stage
+
+BASE = {"calib_source": "teacher", "calib_samples": 32, "calib_len": 256, "reconstruct_steps": 60,
+        "reconstruct_attention_kl": 0.0, "rope_context": 256}  # fmt: skip
+LEVERS = {
+    "uniform_ds": {**BASE, "format": "deepseek_v3", "rank_allocation": "uniform"},
+    "retrieval": {**BASE, "format": "native", "rank_allocation": "retrieval"},
+    "mixed": {**BASE, "format": "native", "rank_allocation": "uniform", "calib_samples": 2, "calib_len": 4096,
+              "rope_context": 8192},  # fmt: skip
+    "recipe": {**BASE, "format": "native", "rank_allocation": "uniform", "calib_samples": 8, "calib_len": 1024,
+               "rope_context": 8192},  # fmt: skip
+}
+
+MIXED = (2048, 1024, 512, 256, 256)  # one calibration row: teacher samples of these lengths, packed
+
+
+def packed_sampling(sample, lengths: tuple[int, ...]):
+    """teacher_windows for packed rows [n, sum(lengths)]: every segment of every row continued from its own first
+    tokens by `sample` (segments of one length sampled together), the rows reassembled."""
+    def packed(teacher, text_windows: torch.Tensor, seed: int = 0, progress: bool = True) -> torch.Tensor:
+        if text_windows.shape[1] != sum(lengths):
+            return sample(teacher, text_windows, seed=seed, progress=progress)
+        segments = list(text_windows.split(list(lengths), dim=1))  # per segment index: [n, length]
+        for length in sorted(set(lengths)):
+            where = [k for k, l in enumerate(lengths) if l == length]
+            drawn = sample(teacher, torch.cat([segments[k] for k in where]), seed=seed, progress=progress)
+            for j, k in enumerate(where):
+                segments[k] = drawn[j * len(text_windows) : (j + 1) * len(text_windows)]
+        return torch.cat(segments, dim=1)
+
+    return packed
+
+
+def packed_positions(lengths: tuple[int, ...]):
+    """A LayerSource._skeleton_pass that gives rows of sum(lengths) tokens position_ids restarting per segment."""
+    positions = torch.cat([torch.arange(length) for length in lengths])
+
+    @torch.no_grad()
+    def skeleton_pass(self, input_ids: torch.Tensor, on_call):
+        container = self.layers
+        originals = list(container)
+        for i, layer in enumerate(originals):
+            container[i] = layer_source._Stand(i, layer, on_call)
+        extra = {}
+        if input_ids.shape[1] == len(positions):
+            extra["position_ids"] = positions.to(input_ids.device)[None].expand(input_ids.shape[0], -1)
+        try:
+            return self.model(input_ids=input_ids, use_cache=False, **extra)
+        finally:
+            for i, layer in enumerate(originals):
+                container[i] = layer
+
+    return skeleton_pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", default="smollm2")
+    parser.add_argument("--lever", required=True, choices=list(LEVERS))
+    parser.add_argument("--keep", required=True, help="folder: the conversion goes to KEEP/<lever>")
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    keep = Path(args.keep)
+    spec = importlib.util.spec_from_file_location("levers", Path(__file__).with_name("bench_retrieval_levers.py"))
+    levers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(levers)
+    windows_stage.teacher_windows = levers.cached_samples(keep / "teacher_cache", windows_stage.teacher_windows)
+    if args.lever == "mixed":
+        windows_stage.teacher_windows = packed_sampling(windows_stage.teacher_windows, MIXED)
+        layer_source.LayerSource._skeleton_pass = packed_positions(MIXED)
+    started = time.perf_counter()
+    report = convert(args.source, keep / args.lever, to="mla", kv_budget=0.5, overwrite=True, **LEVERS[args.lever])
+    print(json.dumps({"lever": args.lever, "wall_s": round(time.perf_counter() - started, 1),
+                      "stages": report.get("stages"), "budgets": report.get("budgets", {}).get("layers")}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
