@@ -47,6 +47,15 @@ LEVERS = {
     "recipe": {**BASE, "format": "native", "rank_allocation": "uniform", "calib_samples": 8, "calib_len": 1024,
                "rope_context": 8192},  # fmt: skip
 }
+# the calibration-length lever on the closed form (text windows, uniform ranks, no reconstruction, L = the source's
+# context): reconstruction on long windows costs O(T^2) per step, beyond a shared 2-core CPU's hour
+CLOSED = {**BASE, "format": "native", "rank_allocation": "uniform", "calib_source": "text", "reconstruct_steps": 0,
+          "rope_context": 8192}  # fmt: skip
+LEVERS.update({"closed_256": CLOSED, "closed_1024": {**CLOSED, "calib_samples": 8, "calib_len": 1024},
+               "closed_4096": {**CLOSED, "calib_samples": 2, "calib_len": 4096},
+               "closed_mixed": {**CLOSED, "calib_samples": 2, "calib_len": 4096},
+               # the RoPE lever: decoupled RoPE dims against latent rank (default d_r 64 + d_c 128 per layer)
+               "closed_rope32": {**CLOSED, "rope_dim": 32}, "closed_rope96": {**CLOSED, "rope_dim": 96}})  # fmt: skip
 
 MIXED = (2048, 1024, 512, 256, 256)  # one calibration row: teacher samples of these lengths, packed
 
@@ -103,7 +112,7 @@ def main() -> None:
     levers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(levers)
     windows_stage.teacher_windows = levers.cached_samples(keep / "teacher_cache", windows_stage.teacher_windows)
-    if args.lever == "mixed":
+    if args.lever in ("mixed", "closed_mixed"):
         windows_stage.teacher_windows = packed_sampling(windows_stage.teacher_windows, MIXED)
         layer_source.LayerSource._skeleton_pass = packed_positions(MIXED)
     started = time.perf_counter()
