@@ -16,9 +16,6 @@ Every lever states all its options (nothing rides on convert()'s defaults); MLA 
                  uniform ranks, reconstruction 60, L = the source's context (as the 1,024-window recipe)
     recipe       the 1,024-window recipe of BENCHMARKS.md (teacher 8 x 1,024, uniform, reconstruction 60,
                  L = the source's context): the base the mixed lever changes one thing of
-MIXED: the mixed lever's packing, applied by patching the calibration's sampling (each segment its own teacher
-sample) and the layer pass's positions (LayerSource._skeleton_pass gets position_ids restarting per segment, from
-which transformers builds the block-diagonal causal mask of packed sequences).
 Teacher calibration samples are cached in --keep (safetensors), so levers with the same windows sample once.
 """
 
@@ -34,16 +31,16 @@ import torch
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch.converters.convert import convert
-from hf_attn_patch.converters.io import layer_source
 from hf_attn_patch.converters.stages import windows as windows_stage
 
+MIXED = "2048,1024,512,256,256"  # --calib-lengths: one calibration window packs samples of these lengths
 BASE = {"calib_source": "teacher", "calib_samples": 32, "calib_len": 256, "reconstruct_steps": 60,
         "reconstruct_attention_kl": 0.0, "rope_context": 256}  # fmt: skip
 LEVERS = {
     "uniform_ds": {**BASE, "format": "deepseek_v3", "rank_allocation": "uniform"},
     "retrieval": {**BASE, "format": "native", "rank_allocation": "retrieval"},
     "mixed": {**BASE, "format": "native", "rank_allocation": "uniform", "calib_samples": 2, "calib_len": 4096,
-              "rope_context": 8192},  # fmt: skip
+              "calib_lengths": MIXED, "rope_context": 8192},  # fmt: skip
     "recipe": {**BASE, "format": "native", "rank_allocation": "uniform", "calib_samples": 8, "calib_len": 1024,
                "rope_context": 8192},  # fmt: skip
 }
@@ -53,51 +50,9 @@ CLOSED = {**BASE, "format": "native", "rank_allocation": "uniform", "calib_sourc
           "rope_context": 8192}  # fmt: skip
 LEVERS.update({"closed_256": CLOSED, "closed_1024": {**CLOSED, "calib_samples": 8, "calib_len": 1024},
                "closed_4096": {**CLOSED, "calib_samples": 2, "calib_len": 4096},
-               "closed_mixed": {**CLOSED, "calib_samples": 2, "calib_len": 4096},
+               "closed_mixed": {**CLOSED, "calib_samples": 2, "calib_len": 4096, "calib_lengths": MIXED},
                # the RoPE lever: decoupled RoPE dims against latent rank (default d_r 64 + d_c 128 per layer)
                "closed_rope32": {**CLOSED, "rope_dim": 32}, "closed_rope96": {**CLOSED, "rope_dim": 96}})  # fmt: skip
-
-MIXED = (2048, 1024, 512, 256, 256)  # one calibration row: teacher samples of these lengths, packed
-
-
-def packed_sampling(sample, lengths: tuple[int, ...]):
-    """teacher_windows for packed rows [n, sum(lengths)]: every segment of every row continued from its own first
-    tokens by `sample` (segments of one length sampled together), the rows reassembled."""
-    def packed(teacher, text_windows: torch.Tensor, seed: int = 0, progress: bool = True) -> torch.Tensor:
-        if text_windows.shape[1] != sum(lengths):
-            return sample(teacher, text_windows, seed=seed, progress=progress)
-        segments = list(text_windows.split(list(lengths), dim=1))  # per segment index: [n, length]
-        for length in sorted(set(lengths)):
-            where = [k for k, l in enumerate(lengths) if l == length]
-            drawn = sample(teacher, torch.cat([segments[k] for k in where]), seed=seed, progress=progress)
-            for j, k in enumerate(where):
-                segments[k] = drawn[j * len(text_windows) : (j + 1) * len(text_windows)]
-        return torch.cat(segments, dim=1)
-
-    return packed
-
-
-def packed_positions(lengths: tuple[int, ...]):
-    """A LayerSource._skeleton_pass that gives rows of sum(lengths) tokens position_ids restarting per segment."""
-    positions = torch.cat([torch.arange(length) for length in lengths])
-
-    @torch.no_grad()
-    def skeleton_pass(self, input_ids: torch.Tensor, on_call):
-        container = self.layers
-        originals = list(container)
-        for i, layer in enumerate(originals):
-            container[i] = layer_source._Stand(i, layer, on_call)
-        extra = {}
-        if input_ids.shape[1] == len(positions):
-            extra["position_ids"] = positions.to(input_ids.device)[None].expand(input_ids.shape[0], -1)
-        try:
-            return self.model(input_ids=input_ids, use_cache=False, **extra)
-        finally:
-            for i, layer in enumerate(originals):
-                container[i] = layer
-
-    return skeleton_pass
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -112,9 +67,6 @@ def main() -> None:
     levers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(levers)
     windows_stage.teacher_windows = levers.cached_samples(keep / "teacher_cache", windows_stage.teacher_windows)
-    if args.lever in ("mixed", "closed_mixed"):
-        windows_stage.teacher_windows = packed_sampling(windows_stage.teacher_windows, MIXED)
-        layer_source.LayerSource._skeleton_pass = packed_positions(MIXED)
     started = time.perf_counter()
     report = convert(args.source, keep / args.lever, to="mla", kv_budget=0.5, overwrite=True, **LEVERS[args.lever])
     print(json.dumps({"lever": args.lever, "wall_s": round(time.perf_counter() - started, 1),
