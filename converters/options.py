@@ -21,6 +21,8 @@ from ..devices import resolve_device
 from ..extras import available, require
 from ..kv_memory import dtype_of
 from .io.calibration import CALIB_SOURCES, is_dataset_source
+from .io.packing import parse_lengths
+from .option_values import float_or_auto, int_or_auto
 from .export.constants import ENGINES
 from .methods.gqa_merge import GQA_METHODS
 from .fitting.heal_fsdp import launch_mode
@@ -33,7 +35,7 @@ logger = logging.getLogger(__name__)
 TARGETS = ("gqa", "mqa", "mla")
 FORMATS = ("auto", "native", "stock", "deepseek_v3")
 HEAL_DATA = ("calib", "teacher", "mix")
-RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity")
+RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity", "retrieval")
 
 
 def option(default=None, help: str = "", *, flat: str | None = None, choices: tuple | None = None, parse=None,
@@ -49,14 +51,6 @@ def option(default=None, help: str = "", *, flat: str | None = None, choices: tu
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
-
-
-def int_or_auto(text: str) -> int | str:  # command-line values: a number or the word auto
-    return text if text == "auto" else int(text)
-
-
-def float_or_auto(text: str) -> float | str:
-    return text if text == "auto" else float(text)
 
 
 def _fill(options, name: str, value) -> None:
@@ -99,25 +93,28 @@ def _one_of(name: str, value, allowed: tuple) -> None:
 class CalibrationOptions:
     """The activations the closed forms are fitted to: `samples` windows of `length` tokens (flat names calib_*)."""
 
-    data: str | None = option(None, "text file, folder of .txt files, or a datasets dataset: a save_to_disk folder, "
-                              "a .json/.jsonl/.parquet/.csv file or a dataset name[:config] (default: the package's "
-                              "corpus)", flat="calib_data")  # fmt: skip
+    data: str | None = option(None, "text file, folder of .txt files, or a datasets dataset (save_to_disk folder, "
+                              ".json/.jsonl/.parquet/.csv, name[:config]; default: the package's)", flat="calib_data")
     split: str = option("train", "datasets: the split to read (default train)", flat="calib_split")
     column: str = option("text", "datasets: the text column (default text)", flat="calib_column")
     # SmolLM2 MLA 50%: 32 vs 16 lowers the held-in teacher KL after reconstruction (BENCHMARKS)
     samples: int = option(32, "calibration windows (default 32)", flat="calib_samples", parse=int)
     length: int = option(256, "tokens per calibration window (default 256)", flat="calib_len", parse=int)
-    source: str = option("teacher", "calibration windows: samples of the source model itself (default; prompted by "
-                         "each calibration-text window's first 4 tokens, temperature 1, top-p 0.95, --seed), or the "
-                         "calibration text", flat="calib_source", choices=CALIB_SOURCES)  # fmt: skip
-    propagate: bool = option(False, "recompute each layer's closed form from the statistics of the converted layers "
-                             "before it (kept per layer where it lowers the held-in error; measured no better than "
-                             "plain: off by default)", flag="--propagate")  # fmt: skip
+    lengths: str | None = option(None, "sample lengths packed into each window, summing to --calib-len (positions "
+                                 "restart per sample)", flat="calib_lengths", metavar="L1,L2,...")  # fmt: skip
+    source: str = option("teacher", "calibration windows: samples of the source itself (default; prompted by each "
+                         "text window's first 4 tokens, temperature 1, top-p 0.95, --seed), or the calibration text",
+                         flat="calib_source", choices=CALIB_SOURCES)  # fmt: skip
+    propagate: bool = option(False, "recompute each layer's closed form from the converted layers' statistics (kept "
+                             "where it lowers the held-in error; measured no better: off by default)",
+                             flag="--propagate")  # fmt: skip
 
     def __post_init__(self) -> None:
         _one_of("calib_source", self.source, CALIB_SOURCES)
         _positive_int("calib_samples", self.samples)
         _positive_int("calib_len", self.length)
+        if self.lengths is not None:
+            parse_lengths(self.lengths, self.length)
         if self.data is not None and is_dataset_source(self.data):
             require("convert", f"calib_data={self.data!r} (a datasets dataset)")
 
@@ -265,14 +262,13 @@ class ConvertOptions:
                                 "(defaults: the best measured, docs/conversion.md)")  # fmt: skip
     regroup: bool | None = option(None, "gqa aligned/pca: merge KV heads by index instead of grouping them by "
                                   "similarity (default: grouped)", flag="--no-regroup")  # fmt: skip
-    rank_allocation: str | None = option(None, "mla with --kv-budget: per layer RoPE dims + rank (or the layer left "
-                                         "exact) by the measured KL of each layer's choice (default; uniform with "
-                                         "--format deepseek_v3), one rank for all layers, or per layer by retained "
-                                         "energy", choices=RANK_ALLOCATIONS)  # fmt: skip
+    rank_allocation: str | None = option(None, "mla with --kv-budget: per layer RoPE dims + rank (or exact) by each "
+                                         "choice's measured KL (default; uniform for deepseek_v3), one rank for all "
+                                         "layers, by retained energy, or copy layers exact", choices=RANK_ALLOCATIONS)
     # a dropped RoPE component costs energy x 2(1 - sinc(theta L)) (mla_plan.py)
-    rope_context: int | None = option(None, "mla: the distances the RoPE split keeps attention scores right over "
-                                      "(default: --calib-len; the served context keeps retrieval at long distances "
-                                      "at some cost in short-range quality)", parse=int, metavar="TOKENS")  # fmt: skip
+    rope_context: int | None = option(None, "mla: the distances the RoPE split keeps scores right over (default: "
+                                      "--calib-len; the served context keeps far retrieval at some short-range cost)",
+                                      parse=int, metavar="TOKENS")  # fmt: skip
     format: str = option("auto", "auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock "
                          "DeepseekV3ForCausalLM (MLA)", choices=FORMATS)  # fmt: skip
     engine: str | None = option(None, "--format deepseek_v3: the engine whose MLA kernels the shapes fit (default "
@@ -356,6 +352,8 @@ class ConvertOptions:
             dtype_of(self.dtype)  # raises naming the value
         resolve_device(self.device)  # raises naming the value
         heal = self.healing
+        if heal.steps and self.calibration.lengths:  # healing's whole-model passes read plain windows
+            raise ValueError(f"calib_lengths={self.calibration.lengths!r} does not apply with heal_steps")
         if heal.steps and heal.length is None:
             _fill(heal, "length", self.calibration.length)
         if (self.calibration.propagate or self.reconstruction.steps or heal.steps and heal.layerwise_steps) \
@@ -385,10 +383,10 @@ class ConvertOptions:
             sensitivity = self.to == "mla" and self.kv_budget is not None and self.format != "deepseek_v3"
             _fill(self, "rank_allocation", "sensitivity" if sensitivity else "uniform")
         _one_of("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
-        if self.rank_allocation == "sensitivity" and (self.to != "mla" or self.kv_budget is None
-                                                      or self.format == "deepseek_v3"):  # fmt: skip
-            raise ValueError("rank_allocation='sensitivity' needs to='mla', kv_budget and a native format (stock "
-                             "DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)")  # fmt: skip
+        if self.rank_allocation in ("sensitivity", "retrieval") and (self.to != "mla" or self.kv_budget is None
+                                                                    or self.format == "deepseek_v3"):  # fmt: skip
+            raise ValueError(f"rank_allocation={self.rank_allocation!r} needs to='mla', kv_budget and a native format "
+                             "(stock DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)")
         if self.rank_allocation == "energy" and (self.to != "mla" or self.kv_budget is None or self.method != "calibrated"
                                                  or self.format == "deepseek_v3"):
             raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "

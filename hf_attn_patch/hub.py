@@ -178,8 +178,12 @@ def model_card(report: dict) -> str:
              f"({report['kv_ratio']:.1%} of the source).", "",
              "Made by:", "", "```bash", convert_command(report), "```", ""]  # fmt: skip
     lines += _quality_lines(report)
-    if "budgets" in report:  # rank allocation by measured sensitivity (budgets.py): each layer's choice
-        b = report["budgets"]
+    b = report.get("budgets") or {}
+    if b.get("allocation") == "retrieval":  # copy-head layers exact (converters/stages/retrieval.py)
+        other = next((c for c in b["layers"] if c["layer"] not in b["exact_layers"]), None)
+        lines += [f"Layers {b['exact_layers']} (copy heads) kept exact; the others RoPE + latent dims "
+                  f"{other and (other['rope_dim'], other['kv_lora_rank'])}.", ""]
+    elif b:  # rank allocation by measured sensitivity (budgets.py): each layer's choice
         lines += [f"KV budget by measured sensitivity: {b['values_per_token']} of {b['budget_values_per_token']} "
                   f"values per token (KL of each layer's choice alone, on {b['windows']} calibration windows).", "",
                   "| layer | choice | RoPE dims | latent rank | KL |", "|---:|---|---:|---:|---:|"]  # fmt: skip

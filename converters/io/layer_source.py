@@ -96,6 +96,7 @@ class LayerSource:
     device: torch.device
     dtype: torch.dtype
     layers_name: str = "model.layers"
+    positions: torch.Tensor | None = None  # packed calibration windows' position_ids [T] (io/packing.py), or None
 
     @classmethod
     def open(cls, source, device="cpu", dtype=torch.float32, attn_implementation: str = "sdpa",
@@ -229,8 +230,10 @@ class LayerSource:
         originals = list(container)
         for i, layer in enumerate(originals):
             container[i] = _Stand(i, layer, on_call)
+        packed = self.positions is not None and input_ids.shape[1] == len(self.positions)
+        extra = {"position_ids": self.positions.to(input_ids.device).expand(len(input_ids), -1)} if packed else {}
         try:
-            return self.model(input_ids=input_ids, use_cache=False)
+            return self.model(input_ids=input_ids, use_cache=False, **extra)
         finally:
             for i, layer in enumerate(originals):
                 container[i] = layer

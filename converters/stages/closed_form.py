@@ -95,7 +95,7 @@ def converted_config(config, variant: str, fields: dict):
 def mla_layer_fields(last_fields: dict, choices: list[LayerChoice], pairs: list, allocation: str,
                      half: int) -> dict:  # fmt: skip
     """Config fields of an MLA conversion: lift_plan's (the same for every layer but the RoPE pairs), the largest
-    rank and RoPE dims, and the per-layer lists (ranks: allocations but uniform; RoPE dims: sensitivity).
+    rank and RoPE dims, and the per-layer lists (ranks: allocations but uniform; RoPE dims: sensitivity, retrieval).
     pairs: per layer its kept frequencies (None for a layer not converted yet: a valid multiset of frequencies
     < half, the source's RoPE pairs per head, stands in)."""
     ranks, ropes = [c.rank for c in choices], [c.rope_dim for c in choices]
@@ -107,7 +107,7 @@ def mla_layer_fields(last_fields: dict, choices: list[LayerChoice], pairs: list,
     fields["qk_rope_head_dim"] = max(ropes)
     if allocation != "uniform":
         fields["mla_kv_lora_ranks"] = ranks
-    if allocation == "sensitivity":
+    if allocation in ("sensitivity", "retrieval"):
         fields["mla_qk_rope_head_dims"] = ropes
     return fields
 

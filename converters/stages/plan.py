@@ -2,6 +2,7 @@
     sensitivity: per-layer RoPE dims and ranks (or the exact layer) by measured KL, a knapsack over all layers
         (budgets.choose; the measurement in sensitivity.py);
     energy: per-layer ranks keeping the most normalized latent energy (methods.allocate_ranks);
+    retrieval: the layers with copy heads exact, the rest uniform (retrieval.py);
     deepseek_v3: the RoPE frequencies 0, s, 2s, ... every layer keeps (deepseek_export.stock_frequencies).
 The pass streams the source's calibration track, computing each layer's statistics as the second pass will (the
 same batches, so the same values), and keeps only what the decisions need (ranked components, energies, KL).
@@ -23,6 +24,7 @@ from ..export.stock_rope import stock_frequencies
 from ..methods.mla_plan import LatentPlan, allocate_ranks, ranked_components
 from ..options import ConvertOptions
 from .closed_form import LayerChoice, mla_plan
+from .retrieval import retrieval_plan
 from .source import Source
 from .target import Target
 
@@ -49,6 +51,8 @@ def plan_layers(source: Source, opts: ConvertOptions, target: Target, windows: t
     started = time.perf_counter()
     if opts.rank_allocation == "sensitivity":
         plan = _sensitivity(source, opts, windows)
+    elif opts.rank_allocation == "retrieval":  # copy-head layers exact (retrieval.py)
+        plan = Plan(*retrieval_plan(source, opts, target, windows))
     elif opts.rank_allocation == "energy":
         energies = [LatentPlan([], torch.empty(0), torch.empty(0), mla_plan(opts, w, source.shape, stats, c).energy)
                     for (_, _, w, stats), c in zip(layer_statistics(source, windows), uniform)]  # fmt: skip

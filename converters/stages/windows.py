@@ -20,6 +20,7 @@ import torch
 
 from ..io.calibration import calibration_windows, read_calibration_text, teacher_windows
 from ..io.layer_stream import available_cpu_bytes
+from ..io.packing import packed_positions, packed_teacher_windows, parse_lengths
 from ..options import ConvertOptions
 from .source import Source
 
@@ -41,10 +42,12 @@ def calibrate(source: Source, opts: ConvertOptions, needed: bool, budget: int | 
     the device's free memory, or half the CPU's available memory)."""
     cal = opts.calibration
     section = {"data": cal.data or "package corpus (TinyStories sample)", "source": cal.source, "split": cal.split,
-               "column": cal.column, "samples": cal.samples, "length": cal.length}  # fmt: skip
+               "column": cal.column, "samples": cal.samples, "length": cal.length, "lengths": cal.lengths}  # fmt: skip
     if not needed:
         return Calibration(None, section)
     windows = calibration_windows(calibration_text(cal), source.tokenizer, cal.samples, cal.length)
+    lengths = parse_lengths(cal.lengths, cal.length) if cal.lengths else None
+    source.layers.positions = packed_positions(lengths) if lengths else None  # mixed lengths: packed windows
     if cal.source != "teacher":
         return Calibration(windows, section)
     started = time.perf_counter()
@@ -52,7 +55,8 @@ def calibrate(source: Source, opts: ConvertOptions, needed: bool, budget: int | 
     mode = "whole" if source.layers.size_bytes() <= budget else "offload"
     teacher, offload_dir = (source.whole(), None) if mode == "whole" else _offloaded(source, budget)
     try:
-        windows = teacher_windows(teacher, windows, seed=opts.seed)
+        windows = packed_teacher_windows(teacher_windows, teacher, windows, lengths, opts.seed) if lengths else \
+            teacher_windows(teacher, windows, seed=opts.seed)  # fmt: skip
     finally:
         del teacher
         gc.collect()

@@ -1,0 +1,91 @@
+"""Retrieval-aware rank allocation (rank_allocation "retrieval"): the layers whose heads copy from far back keep
+their exact form, the others share what is left of the KV budget uniformly.
+
+Copy heads are found from the source's own behaviour, as DuoAttention / RazorAttention find retrieval heads: the
+first SEGMENT tokens of each of the first SAMPLES calibration windows (the source's own samples by default), S, are
+fed as S + S, and a head's copy score is the mean attention weight from each second-copy query at position i to
+i - SEGMENT + 1, the token that followed the query's earlier copy (chance: 1 / position). A layer holds a copy head
+when one of its heads scores above COPY_THRESHOLD. Such a layer is kept exact (methods.budgets.exact_plan: every
+RoPE pair and the full [K_nope; V] rank); every other layer gets target.rope_dim RoPE dims and the latent rank that
+spends the rest of budget_values(kv_budget) evenly, so the total KV bytes per token stay within the budget.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from ..methods.budgets import budget_values, exact_plan
+from ..options import ConvertOptions
+from .closed_form import LayerChoice
+from .source import Source
+from .target import Target
+
+logger = logging.getLogger(__name__)
+
+SEGMENT, SAMPLES = 128, 2
+COPY_THRESHOLD = 0.3  # SmolLM2-135M: 5 heads above it, in layers 17, 18, 20; all others below 0.18
+
+
+@torch.no_grad()
+def copy_scores(model, segments: torch.Tensor) -> torch.Tensor:
+    """[layers, heads]: each head's mean attention weight from the second copy's queries of segments [n, s] fed as
+    S + S to the token after the query's earlier copy. The model runs with eager attention (SDPA returns no
+    weights), then gets its attention implementation back."""
+    seg = segments.shape[1]
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        out = model(torch.cat([segments, segments], dim=1).to(model.device), output_attentions=True)
+    finally:
+        model.set_attn_implementation(before)
+    queries = torch.arange(seg, 2 * seg - 1)  # the last query's target would lie outside the first copy
+    keys = queries - seg + 1
+    return torch.stack([a[:, :, queries, keys].float().mean(dim=(0, 2)).cpu() for a in out.attentions])
+
+
+def retrieval_choices(copy_layers: list[int], exact: dict[int, LayerChoice], n_layers: int, total: int,
+                      rope_dim: int) -> list[LayerChoice]:  # fmt: skip
+    """Per layer: exact[l] for the copy layers kept, else rope_dim + the even share of what the exact layers leave
+    of `total` KV values per token. copy_layers: best first; a layer is kept exact only while the others keep a
+    latent rank >= 1 and the total stays within `total` (a tight budget keeps fewer, or none)."""
+    kept: list[int] = []
+    for l in copy_layers:
+        spent = sum(exact[k].rope_dim + exact[k].rank for k in (*kept, l))
+        others = n_layers - len(kept) - 1
+        if spent <= total and (not others or (total - spent) // others - rope_dim >= 1):
+            kept.append(l)
+    others = n_layers - len(kept)
+    rank = (total - sum(exact[k].rope_dim + exact[k].rank for k in kept)) // others - rope_dim if others else 0
+    if others and rank < 1:
+        raise ValueError(f"kv_budget: {total} KV values per token leave {n_layers} layers no latent rank beside "
+                         f"rope_dim={rope_dim}")  # fmt: skip
+    return [exact[l] if l in kept else LayerChoice(rope_dim, rank) for l in range(n_layers)]
+
+
+def retrieval_plan(source: Source, opts: ConvertOptions, target: Target, windows: torch.Tensor):
+    """(choices, the report's "budgets" section) of the module docstring."""
+    model = source.whole()
+    try:
+        scores = copy_scores(model, windows[:SAMPLES, :SEGMENT])
+    finally:
+        del model
+    best = scores.max(dim=1).values
+    copy_layers = [l for l in best.argsort(descending=True).tolist() if float(best[l]) > COPY_THRESHOLD]
+    src, split = source.layers, source.shape.arch.split_heads
+    exact = {}
+    for l in copy_layers:
+        plan = exact_plan(split(src.attention(src.layer(l))[1]).cpu(), source.config)
+        exact[l] = LayerChoice(2 * len(plan.components), len(plan.energy), exact=True)
+    total = budget_values(source.config, opts.kv_budget)
+    choices = retrieval_choices(copy_layers, exact, source.config.num_hidden_layers, total, target.rope_dim)
+    copy_layers = [l for l, c in enumerate(choices) if c.exact]
+    logger.info("retrieval allocation: layers %s exact (copy heads), the others d_r %d + d_c %d", copy_layers,
+                target.rope_dim, next((c.rank for c in choices if not c.exact), 0))  # fmt: skip
+    report = {"allocation": "retrieval", "budget_values_per_token": total, "copy_threshold": COPY_THRESHOLD,
+              "values_per_token": sum(c.rope_dim + c.rank for c in choices), "exact_layers": copy_layers,
+              "layers": [{"layer": l, "choice": "unconverted (exact MLA)" if c.exact else "mla", "rope_dim": c.rope_dim,
+                          "kv_lora_rank": c.rank, "copy_score": round(float(scores[l].max()), 4)}
+                         for l, c in enumerate(choices)]}  # fmt: skip
+    return choices, report
