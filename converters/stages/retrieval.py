@@ -76,10 +76,10 @@ def retrieval_plan(source: Source, opts: ConvertOptions, target: Target, windows
     src, split = source.layers, source.shape.arch.split_heads
     exact = {}
     for l in copy_layers:
-        plan = exact_plan(split(src.attention(src.layer(l))[1]).cpu(), source.config)
+        plan = exact_plan(split(src.attention(src.layer(l))[1]).cpu(), source.shape)
         exact[l] = LayerChoice(2 * len(plan.components), len(plan.energy), exact=True)
-    total = budget_values(source.config, opts.kv_budget)
-    choices = retrieval_choices(copy_layers, exact, source.config.num_hidden_layers, total, target.rope_dim)
+    total = budget_values(source.shape, opts.kv_budget)
+    choices = retrieval_choices(copy_layers, exact, source.shape.layers, total, target.rope_dim)
     copy_layers = [l for l, c in enumerate(choices) if c.exact]
     logger.info("retrieval allocation: layers %s exact (copy heads), the others d_r %d + d_c %d", copy_layers,
                 target.rope_dim, next((c.rank for c in choices if not c.exact), 0))  # fmt: skip
