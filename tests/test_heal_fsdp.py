@@ -18,8 +18,6 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from ._training import assert_same_adam_training
-
 CONFIG = Path(__file__).resolve().parents[1] / "scripts" / "accelerate_fsdp.yaml"
 STEPS, LR = 4, 1e-3  # the runs below; the interrupted one dies after step 2's checkpoint
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -146,6 +144,8 @@ def test_convert_under_an_fsdp_launch_writes_the_healed_model_once(student_dir, 
     """hf-attn convert through `accelerate launch --config_file scripts/accelerate_fsdp.yaml`: every process converts
     and heals its shards, rank 0 writes OUT, and the result equals one process with both processes' batches."""
     from hf_attn_patch.converters.convert import convert
+
+    from ._training import assert_same_adam_training  # here: the launched processes run this file as a script
 
     options = ["--to", "mla", "--kv-budget", "0.5", "--method", "mha2mla", "--heal-steps", "3", "--heal-lr", "1e-3",
                "--reconstruct-steps", "0", "--calib-source", "text", "--heal-layerwise-steps", "0"]
