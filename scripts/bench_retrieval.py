@@ -71,7 +71,7 @@ def main() -> None:
     parser.add_argument("--source", default="smollm2", help="'smollm2', 'default' or a model folder")
     parser.add_argument("--work", required=True, help="folder of the conversions (reused when present)")
     parser.add_argument("--targets", default="MLA 50%,MLA 50% deepseek_v3,MQA,MLA 25%",
-                        help=f"comma-separated, of {list(TARGETS)}")
+                        help="comma-separated, of " + str(list(TARGETS)).replace("%", "%%"))  # argparse formats help with %
     parser.add_argument("--items", type=int, default=8, help="retrieval items per task and distance")
     parser.add_argument("--smallest", type=int, default=16, help="shortest retrieval distance (default 16)")
     parser.add_argument("--tasks", default="passkey,copy,induction", help="retrieval tasks (comma-separated)")

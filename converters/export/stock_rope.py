@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from ...models.architectures import rotary_dim
+from ...models.architectures import AttentionShape
 
 
 def stock_frequencies(ranked_per_layer: list[list], half: int, n: int) -> tuple[list[int], int]:
@@ -30,17 +30,15 @@ def stock_rope_theta(config, frequencies: list[int], n_out: int) -> tuple[float,
 
     Plain RoPE: exact (theta' = theta^(s d_r / d_rot)). llama3 scaling: exact when every kept frequency is in the
     unchanged band, else theta' fits the kept log inverse frequencies by least squares; the report says which."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     params = config.rope_parameters or {}
     theta, rope_type = params["rope_theta"], params.get("rope_type", "default")
-    d_rot = rotary_dim(config)
+    shape = AttentionShape.of(config)
+    d_rot = shape.rotary_dim
     stride = frequencies[1] - frequencies[0] if len(frequencies) > 1 else 1
     exact_theta = theta ** (stride * 2 * n_out / d_rot)
     if rope_type == "default":
         return exact_theta, {"rope_type": "default", "exact": True}
-    inv, _ = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
-    inv = inv.double()
+    inv = torch.tensor(shape.frequencies, dtype=torch.float64)  # as the model computes them (fp32 for scaled types)
     plain = 1.0 / (theta ** (torch.arange(0, d_rot, 2, dtype=torch.float64) / d_rot))
     kept = torch.tensor(frequencies)
     unchanged = torch.isclose(inv[kept], plain[kept], rtol=1e-6, atol=0).all().item()  # transformers: fp32

@@ -23,16 +23,16 @@ def to_variant(model: nn.Module, variant: str) -> nn.Module:
 
     The source model is not modified. Needs the patch (import hf_attn_patch) so the new config builds our modules.
     """
-    arch = architecture_of(model.config)
+    shape = AttentionShape.of(model.config)
+    arch = shape.arch
     layers = stock_attention_layers(model, allow_ours=variant == "mla" and arch.replaces_stock)
     if variant == "gqa":
         lifted = {name: arch.split_heads(m).gqa_state_dict() for name, m in layers.items()}
-        d_h = AttentionShape.of(model.config).head_dim
-        fields = {"num_key_value_heads": next(iter(lifted.values()))["k_proj.weight"].shape[0] // d_h}
+        fields = {"num_key_value_heads": next(iter(lifted.values()))["k_proj.weight"].shape[0] // shape.head_dim}
     elif variant == "mla" and arch.replaces_stock:  # DeepSeek: already MLA, same parameter names
         lifted, fields = {name: m.state_dict() for name, m in layers.items()}, {}
     elif variant == "mla":
-        lifted, fields, shape = {}, {}, AttentionShape.of(model.config)
+        lifted, fields = {}, {}
         for name, m in layers.items():
             weights = arch.split_heads(m)
             kv_heads = weights.k_w.shape[0] // shape.head_dim
