@@ -42,6 +42,7 @@ def native_conversion(source: str, options: dict):
     src = open_source(source, opts.device)
     target = resolve_target(src, opts)
     opts = target.options  # with the choices resolved from the source
+    src.layers.load_resident()  # embedding, final norm, LM head: convert() loads them once the target is checked
     cal = calibrate(src, opts, True)
     plan = plan_layers(src, opts, target, cal.windows)
     with tempfile.TemporaryDirectory() as tmp:
