@@ -97,6 +97,7 @@ def test_vocabulary_keeps_ordinary_pieces_only(stories):
     (dict(tasks=("passkey", "needle")), r"tasks=\['passkey', 'needle'\]: each must be one of"),
     (dict(tasks=()), r"tasks=\[\]"),
     (dict(items=0), "items=0 must be a positive integer"),
+    (dict(tasks=("passkey",), largest=4), r"smallest=16, largest=4: no distance of \['passkey'\] fits"),
 ])  # fmt: skip
 def test_bad_input_is_named(stories, options, message):
     with pytest.raises(ValueError, match=message):

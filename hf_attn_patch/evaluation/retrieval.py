@@ -231,6 +231,11 @@ def evaluate_retrieval(model, tokenizer, tasks: tuple[str, ...] = TASKS, items: 
     if not isinstance(items, int) or isinstance(items, bool) or items < 1:
         raise ValueError(f"items={items!r} must be a positive integer")
     context = context or model.config.max_position_embeddings
+    grids = {task: distances(tokenizer, context, task, smallest, largest) for task in tasks}
+    empty = [task for task, grid in grids.items() if not grid]
+    if empty:  # refused before any work: a task with no distance has no accuracy to average
+        raise ValueError(f"smallest={smallest}, largest={largest}: no distance of {empty} fits (context {context}; "
+                         "a passkey item needs at least its needle and question)")  # fmt: skip
     vocab = known_vocabulary(model, tokenizer, seed=seed) if vocab is None else vocab
     was_training = model.training
     model.eval()
@@ -238,7 +243,7 @@ def evaluate_retrieval(model, tokenizer, tasks: tuple[str, ...] = TASKS, items: 
     try:
         for t, task in enumerate(tasks):
             accuracy[task] = {}
-            for d in distances(tokenizer, context, task, smallest, largest):
+            for d in grids[task]:
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + t * 100_003 + d)
                 accuracy[task][d] = score(model, make_batch(task, tokenizer, vocab, d, items, gen))
                 logger.info("retrieval %s d=%d: %.3f", task, d, accuracy[task][d])
