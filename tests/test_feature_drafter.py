@@ -116,3 +116,19 @@ def test_lookup_with_the_drafter_is_exact(built, rows):
     sampled = model.generate(**enc, assistant_model=drafter, prompt_lookup_num_tokens=4, do_sample=True,
                              max_new_tokens=16)  # fmt: skip
     assert sampled.shape[0] == rows and not model.get_decoder()._forward_hooks
+
+
+def test_teacher_features_are_what_the_lm_head_reads_at_each_position():
+    """Drafter training pairs token t_i with h_i, the post-norm state the LM head reads after t_0..t_i: the
+    captured states must give the logits of one full forward over the sample (an off-by-one in stitching the
+    decode steps, or a pre-norm capture, breaks it). fp32, cached decode vs one pass: differences ~1e-6."""
+    from hf_attn_patch.converters.drafting.samples import teacher_samples
+    from hf_attn_patch.converters.io.calibration import read_calibration_text
+
+    model, tok = load_default()
+    tokens, hidden = teacher_samples(model, tok, read_calibration_text(None), 6, 56, progress=False)
+    assert tokens.shape == (6, 56) and hidden.shape == (6, 55, model.config.hidden_size)
+    with torch.no_grad():
+        logits = model(tokens[:, :-1]).logits
+    head = model.get_output_embeddings().weight
+    torch.testing.assert_close(hidden @ head.T, logits, atol=1e-4, rtol=1e-4)

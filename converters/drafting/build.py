@@ -27,8 +27,8 @@ logger = logging.getLogger(__name__)
 CHECK_SHARE = 0.05  # share of the teacher samples kept out of training for the held-in agreement check
 
 
-def build_drafter(source: str, out: str | Path, *, samples: int = 384, length: int = 256, draft_vocab: int = 8192,
-                  steps: int = 600, rows: int = 8, lr: float = 1e-3, depth: int = 3, calib_data=None, seed: int = 0,
+def build_drafter(source: str, out: str | Path, *, samples: int = 256, length: int = 224, draft_vocab: int = 8192,
+                  steps: int = 200, rows: int = 6, lr: float = 1e-3, depth: int = 2, calib_data=None, seed: int = 0,
                   overwrite: bool = False, progress: bool = True) -> dict:  # fmt: skip
     """Build a drafter for `source` into `out` (see the module docstring); returns the report (also in
     OUT/drafter_report.json)."""
