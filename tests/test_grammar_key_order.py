@@ -1,6 +1,7 @@
-"""Keys in any order (property_order="any"): an object's keys in another order than its ``properties`` list them are
-allowed; a missing required key, a repeated key and an unknown key are not. The default keeps the declaration
-order, which the backend enforces itself."""
+"""Keys in any order (property_order="any", the default): an object's keys in another order than its ``properties``
+list them are allowed; a missing required key, a repeated key and an unknown key are not. Objects with more than
+ANY_ORDER_MAX_PROPERTIES properties keep their declaration order, as does property_order="schema" everywhere (the
+backend enforces it itself)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import pytest
 import torch
 
 from hf_attn_patch.grammar import GrammarError, GrammarSpec, JSONSchemaLogitsProcessor, compile_grammar
+from hf_attn_patch.grammar.generate_kwargs import processor_from_generate_kwargs
+from hf_attn_patch.grammar.schema_keys import ANY_ORDER_MAX_PROPERTIES
 
 from .conftest import tiny_model
 from .test_grammar_schemas import _is_valid, _replay
@@ -29,12 +32,37 @@ def test_any_order(stories):
         assert not _replay(grammar, text), text
 
 
-def test_schema_order_is_the_default(stories):
-    grammar = compile_grammar(GrammarSpec.json_schema(SCHEMA), stories[1])
-    assert grammar.checks is None  # exact in the backend
-    assert _replay(grammar, '{"a": 1, "b-c": "x"}') and not _replay(grammar, '{"b-c": "x", "a": 1}')
+def test_any_order_is_the_default(stories):
+    """GrammarSpec, JSONSchemaLogitsProcessor and response_format (generate(), the engine, the server) all accept
+    the keys in another order unless asked for the declaration order."""
+    tok = stories[1]
+    rf = {"type": "json_schema", "json_schema": {"schema": SCHEMA}}
+    grammars = [compile_grammar(GrammarSpec.json_schema(SCHEMA), tok), JSONSchemaLogitsProcessor(SCHEMA, tok).grammars[0],
+                processor_from_generate_kwargs(response_format=rf, tokenizer=tok).grammars[0]]
+    for grammar in grammars:
+        assert _replay(grammar, '{"b-c": "x", "a": 1}') and not _replay(grammar, '{"b-c": "x"}')
+
+
+def test_schema_order_on_request(stories):
+    tok = stories[1]
+    rf = {"type": "json_schema", "json_schema": {"schema": SCHEMA, "property_order": "schema"}}
+    for grammar in (compile_grammar(GrammarSpec.json_schema(SCHEMA, "schema"), tok),
+                    processor_from_generate_kwargs(response_format=rf, tokenizer=tok).grammars[0]):
+        assert grammar.checks is None  # exact in the backend
+        assert _replay(grammar, '{"a": 1, "b-c": "x"}') and not _replay(grammar, '{"b-c": "x", "a": 1}')
     with pytest.raises(GrammarError, match="property_order"):
         GrammarSpec.json_schema(SCHEMA, "sorted")
+
+
+@pytest.mark.parametrize("n", [ANY_ORDER_MAX_PROPERTIES, ANY_ORDER_MAX_PROPERTIES + 1])
+def test_large_objects_keep_declaration_order(stories, n):
+    """Up to the limit, keys in any order; above it (the backend's compile time grows about cubically with the
+    properties in any order), declaration order, with required keys still enforced."""
+    schema = {"type": "object", "additionalProperties": False, "required": ["k0"],
+              "properties": {f"k{i}": {"type": "integer"} for i in range(n)}}
+    grammar = compile_grammar(GrammarSpec.json_schema(schema), stories[1])
+    assert _replay(grammar, '{"k1": 1, "k0": 0}') == (n <= ANY_ORDER_MAX_PROPERTIES)
+    assert _replay(grammar, '{"k0": 0, "k1": 1}') and not _replay(grammar, '{"k1": 1}')
 
 
 def test_random_model_in_any_order(stories):

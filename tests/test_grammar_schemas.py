@@ -191,8 +191,8 @@ def test_remaining_refusal_names_keyword_and_path(stories):
 
 
 def test_schema_needing_no_checks_keeps_the_plain_path(stories):
-    grammar = compile_grammar(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}),
-                              stories[1])
+    grammar = compile_grammar(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}},
+                                                      "schema"), stories[1])
     assert grammar.checks is None and not grammar.widened
     assert type(grammar.new_state()._m).__name__ == "_LLGMatcher"
 
