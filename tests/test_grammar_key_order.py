@@ -78,3 +78,28 @@ def test_random_model_in_any_order(stories):
         if tok.eos_token_id in row:
             text = tok.decode(row[: row.index(tok.eos_token_id)])
             assert _is_valid(SCHEMA, text) or (reason or "").startswith("check_failed"), (text, reason)
+
+
+def test_a_key_that_can_only_repeat_is_masked_as_it_starts(stories):
+    """In a closed object with keys in any order, a key whose prefix only names already present complete is masked
+    where it starts (not only at its closing quote, where no continuation would be left), and so is a comma once
+    every name is present; a prefix that an absent name completes stays allowed."""
+    from hf_attn_patch.grammar import bitmask as bm
+
+    closed = {"type": "object", "additionalProperties": False,
+              "properties": {"ab": {"type": "integer"}, "b": {"type": "integer"}}}
+    grammar = compile_grammar(GrammarSpec.json_schema(closed), stories[1])
+    adapter = grammar.adapter
+    ids = {bytes(b): t for t, b in enumerate(adapter.token_bytes()) if bytes(b) in (b"a", b"b", b",")}
+
+    def allowed(text: str) -> dict:
+        state, mask = grammar.new_state(), bm.allocate_bitmask(1, adapter.vocab_size)
+        assert state.accept_tokens(adapter.llguidance_tokenizer().tokenize_str(text)) > 0
+        state.fill_bitmask(mask, 0)
+        row = bm.unpack(mask, adapter.vocab_size)[0]
+        return {k.decode(): bool(row[t]) for k, t in ids.items()}
+
+    assert allowed('{"b": 1, "') == {"a": True, "b": False, ",": False}
+    assert allowed('{"ab": 1, "')["a"] is False and allowed('{"ab": 1, "')["b"] is True
+    assert allowed('{"ab": 1, "b": 2')[","] is False and allowed('{"ab": 1')[","] is True
+    assert _replay(grammar, '{"b": 1, "ab": 2}') and not _replay(grammar, '{"b": 1, "b": 2}')
