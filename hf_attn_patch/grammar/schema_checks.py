@@ -77,7 +77,8 @@ class SchemaChecks:
             return None
 
     def _expand(self, schemas) -> list:
-        """Subschemas that certainly apply at the same instance location (closure over $ref and allOf)."""
+        """Subschemas that certainly apply at the same instance location (closure over $ref, allOf, and an anyOf /
+        oneOf of one subschema)."""
         out, seen, todo = [], set(), list(schemas)
         while todo:
             s = todo.pop()
@@ -93,6 +94,7 @@ class SchemaChecks:
                     continue
             if isinstance(s.get("allOf"), list):
                 todo.extend(s["allOf"])
+            todo.extend(s[k][0] for k in ("anyOf", "oneOf") if isinstance(s.get(k), list) and len(s[k]) == 1)
         return out
 
     def nodes_at(self, path: tuple) -> list:
