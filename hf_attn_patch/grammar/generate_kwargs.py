@@ -76,7 +76,8 @@ def _grammar_spec(g, field: str) -> GrammarSpec | None:
         if kind == "json_schema":
             return GrammarSpec.json_schema(value, g.get("property_order", DEFAULT_PROPERTY_ORDER))
         if kind == "tagged_json":
-            return GrammarSpec.tagged_json(value, g.get("open"), g.get("close"))
+            return GrammarSpec.tagged_json(value, g.get("open"), g.get("close"),
+                                           g.get("property_order", DEFAULT_PROPERTY_ORDER))
         return grammar_spec(value, "lark" if kind == "lark" else "gbnf")
     except GrammarError as err:
         raise GrammarError(f"{field}['{key}']: {err}") from None
