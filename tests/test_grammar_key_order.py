@@ -50,6 +50,7 @@ def test_schema_order_on_request(stories):
                     processor_from_generate_kwargs(response_format=rf, tokenizer=tok).grammars[0]):
         assert grammar.checks is None  # exact in the backend
         assert _replay(grammar, '{"a": 1, "b-c": "x"}') and not _replay(grammar, '{"b-c": "x", "a": 1}')
+    assert compile_grammar(GrammarSpec.tagged_json(SCHEMA, "<a>", "</a>", "schema"), tok).checks is None
     with pytest.raises(GrammarError, match="property_order"):
         GrammarSpec.json_schema(SCHEMA, "sorted")
 

@@ -60,7 +60,7 @@ class GrammarSpec:
             if not isinstance(tag, str) or not tag or '"' in tag or "\\" in tag:
                 raise GrammarError(f"{name}: expected a non-empty tag without quotes or backslashes, got {tag!r:.80}")
         return GrammarSpec("tagged_json", (inner.source, open_tag, close_tag),
-                           f"tagged_json:{open_tag}\0{close_tag}\0{inner.key}")
+                           f"tagged_json:{open_tag}\0{close_tag}\0{inner.key}", property_order)
 
     @staticmethod
     def json_object() -> "GrammarSpec":
