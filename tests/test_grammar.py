@@ -328,7 +328,8 @@ def test_grammar_state_api(stories, backend):
     _, tok = stories
     schema = {"type": "object", "properties": {"kind": {"const": "point"}, "x": {"type": "integer"}},
               "required": ["kind", "x"], "additionalProperties": False}
-    state = compile_grammar(GrammarSpec.json_schema(schema), tok, backend=backend).new_state()
+    # declaration order: the first key is forced (in any order, the default, either key may come first)
+    state = compile_grammar(GrammarSpec.json_schema(schema, "schema"), tok, backend=backend).new_state()
     eos = tok.eos_token_id
     good = _encode(tok, '{"kind": "point", "x": 7}')
     assert not state.allowed_mask()[eos]  # EOS only in accepting states

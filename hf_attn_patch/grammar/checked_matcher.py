@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+from functools import partial
 
 import numpy as np
 import torch
@@ -19,6 +20,7 @@ from . import bitmask as bm
 from .attempts import Attempts
 from .completion import smallest_completion
 from .json_scan import _BEFORE, _FREE, INITIAL, _items, _key, _parent, _prefixes, _value_path, scan
+from .key_lookahead import futile_key, key_pool
 from .schema_checks import SchemaChecks, _pointer
 
 logger = logging.getLogger(__name__)
@@ -163,8 +165,8 @@ class CheckedMatcher:
         added = []
         for i, t in enumerate(tokens):
             new, fail = self._check_token(state, text, int(t))
-            if fail:
-                self.last_failure = fail
+            if fail or (futile := self._futile_at(state, text)[0]) and futile(state, text, int(t)):
+                self.last_failure = fail or self.last_failure
                 break
             data = self.checks.token_bytes[int(t)] if int(t) < len(self.checks.token_bytes) else b""
             text += data
@@ -254,11 +256,10 @@ class CheckedMatcher:
                 self.last_failure = fail
                 if not self.fail_free:
                     tried.add(self.fail_start)
-        if self._in_unique_enum_array(state, text):  # an item that can only repeat one (exact pruning: no attempt)
+        futile, pool = self._futile_at(state, text)
+        if futile:  # an item or a key that can only repeat one (exact pruning: no attempt)
             done = set(forbidden)
-            for t in np.flatnonzero(allowed).tolist():
-                if t not in done and self._futile_item(state, text, t):
-                    forbidden.append(t)
+            forbidden += [t for t in np.flatnonzero(allowed & pool).tolist() if t not in done and futile(state, text, t)]
         if forbidden:
             for t in forbidden:
                 words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
@@ -305,8 +306,13 @@ class CheckedMatcher:
             self.checks._results[key] = (allowed, path) if allowed else None
         return self.checks._results[key]
 
-    def _in_unique_enum_array(self, state, text: bytes) -> bool:
-        return isinstance(state, tuple) and bool(state[0]) and self._unique_enum(state[0][-1], text) is not None
+    def _futile_at(self, state, text: bytes):
+        """(fn(state, text, token) -> whether the token leaves only repeats (an enum item, a key), [V] bool tokens to
+        try), or (None, None)."""
+        if isinstance(state, tuple) and bool(state[0]) and self._unique_enum(state[0][-1], text) is not None:
+            return self._futile_item, self.checks._has["any"]
+        pool = key_pool(self, state, text)
+        return (None, None) if pool is None else (partial(futile_key, self), pool)
 
     def _futile_item(self, state, text: bytes, token: int) -> bool:
         """Whether `token` leaves a string item of a uniqueItems array of enum strings open with a prefix that only

@@ -4,7 +4,7 @@ response_format (OpenAI shape), or a list with one per input row:
     {"type": "text"}                                             unconstrained (all rows text -> no processor)
     {"type": "json_object"}                                      any JSON object
     {"type": "json_schema", "json_schema": {"schema": {...}, "name": "...", "strict": true}}
-                                                                 + "property_order": "schema" | "any" (GrammarSpec)
+                                                                 + "property_order": "any" (default) | "schema" (GrammarSpec)
 grammar, or a list with one per input row:
     "start: ..." / "root ::= ..."                                Lark or GBNF text (auto-detected by ``::=``)
     {"type": "regex", "pattern": "..."}                          full match
@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from .errors import GrammarError
 from .processors import GrammarConstrainedLogitsProcessor, grammar_spec
-from .spec import PROPERTY_ORDERS, GrammarSpec
+from .spec import DEFAULT_PROPERTY_ORDER, PROPERTY_ORDERS, GrammarSpec
 
 _ANY_TEXT = "(?s:.*)"
 
@@ -41,7 +41,7 @@ def _response_format_spec(rf, field: str) -> GrammarSpec | None:
         schema = js.get("schema")
         if schema is None:
             raise ValueError(f"{field}['json_schema']['schema']: missing (keys present: {sorted(js)})")
-        order = js.get("property_order", "schema")
+        order = js.get("property_order", DEFAULT_PROPERTY_ORDER)
         if order not in PROPERTY_ORDERS:
             raise ValueError(f"{field}['json_schema']['property_order']: expected one of {PROPERTY_ORDERS}, got "
                              f"{order!r}")
@@ -74,9 +74,10 @@ def _grammar_spec(g, field: str) -> GrammarSpec | None:
         if kind == "choice":
             return GrammarSpec.choice(value)
         if kind == "json_schema":
-            return GrammarSpec.json_schema(value, g.get("property_order", "schema"))
+            return GrammarSpec.json_schema(value, g.get("property_order", DEFAULT_PROPERTY_ORDER))
         if kind == "tagged_json":
-            return GrammarSpec.tagged_json(value, g.get("open"), g.get("close"))
+            return GrammarSpec.tagged_json(value, g.get("open"), g.get("close"),
+                                           g.get("property_order", DEFAULT_PROPERTY_ORDER))
         return grammar_spec(value, "lark" if kind == "lark" else "gbnf")
     except GrammarError as err:
         raise GrammarError(f"{field}['{key}']: {err}") from None

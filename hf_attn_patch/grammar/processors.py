@@ -24,7 +24,7 @@ from transformers import LogitsProcessor
 from .compiler import CompiledGrammar, compile_grammar
 from .errors import GrammarError
 from .matcher import BatchMatcher
-from .spec import GrammarSpec
+from .spec import DEFAULT_PROPERTY_ORDER, GrammarSpec
 from .state import GrammarState
 
 logger = logging.getLogger(__name__)
@@ -180,13 +180,16 @@ def _per_row(value, is_single) -> list:
 
 
 class JSONSchemaLogitsProcessor(GrammarConstrainedLogitsProcessor):
-    """Rows produce JSON valid under `schema` (dict or JSON text), or a list with one schema per input row."""
+    """Rows produce JSON valid under `schema` (dict or JSON text), or a list with one schema per input row;
+    property_order: "any" (default) or "schema" (GrammarSpec.json_schema)."""
 
-    def __init__(self, schema, tokenizer, backend: str = "auto", **kwargs):
+    def __init__(self, schema, tokenizer, backend: str = "auto", property_order: str = DEFAULT_PROPERTY_ORDER,
+                 **kwargs):
         schemas = _per_row(schema, lambda v: isinstance(v, (dict, str, bool)))
         if schemas is None:
             raise GrammarError(f"schema: expected a JSON Schema (dict or JSON text) or a list of them, got {schema!r:.100}")
-        super().__init__([GrammarSpec.json_schema(s) for s in schemas], tokenizer, backend=backend, **kwargs)
+        super().__init__([GrammarSpec.json_schema(s, property_order) for s in schemas], tokenizer, backend=backend,
+                         **kwargs)
 
 
 class RegexLogitsProcessor(GrammarConstrainedLogitsProcessor):

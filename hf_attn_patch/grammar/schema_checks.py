@@ -77,7 +77,8 @@ class SchemaChecks:
             return None
 
     def _expand(self, schemas) -> list:
-        """Subschemas that certainly apply at the same instance location (closure over $ref and allOf)."""
+        """Subschemas that certainly apply at the same instance location (closure over $ref, allOf, and an anyOf /
+        oneOf of one subschema)."""
         out, seen, todo = [], set(), list(schemas)
         while todo:
             s = todo.pop()
@@ -93,6 +94,7 @@ class SchemaChecks:
                     continue
             if isinstance(s.get("allOf"), list):
                 todo.extend(s["allOf"])
+            todo.extend(s[k][0] for k in ("anyOf", "oneOf") if isinstance(s.get(k), list) and len(s[k]) == 1)
         return out
 
     def nodes_at(self, path: tuple) -> list:
@@ -245,14 +247,14 @@ _CLASSES: dict = {}  # id(token_bytes) -> (token_bytes, classes): one vocabulary
 
 
 def _token_classes(token_bytes: list) -> tuple:
-    """({"quote" | "close" | "any": [V] bool, tokens holding such a byte}, [V] starts a number, [V] ends one) for the
+    """({"quote" | "key" | "close" | "any": [V] bool, tokens holding such a byte}, [V] starts a number, [V] ends one) for the
     look-ahead masks; cached per vocabulary (a tokenizer adapter's list), ~0.3 s for 49k tokens."""
     hit = _CLASSES.get(id(token_bytes))
     if hit is not None and hit[0] is token_bytes:
         return hit[1]
     lengths = np.fromiter((len(b) for b in token_bytes), dtype=np.int64, count=len(token_bytes))
     has = {}
-    for name, chars in (("quote", b'"'), ("close", b'"]},' + b" \t\n\r"), ("any", None)):
+    for name, chars in (("quote", b'"'), ("key", b'",'), ("close", b'"]},' + b" \t\n\r"), ("any", None)):
         has[name] = np.array([bool(t) and (chars is None or any(c in t for c in chars)) for t in token_bytes],
                              dtype=bool) & (lengths > 0)
     classes = (has, np.array([bool(t) and t[0] in _NUMBER_BYTES for t in token_bytes], dtype=bool),

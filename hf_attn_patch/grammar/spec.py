@@ -10,6 +10,7 @@ from .errors import GrammarError
 
 
 PROPERTY_ORDERS = ("schema", "any")
+DEFAULT_PROPERTY_ORDER = "any"  # keys in any order (up to schema_keys.ANY_ORDER_MAX_PROPERTIES per object)
 
 
 @dataclass(frozen=True)
@@ -22,17 +23,18 @@ class GrammarSpec:
     ``tagged_json`` (source: (schema dict, open, close); the output is either text that does not start with the
     first character of ``open``, or ``open`` + JSON valid under the schema + ``close``: a tool call or an answer).
     key: a canonical string used to cache compiled grammars (two equal specs share one compilation).
-    property_order (json_schema): "schema" (an object's keys in the order its ``properties`` list them, required
-    ones enforced by the grammar) or "any" (keys in any order; required keys and no repeated key checked exactly).
+    property_order (json_schema): "any" (the default: an object's keys in any order, required keys and no repeated
+    key checked exactly; objects with more than 64 properties keep their declaration order, schema_keys.py) or
+    "schema" (keys in the order ``properties`` lists them everywhere, required ones enforced by the grammar).
     """
 
     kind: str
     source: Any = None
     key: str = field(default="", compare=False)
-    property_order: str = "schema"
+    property_order: str = DEFAULT_PROPERTY_ORDER
 
     @staticmethod
-    def json_schema(schema, property_order: str = "schema") -> "GrammarSpec":
+    def json_schema(schema, property_order: str = DEFAULT_PROPERTY_ORDER) -> "GrammarSpec":
         if property_order not in PROPERTY_ORDERS:
             raise GrammarError(f"property_order: expected one of {PROPERTY_ORDERS}, got {property_order!r}")
         if isinstance(schema, str):
@@ -51,13 +53,14 @@ class GrammarSpec:
         return GrammarSpec("json_schema", schema, f"json_schema:{property_order}:" + key, property_order)
 
     @staticmethod
-    def tagged_json(schema, open_tag: str, close_tag: str) -> "GrammarSpec":
-        inner = GrammarSpec.json_schema(schema)
+    def tagged_json(schema, open_tag: str, close_tag: str,
+                    property_order: str = DEFAULT_PROPERTY_ORDER) -> "GrammarSpec":
+        inner = GrammarSpec.json_schema(schema, property_order)
         for name, tag in (("open", open_tag), ("close", close_tag)):
             if not isinstance(tag, str) or not tag or '"' in tag or "\\" in tag:
                 raise GrammarError(f"{name}: expected a non-empty tag without quotes or backslashes, got {tag!r:.80}")
         return GrammarSpec("tagged_json", (inner.source, open_tag, close_tag),
-                           f"tagged_json:{open_tag}\0{close_tag}\0{inner.key}")
+                           f"tagged_json:{open_tag}\0{close_tag}\0{inner.key}", property_order)
 
     @staticmethod
     def json_object() -> "GrammarSpec":

@@ -26,6 +26,9 @@ from .protocol import _short, bad
 MAX_TOOLS = 128
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+# calls keep declaration order: "name" before "arguments" (forced: fewer model steps), arguments in the order the
+# function declares them, as function-calling models write them
+ORDER = "schema"
 
 
 @dataclass
@@ -70,17 +73,18 @@ def read_tools(body: dict) -> ToolPlan:
     call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": s},
                        "required": ["name", "arguments"], "additionalProperties": False} for n, s in schemas.items()]}
     if choice is None or choice == "auto":
-        return ToolPlan("auto", clean, grammar={"type": "tagged_json", "schema": call, "open": OPEN, "close": CLOSE})
+        return ToolPlan("auto", clean, grammar={"type": "tagged_json", "schema": call, "open": OPEN, "close": CLOSE,
+                                                "property_order": ORDER})
     if choice == "none":
         return ToolPlan("none", clean)
     if choice == "required":
-        return ToolPlan("required", clean, grammar={"type": "json_schema", "schema": call})
+        return ToolPlan("required", clean, grammar={"type": "json_schema", "schema": call, "property_order": ORDER})
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
         and isinstance(choice.get("function"), dict) else None  # fmt: skip
     if name not in schemas:
         raise bad("tool_choice", f"expected 'none', 'auto', 'required' or {{'type': 'function', 'function': {{'name': "
                                  f"one of {sorted(schemas)}}}}}, got {_short(choice)}")  # fmt: skip
-    return ToolPlan("named", clean, name, {"type": "json_schema", "schema": schemas[name]})
+    return ToolPlan("named", clean, name, {"type": "json_schema", "schema": schemas[name], "property_order": ORDER})
 
 
 def parse_output(plan: ToolPlan, text: str, cut: bool = False) -> tuple[str | None, list[dict] | None]:
