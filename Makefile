@@ -21,8 +21,11 @@ install: $(VENV)/.installed
 demo: install
 	$(VENV)/bin/hf-attn demo
 
+# Two pytest workers (pytest-xdist), one torch thread each: most tests are small models bound by Python, so two
+# processes use both cores where one process with two threads mostly uses one.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q tests -m "not llamacpp and not vllm"
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) tests -m "not llamacpp and not vllm"
 
 # The package as users install it: its wheel in a fresh venv without extras, then with [serve] (scripts/check_install.sh)
 test-install: install
