@@ -23,14 +23,16 @@ class SlowEngine:
     """The engine with EOS ignored and `delay` seconds per step; records aborted request ids."""
 
     def __init__(self, engine, delay: float):
-        self.engine, self.delay, self.aborted, self.finished = engine, delay, [], []
+        self.engine, self.delay, self.aborted, self.finished, self.added = engine, delay, [], [], []
 
     def __getattr__(self, name):
         return getattr(self.engine, name)
 
     def add_request(self, prompt, params, request_id=None):
         params.ignore_eos = True
-        return self.engine.add_request(prompt, params, request_id=request_id)
+        request = self.engine.add_request(prompt, params, request_id=request_id)
+        self.added.append(request_id)
+        return request
 
     def abort(self, request_id):
         self.aborted.append(request_id)
@@ -82,6 +84,9 @@ def test_sigterm_drains_then_aborts(stories):
                    threading.Thread(target=lambda: results.__setitem__("wait", http(port, "/v1/completions", long)))]
         for t in threads:
             t.start()
+        # both in the engine: /health's in_flight alone also reads 2 while the first is being added (its reserved
+        # slot and its route), before the second request has arrived
+        assert _wait(lambda: len(engine.added) == 2)
         assert _wait(lambda: http(port, "/health")[1]["in_flight"] == 2)
         start = time.monotonic()
         server.handle_exit(signal.SIGTERM, None)  # what uvicorn's signal handler calls
