@@ -1,5 +1,6 @@
 """Retrieval-aware rank allocation (rank_allocation "retrieval"): the layers whose heads copy from far back keep
-their exact form, the others share what is left of the KV budget uniformly.
+their exact form, the others share what is left of the KV budget uniformly (MLA); for latent K/V, the KV heads that
+copy keep exact keys and every layer's fitted ranks shrink to pay for them.
 
 Copy heads are found from the source's own behaviour, as DuoAttention / RazorAttention find retrieval heads: the
 first SEGMENT tokens of each of the first SAMPLES calibration windows (the source's own samples by default), S, are
@@ -18,7 +19,7 @@ import torch
 
 from ..methods.budgets import budget_values, exact_plan
 from ..options import ConvertOptions
-from .closed_form import LayerChoice
+from .closed_form import LatentChoice, LayerChoice
 from .source import Source
 from .target import Target
 
@@ -87,5 +88,57 @@ def retrieval_plan(source: Source, opts: ConvertOptions, target: Target, windows
               "values_per_token": sum(c.rope_dim + c.rank for c in choices), "exact_layers": copy_layers,
               "layers": [{"layer": l, "choice": "unconverted (exact MLA)" if c.exact else "mla", "rope_dim": c.rope_dim,
                           "kv_lora_rank": c.rank, "copy_score": round(float(scores[l].max()), 4)}
+                         for l, c in enumerate(choices)]}  # fmt: skip
+    return choices, report
+
+
+def copy_kv_heads(scores: torch.Tensor, kv_heads: int, threshold: float = COPY_THRESHOLD) -> list[tuple[int, int]]:
+    """(layer, KV head) pairs whose group holds a query head scoring above threshold, best first; scores [L, H]
+    from copy_scores (query head h reads KV head h // (H / H_kv))."""
+    per_kv = scores.view(scores.shape[0], kv_heads, -1).amax(-1)
+    order = per_kv.flatten().argsort(descending=True).tolist()
+    return [divmod(i, kv_heads) for i in order if float(per_kv.flatten()[i]) > threshold]
+
+
+def latent_retrieval_choices(copy_heads: list[tuple[int, int]], uniform: LatentChoice, n_layers: int,
+                             head_dim: int) -> list[LatentChoice]:  # fmt: skip
+    """Per layer: its copy KV heads' keys exact (d_h latent dims each) plus fitted key and value ranks that share
+    what the exact keys leave of the uniform budget n_layers * (r_k + r_v), in the uniform split's proportion. A
+    head is kept only while every layer keeps fitted ranks >= 1 (a tight budget keeps fewer)."""
+    total, per_layer = n_layers * (uniform.key_rank + uniform.value_rank), uniform.key_rank + uniform.value_rank
+    kept: list[tuple[int, int]] = []
+    for head in copy_heads:
+        left = (total - head_dim * (len(kept) + 1)) // n_layers
+        if round(left * uniform.key_rank / per_layer) >= 1 and left - round(left * uniform.key_rank / per_layer) >= 1:
+            kept.append(head)
+    left = (total - head_dim * len(kept)) // n_layers
+    key = round(left * uniform.key_rank / per_layer)
+    out = []
+    for layer in range(n_layers):
+        exact = tuple(sorted(g for l, g in kept if l == layer))
+        out.append(LatentChoice(key + head_dim * len(exact), left - key, exact))
+    return out
+
+
+def latent_retrieval_plan(source: Source, opts: ConvertOptions, uniform: LatentChoice, windows: torch.Tensor):
+    """(choices, the report's "budgets" section) for latent_kv: copy KV heads keep exact keys (module docstring's
+    copy scores, taken per KV head), at the uniform allocation's total KV values."""
+    model = source.whole()
+    try:
+        scores = copy_scores(model, windows[:SAMPLES, :SEGMENT])
+    finally:
+        del model
+    shape = source.shape
+    heads = copy_kv_heads(scores, shape.kv_heads)
+    choices = latent_retrieval_choices(heads, uniform, shape.layers, shape.head_dim)
+    exact = [(l, g) for l, c in enumerate(choices) for g in c.exact_key_heads]
+    logger.info("retrieval allocation: exact keys for KV heads %s (layer, head); fitted ranks K %d + V %d", exact,
+                choices[0].key_rank - shape.head_dim * len(choices[0].exact_key_heads), choices[0].value_rank)  # fmt: skip
+    per_kv = scores.view(shape.layers, shape.kv_heads, -1).amax(-1)
+    report = {"allocation": "retrieval", "copy_threshold": COPY_THRESHOLD, "exact_key_heads": exact,
+              "values_per_token": sum(c.key_rank + c.value_rank for c in choices),
+              "layers": [{"layer": l, "latent_key_rank": c.key_rank, "latent_value_rank": c.value_rank,
+                          "exact_key_heads": list(c.exact_key_heads),
+                          "copy_score_per_kv_head": [round(float(x), 4) for x in per_kv[l]]}
                          for l, c in enumerate(choices)]}  # fmt: skip
     return choices, report
