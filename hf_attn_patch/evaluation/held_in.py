@@ -156,10 +156,14 @@ def repeat_token_kl(model, source, items: RepeatItems) -> dict[int, torch.Tensor
 def repeat_kl(model, source, items: RepeatItems) -> dict[str, float]:
     """{"repeat:D": mean KL per scored token at each distance D, "repeat_long": the mean over D >= LONG (when
     there is one), "repeat_all": over all D} from repeat_token_kl (a distance's items weigh equally)."""
-    kl = repeat_token_kl(model, source, items)
-    out = {f"repeat:{d}": float(k.mean()) for d, k in kl.items()}
-    far = [float(k.mean()) for d, k in kl.items() if d >= LONG]
+    return repeat_summary({d: float(k.mean()) for d, k in repeat_token_kl(model, source, items).items()})
+
+
+def repeat_summary(kl: dict[int, float]) -> dict[str, float]:
+    """repeat_kl's dict from the mean KL at each distance D (measured apart, e.g. one distance at a time)."""
+    out = {f"repeat:{d}": v for d, v in kl.items()}
+    far = [v for d, v in kl.items() if d >= LONG]
     if far:
         out["repeat_long"] = sum(far) / len(far)
-    out["repeat_all"] = sum(float(k.mean()) for k in kl.values()) / len(kl)
+    out["repeat_all"] = sum(kl.values()) / len(kl)
     return out
