@@ -192,9 +192,10 @@ def report(rows_dir: Path) -> None:
     base = curves(rows[0]) if rows and rows[0]["model"] == "source" else {}
     tasks = sorted({t for r in rows for t in curves(r)})
     dists = sorted({d for r in rows for d in repeat_curve(r)})
-    print("| model | held-in KL short / long / all | held-in retrieval KL D " + " / ".join(map(str, dists))
-          + " / long | " + " | ".join(tasks) + " |")  # fmt: skip
-    print("|---|---|---|" + "---|" * len(tasks))
+    header = ["model", "held-in KL short / long / all", f"held-in retrieval KL D {' / '.join(map(str, dists))} / long",
+              *tasks]  # fmt: skip
+    print("| " + " | ".join(header) + " |")
+    print("|" + "---|" * len(header))
     for r in rows:
         kl = r.get("held_in_kl")
         kls = f"{kl['short']:.3f} / {kl.get('long', float('nan')):.3f} / {kl['all']:.3f}" if kl else "-"
@@ -206,7 +207,7 @@ def report(rows_dir: Path) -> None:
             acc = curves(r).get(t, {})
             cells.append(" ".join(f"{a:.2f}" + (f" ({a / base[t][d]:.0%})" if r is not rows[0] and base.get(t, {}).get(d)
                                                  else "") for d, a in sorted(acc.items())) or "-")  # fmt: skip
-        print(f"| {r['model']} | {kls} | {rks} | " + " | ".join(cells) + " |")
+        print("| " + " | ".join([r["model"], kls, rks, *cells]) + " |")
     fig, axes = plt.subplots(1, len(tasks) + 2, figsize=(4.2 * (len(tasks) + 2), 3.6), squeeze=False)
     colours = {r["model"]: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(rows)}
     for ax, t in zip(axes[0], tasks):
@@ -229,11 +230,12 @@ def report(rows_dir: Path) -> None:
     for r in rows:
         points = sorted(repeat_curve(r).items())
         if points:
-            ax.plot(*zip(*points), marker="s", color=colours[r["model"]])
+            ax.plot(*zip(*points), marker="s", color=colours[r["model"]], label=r["model"])
     ax.set(xscale="log", title="held-in retrieval KL", xlabel="distance D", ylabel="KL on the second copy")
     ax.grid(True, alpha=0.3)
     handles = {h.get_label(): h for a in axes[0] for h in a.get_lines() if not h.get_label().startswith("_")}
-    fig.legend(handles.values(), handles.keys(), fontsize=7, loc="lower center", ncol=len(handles))
+    if handles:
+        fig.legend(handles.values(), handles.keys(), fontsize=7, loc="lower center", ncol=len(handles))
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     fig.savefig(rows_dir.with_suffix(".png"), dpi=100)
     print(f"plot: {rows_dir.with_suffix('.png')}")
