@@ -9,6 +9,9 @@ i - SEGMENT + 1, the token that followed the query's earlier copy (chance: 1 / p
 when one of its heads scores above COPY_THRESHOLD. Such a layer is kept exact (methods.budgets.exact_plan: every
 RoPE pair and the full [K_nope; V] rank); every other layer gets target.rope_dim RoPE dims and the latent rank that
 spends the rest of budget_values(kv_budget) evenly, so the total KV bytes per token stay within the budget.
+
+Per KV head (kv_copy_scores, copy_kv_heads): the max of the scores of the query heads that share a KV head, and the
+KV heads above a threshold, best first; what an allocation per KV head needs (the one above works per layer).
 """
 
 from __future__ import annotations
@@ -44,6 +47,28 @@ def copy_scores(model, segments: torch.Tensor) -> torch.Tensor:
     queries = torch.arange(seg, 2 * seg - 1)  # the last query's target would lie outside the first copy
     keys = queries - seg + 1
     return torch.stack([a[:, :, queries, keys].float().mean(dim=(0, 2)).cpu() for a in out.attentions])
+
+
+def kv_copy_scores(scores: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[layers, kv_heads]: copy_scores [layers, heads] per KV head, the max over the query heads that share it
+    (query head h reads KV head h // (heads / kv_heads), as transformers' repeat_kv groups them): a KV head is a copy
+    head when any of its query heads copies."""
+    if scores.dim() != 2:
+        raise ValueError(f"scores: [layers, heads] expected, got {tuple(scores.shape)}")
+    heads = scores.shape[1]
+    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"kv_heads={kv_heads!r} must be a positive divisor of the {heads} query heads")
+    return scores.view(len(scores), kv_heads, heads // kv_heads).amax(dim=-1)
+
+
+def copy_kv_heads(kv_scores: torch.Tensor, threshold: float = COPY_THRESHOLD) -> list[tuple[int, int]]:
+    """(layer, kv_head) of every KV head whose score in kv_scores [layers, kv_heads] (kv_copy_scores) is above
+    threshold, best first (ties: lower layer, then lower head first)."""
+    if kv_scores.dim() != 2:
+        raise ValueError(f"kv_scores: [layers, kv_heads] expected, got {tuple(kv_scores.shape)}")
+    flat = kv_scores.flatten()
+    order = sorted(range(len(flat)), key=lambda i: (-float(flat[i]), i))
+    return [divmod(i, kv_scores.shape[1]) for i in order if float(flat[i]) > threshold]
 
 
 def retrieval_choices(copy_layers: list[int], exact: dict[int, LayerChoice], n_layers: int, total: int,
