@@ -117,14 +117,6 @@ def retrieval_plan(source: Source, opts: ConvertOptions, target: Target, windows
     return choices, report
 
 
-def copy_kv_heads(scores: torch.Tensor, kv_heads: int, threshold: float = COPY_THRESHOLD) -> list[tuple[int, int]]:
-    """(layer, KV head) pairs whose group holds a query head scoring above threshold, best first; scores [L, H]
-    from copy_scores (query head h reads KV head h // (H / H_kv))."""
-    per_kv = scores.view(scores.shape[0], kv_heads, -1).amax(-1)
-    order = per_kv.flatten().argsort(descending=True).tolist()
-    return [divmod(i, kv_heads) for i in order if float(per_kv.flatten()[i]) > threshold]
-
-
 def latent_retrieval_choices(copy_heads: list[tuple[int, int]], uniform: LatentChoice, n_layers: int,
                              head_dim: int) -> list[LatentChoice]:  # fmt: skip
     """Per layer: its copy KV heads' keys exact (d_h latent dims each) plus fitted key and value ranks that share
@@ -154,12 +146,12 @@ def latent_retrieval_plan(source: Source, opts: ConvertOptions, uniform: LatentC
     finally:
         del model
     shape = source.shape
-    heads = copy_kv_heads(scores, shape.kv_heads)
+    per_kv = kv_copy_scores(scores, shape.kv_heads)
+    heads = copy_kv_heads(per_kv)
     choices = latent_retrieval_choices(heads, uniform, shape.layers, shape.head_dim)
     exact = [(l, g) for l, c in enumerate(choices) for g in c.exact_key_heads]
     logger.info("retrieval allocation: exact keys for KV heads %s (layer, head); fitted ranks K %d + V %d", exact,
                 choices[0].key_rank - shape.head_dim * len(choices[0].exact_key_heads), choices[0].value_rank)  # fmt: skip
-    per_kv = scores.view(shape.layers, shape.kv_heads, -1).amax(-1)
     report = {"allocation": "retrieval", "copy_threshold": COPY_THRESHOLD, "exact_key_heads": exact,
               "values_per_token": sum(c.key_rank + c.value_rank for c in choices),
               "layers": [{"layer": l, "latent_key_rank": c.key_rank, "latent_value_rank": c.value_rank,
