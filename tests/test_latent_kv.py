@@ -212,3 +212,31 @@ def test_convert_writes_a_latent_kv_model_that_loads_and_generates(tmp_path, sto
     budgets = report["budgets"]
     assert budgets["exact_key_heads"] and budgets["values_per_token"] <= 5 * 32
     assert report["kv_ratio"] <= 0.5
+
+
+def test_speculative_decoding_is_exact(one_torch_thread):
+    """Prompt lookup and a draft model both crop the latent cache after rejected drafts: greedy output unchanged."""
+    source, converted = _latent("llama")
+    ids = torch.tensor([[5, 9, 13, 22, 5, 9, 13, 22, 5, 9], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]])
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    expected = source.generate(ids, **kw)
+    assert torch.equal(converted.generate(ids, prompt_lookup_num_tokens=3, **kw), expected)
+    assert torch.equal(converted.generate(ids, assistant_model=source, **kw), expected)
+
+
+def test_reconstruction_and_healing_train_the_latent_layers(tmp_path):
+    """The layerwise fit and distillation run on latent_kv layers (every parameter is a plain Linear) and move
+    the weights away from the closed form."""
+    from safetensors.torch import load_file
+
+    from hf_attn_patch.converters.convert import convert
+
+    closed = convert("default", tmp_path / "closed", to="latent_kv", kv_budget=0.5, calib_source="text",
+                     calib_samples=4, reconstruct_steps=0)  # fmt: skip
+    fitted = convert("default", tmp_path / "fitted", to="latent_kv", kv_budget=0.5, calib_source="text",
+                     calib_samples=4, reconstruct_steps=3, heal_steps=2, heal_data="calib")  # fmt: skip
+    assert fitted["layerwise"]["reconstruct_steps"] == 3 and fitted["heal"]
+    a, b = load_file(tmp_path / "closed" / "model.safetensors"), load_file(tmp_path / "fitted" / "model.safetensors")
+    name = "model.layers.0.self_attn.k_a_proj.weight"
+    assert a[name].shape == b[name].shape and not torch.equal(a[name], b[name])
+    assert closed["kv_ratio"] == fitted["kv_ratio"] == 0.5
