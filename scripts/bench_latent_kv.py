@@ -10,8 +10,9 @@ keys, o_proj for values) or `plain` (unweighted PCA of the K / V outputs); `retr
 keys at the same total KV values.
 Calibration: the converter's default, 32 teacher samples of 256 tokens (seed 0) prompted from the package's corpus.
 Criteria (held-in: never evaluation text):
-    held-in KL   KL(source || model) per token on N teacher samples of L tokens (seed 1, prompts from the corpus
-                 after the first 8,192 tokens), short (< 256) and by position bin (evaluation/held_in.py);
+    held-in KL   KL(source || model) per token on N windows of L tokens of the corpus after its first 8,192 tokens
+                 (--held-in-data text), or teacher samples prompted from them (teacher, seed 1), short (< 256)
+                 and by position bin (evaluation/held_in.py);
     repeat KL    KL on the second copy of S + F + S, S 64 tokens of the corpus after its first 8,192 tokens, the copy
                  D tokens after the first (evaluation/held_in.py repeat_kl), D = 256 ... 4,096.
 --keep DIR saves each setting's model (DIR/<setting>) for scripts/bench_long_context.py's probes.
@@ -107,7 +108,10 @@ def main() -> None:
     parser.add_argument("--kv-budget", type=float, default=0.5)
     parser.add_argument("--settings", nargs="+", default=["0.333/4096/weighted"],
                         help="KEY_SHARE/ROPE_CONTEXT/METRIC[/retrieval] (module docstring)")
-    parser.add_argument("--held-in", default="4x1024", help="NxL teacher samples of the held-in KL")
+    parser.add_argument("--held-in", default="4x1024", help="NxL windows of the held-in KL")
+    parser.add_argument("--held-in-data", default="text", choices=("text", "teacher"),
+                        help="held-in KL windows: the corpus after the calibration prompts (default), or teacher "
+                             "samples prompted from it (seed 1)")
     parser.add_argument("--repeat", default=",".join(map(str, DISTANCES)), help="repeat KL distances D")
     parser.add_argument("--repeat-items", type=int, default=2, help="items per distance")
     parser.add_argument("--keep", default=None, help="save each setting's model under this folder")
@@ -136,8 +140,12 @@ def main() -> None:
     n, length = (int(x) for x in args.held_in.split("x"))
     first = math.ceil(CALIBRATED_TOKENS / length)
     prompts = calibration_windows(text, tokenizer, first + n, length)[first:]
-    held = cached(cache / f"held_in_{n}x{length}.safetensors", lambda: teacher_windows(source, prompts, seed=1))
-    held_logp = cached(cache / f"held_in_{n}x{length}_source_logp.safetensors", lambda: source_log_probs(source, held))
+    if args.held_in_data == "text":  # the corpus itself after the calibration prompts (no sampling: fast)
+        held = prompts
+    else:
+        held = cached(cache / f"held_in_{n}x{length}.safetensors", lambda: teacher_windows(source, prompts, seed=1))
+    held_logp = cached(cache / f"held_in_{args.held_in_data}_{n}x{length}_source_logp.safetensors",
+                       lambda: source_log_probs(source, held))  # fmt: skip
     stream = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0][CALIBRATED_TOKENS:]
     distances = tuple(int(d) for d in args.repeat.split(","))
     items = repeat_items(stream, distances, args.repeat_items, 64, seed=0)
