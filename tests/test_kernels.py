@@ -299,7 +299,7 @@ def test_paged_attention_forward_decode_goes_through_the_kernel_entry(model_type
     monkeypatch.setattr(metadata, "use_kernels", lambda query: True)
     model.set_attn_implementation("paged_kv")
     try:
-        out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
+        out = model.generate(ids, cache=PagedKVCache(model.config, block_size=4), **kw)
     finally:
         model.set_attn_implementation("sdpa")
     assert torch.equal(out, expected)
