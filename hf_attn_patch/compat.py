@@ -21,7 +21,7 @@ NEWEST_TESTED = "5.25"
 PIP_LINE = f'pip install "transformers>={FLOOR},<6"'
 
 __all__ = ["CACHE", "FLOOR", "NEWEST_TESTED", "cache_kwarg", "check_transformers_version", "constructor_signature",
-           "generate_accepting_cache", "get_cache", "placeholder_cache_layer", "transformers_minor"]  # fmt: skip
+           "get_cache", "patch_rows", "placeholder_cache_layer", "transformers_minor"]  # fmt: skip
 
 
 def transformers_minor(version: str | None = None) -> tuple[int, int]:
@@ -92,12 +92,8 @@ def placeholder_cache_layer():
 # -- generate(cache=...) -----------------------------------------------------------------------------------------
 # 5.19-5.23: generate() knows only `past_key_values=`: the patch's generate() takes `cache=` too (renamed), so one
 #            call works on every supported minor.
-# 5.24+: generate() takes `cache=` itself; nothing is wrapped.
+# 5.24+: generate() takes `cache=` itself; no row.
 def generate_accepting_cache(original):
-    """`make` of the patch table's row for GenerationMixin.generate (see _patching.py)."""
-    if CACHE == "cache":
-        return original
-
     def generate(self, *args, **kwargs):
         if "cache" in kwargs:
             if kwargs.get("past_key_values") is not None:
@@ -106,3 +102,14 @@ def generate_accepting_cache(original):
         return original(self, *args, **kwargs)
 
     return functools.update_wrapper(generate, original, assigned=("__name__", "__qualname__", "__doc__"))
+
+
+def patch_rows() -> list[tuple]:
+    """(owner, name, make, why) rows of the patch table (_patching.py) that only some minors need."""
+    from transformers.generation.utils import GenerationMixin
+
+    rows = []
+    if CACHE == "past_key_values":
+        rows.append((GenerationMixin, "generate", generate_accepting_cache,
+                     "generate(cache=...) on minors whose generate() knows only past_key_values= (compat.py)"))
+    return rows
