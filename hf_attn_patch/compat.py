@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import warnings
 
-import transformers
+import transformers  # noqa: F401  (loaded here; its version is read from sys.modules)
 from packaging.version import Version
 
 FLOOR = "5.19"
@@ -24,9 +25,15 @@ __all__ = ["CACHE", "FLOOR", "NEWEST_TESTED", "cache_kwarg", "check_transformers
            "get_cache", "patch_rows", "placeholder_cache_layer", "transformers_minor"]  # fmt: skip
 
 
+def _installed_version() -> str:
+    # looked up at each call: importing some modeling modules makes transformers put a new module object under its
+    # name in sys.modules, so a reference held since import may be stale
+    return sys.modules["transformers"].__version__
+
+
 def transformers_minor(version: str | None = None) -> tuple[int, int]:
     """(major, minor) of `version` (default: the installed transformers)."""
-    return Version(transformers.__version__ if version is None else version).release[:2]
+    return Version(_installed_version() if version is None else version).release[:2]
 
 
 _warned_newer: set[str] = set()
@@ -34,7 +41,7 @@ _warned_newer: set[str] = set()
 
 def check_transformers_version(version: str | None = None) -> None:
     """ImportError below FLOOR (naming the pip line); one UserWarning per version above NEWEST_TESTED."""
-    version = transformers.__version__ if version is None else version
+    version = _installed_version() if version is None else version
     if transformers_minor(version) < transformers_minor(FLOOR):
         raise ImportError(f"hf_attn_patch needs transformers {FLOOR} or newer, found {version}: {PIP_LINE}")
     if transformers_minor(version) > transformers_minor(NEWEST_TESTED) and version not in _warned_newer:
