@@ -32,7 +32,12 @@ from .fitting.reconstruct import TARGETS as RECONSTRUCT_TARGETS
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("gqa", "mqa", "mla")
+TARGETS = ("gqa", "mqa", "mla", "latent_kv")
+LATENT_KV_METHODS = ("calibrated",)  # the metric-weighted closed form (methods/latent_kv.py)
+# latent_kv defaults, chosen on the held-in criteria (docs/conversion.md, "Latent K/V"): the share of the KV budget
+# spent on keys, and the distances the key metric averages over
+LATENT_KEY_SHARE = 1 / 3
+LATENT_ROPE_CONTEXT = 4096
 FORMATS = ("auto", "native", "stock", "deepseek_v3")
 HEAL_DATA = ("calib", "teacher", "mix")
 RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity", "retrieval")
@@ -256,18 +261,22 @@ class ConvertOptions:
     kv_lora_rank: int | None = option(None, "mla: latent dims d_c", parse=int)
     rope_dim: int | None = option(None, "mla: dims of the shared RoPE key (even; default: one head's d_h, at most a "
                                   "third of --kv-budget)", parse=int)  # fmt: skip
-    kv_budget: float | None = option(None, "mla: fraction of the source's KV bytes (instead of --kv-lora-rank)",
-                                     parse=float)  # fmt: skip
+    kv_budget: float | None = option(None, "mla: fraction of the source's KV bytes (instead of --kv-lora-rank); "
+                                     "latent_kv: the same, required", parse=float)  # fmt: skip
+    key_share: float | None = option(None, "latent_kv: share of the budget spent on key latents, the rest on values "
+                                     "(default 1/3: values need more rank than keys)", parse=float)  # fmt: skip
     method: str | None = option(None, "gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla "
                                 "(defaults: the best measured, docs/conversion.md)")  # fmt: skip
     regroup: bool | None = option(None, "gqa aligned/pca: merge KV heads by index instead of grouping them by "
                                   "similarity (default: grouped)", flag="--no-regroup")  # fmt: skip
     rank_allocation: str | None = option(None, "mla with --kv-budget: per layer RoPE dims + rank (or exact) by each "
                                          "choice's measured KL (default; uniform for deepseek_v3), one rank for all "
-                                         "layers, by retained energy, or copy layers exact", choices=RANK_ALLOCATIONS)
+                                         "layers, by retained energy, or copy layers exact; latent_kv: uniform (default), or "
+                                         "retrieval: exact keys for copy KV heads", choices=RANK_ALLOCATIONS)
     # a dropped RoPE component costs energy x 2(1 - sinc(theta L)) (mla_plan.py)
     rope_context: int | None = option(None, "mla: the distances the RoPE split keeps scores right over (default: "
-                                      "--calib-len; the served context keeps far retrieval at some short-range cost)",
+                                      "--calib-len; the served context keeps far retrieval at some short-range cost); "
+                                      "latent_kv: the distances the key fit weighs (default 4096)",
                                       parse=int, metavar="TOKENS")  # fmt: skip
     format: str = option("auto", "auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock "
                          "DeepseekV3ForCausalLM (MLA)", choices=FORMATS)  # fmt: skip
@@ -297,7 +306,7 @@ class ConvertOptions:
                 section, key = FLAT_NAMES[name]
                 sections[section][key] = value
         if top.get("to") is None:
-            raise TypeError("the conversion option 'to' is required (one of 'gqa', 'mqa', 'mla')")
+            raise TypeError(f"the conversion option 'to' is required (one of {', '.join(map(repr, TARGETS))})")
         return cls(**top, **{section: SECTIONS[section](**kw) for section, kw in sections.items()},
                    given=tuple(options.items()))
 
@@ -313,11 +322,11 @@ class ConvertOptions:
         _one_of("to", self.to, TARGETS)
         self._refuse_inapplicable()
         _one_of("format", self.format, FORMATS)
-        methods = MLA_METHODS if self.to == "mla" else GQA_METHODS
+        methods = _methods(self.to)
         _fill(self, "method", self.method or methods[0])
         if self.method not in methods:
             raise ValueError(f"method={self.method!r} is not one of {methods} for to={self.to!r}")
-        if self.to != "mla" and self.method != "mean" and self.regroup is None:
+        if self.to in ("gqa", "mqa") and self.method != "mean" and self.regroup is None:
             _fill(self, "regroup", True)
         if self.to == "mqa":
             if self.kv_heads not in (None, 1):
@@ -326,8 +335,9 @@ class ConvertOptions:
         if self.to == "gqa" and self.kv_heads is None:
             raise ValueError("to='gqa' needs kv_heads")
         self._check_rank_allocation()
-        if self.format == "stock" and self.to == "mla":
-            raise ValueError("format='stock' exists for GQA/MQA only; an MLA export is 'native' or 'deepseek_v3'")
+        if self.format == "stock" and self.to in ("mla", "latent_kv"):
+            raise ValueError(f"format='stock' exists for GQA/MQA only, not to={self.to!r} (native; MLA also "
+                             "'deepseek_v3')")  # fmt: skip
         if self.format == "deepseek_v3" and self.to != "mla":
             raise ValueError(f"format='deepseek_v3' is an MLA export, not one for to={self.to!r}")
         if self.engine is not None and self.format != "deepseek_v3":
@@ -341,6 +351,8 @@ class ConvertOptions:
                                  f"kv_budget={self.kv_budget!r}")  # fmt: skip
             if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
                 raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
+        if self.to == "latent_kv":
+            self._check_latent_kv()
         _positive_int("kv_heads", self.kv_heads)
         _positive_int("kv_lora_rank", self.kv_lora_rank)
         if self.to == "mla" and self.rope_context is None:  # the calibration window (the source's context costs
@@ -361,18 +373,31 @@ class ConvertOptions:
             raise ValueError(f"calib_samples={self.calibration.samples!r}: propagate / reconstruct_steps / "
                              "heal_layerwise_steps hold one window in, so they need at least 2")  # fmt: skip
 
+    def _check_latent_kv(self) -> None:
+        if self.kv_budget is None:
+            raise ValueError("to='latent_kv' needs kv_budget (the fraction of the source's KV bytes to keep)")
+        if not 0 < self.kv_budget <= 1:
+            raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
+        _fill(self, "key_share", LATENT_KEY_SHARE if self.key_share is None else self.key_share)
+        if not isinstance(self.key_share, (int, float)) or not 0 < self.key_share < 1:
+            raise ValueError(f"key_share={self.key_share!r} must be a fraction in (0, 1)")
+        _fill(self, "rope_context", self.rope_context or LATENT_ROPE_CONTEXT)
+
     def _refuse_inapplicable(self) -> None:
         """An option the chosen target or method would ignore is an error (it was given for a reason)."""
-        mla_only = [n for n in ("kv_lora_rank", "rope_dim", "kv_budget", "rope_context") if getattr(self, n) is not None]
-        if self.to != "mla" and mla_only:
-            raise ValueError(f"{mla_only[0]}={getattr(self, mla_only[0])!r} applies to to='mla' only, not to={self.to!r}")
-        if self.to == "mla" and self.kv_heads is not None:
-            raise ValueError(f"kv_heads={self.kv_heads!r} applies to to='gqa' / 'mqa' only, not to='mla'")
+        allowed = {"mla": ("kv_lora_rank", "rope_dim", "kv_budget", "rope_context"),
+                   "latent_kv": ("kv_budget", "rope_context", "key_share")}.get(self.to, ())  # fmt: skip
+        for name, owners in (("kv_lora_rank", "'mla'"), ("rope_dim", "'mla'"), ("kv_budget", "'mla' / 'latent_kv'"),
+                             ("rope_context", "'mla' / 'latent_kv'"), ("key_share", "'latent_kv'")):  # fmt: skip
+            if getattr(self, name) is not None and name not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} applies to to={owners} only, not to={self.to!r}")
+        if self.to in ("mla", "latent_kv") and self.kv_heads is not None:
+            raise ValueError(f"kv_heads={self.kv_heads!r} applies to to='gqa' / 'mqa' only, not to={self.to!r}")
         rec = self.reconstruction
         if rec.attention_kl and rec.steps == 0 and not self.calibration.propagate:
             raise ValueError(f"reconstruct_attention_kl={rec.attention_kl!r} needs reconstruct_steps > 0 or propagate")
-        method = self.method or (MLA_METHODS if self.to == "mla" else GQA_METHODS)[0]
-        if self.regroup is not None and (self.to == "mla" or method == "mean"):
+        method = self.method or _methods(self.to)[0]
+        if self.regroup is not None and (self.to in ("mla", "latent_kv") or method == "mean"):
             raise ValueError(f"regroup={self.regroup!r} applies to to='gqa' / 'mqa' with method 'aligned' or 'pca', "
                              f"not to={self.to!r} with method={method!r}")  # fmt: skip
 
@@ -383,6 +408,11 @@ class ConvertOptions:
             sensitivity = self.to == "mla" and self.kv_budget is not None and self.format != "deepseek_v3"
             _fill(self, "rank_allocation", "sensitivity" if sensitivity else "uniform")
         _one_of("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
+        if self.to == "latent_kv":
+            if self.rank_allocation not in ("uniform", "retrieval"):
+                raise ValueError(f"rank_allocation={self.rank_allocation!r}: to='latent_kv' takes 'uniform' or "
+                                 "'retrieval' (exact keys for the KV heads that copy from far back)")  # fmt: skip
+            return
         if self.rank_allocation in ("sensitivity", "retrieval") and (self.to != "mla" or self.kv_budget is None
                                                                     or self.format == "deepseek_v3"):  # fmt: skip
             raise ValueError(f"rank_allocation={self.rank_allocation!r} needs to='mla', kv_budget and a native format "
@@ -391,6 +421,11 @@ class ConvertOptions:
                                                  or self.format == "deepseek_v3"):
             raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
                              "format (stock DeepSeek has one kv_lora_rank)")
+
+
+def _methods(to: str) -> tuple[str, ...]:
+    """The methods of a target, the default first."""
+    return {"mla": MLA_METHODS, "latent_kv": LATENT_KV_METHODS}.get(to, GQA_METHODS)
 
 
 # Every flat option name (convert()'s keywords, the CLI's --flags, the report's "options") -> (section, field), or

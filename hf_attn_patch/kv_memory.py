@@ -3,6 +3,7 @@
 Per attention layer and token the cache holds
     MHA / GQA / MQA   2 * H_kv * d_h values             (keys and values of the H_kv heads)
     MLA               kv_lora_rank + qk_rope_head_dim   (the latent c_t and the shared RoPE key)
+    latent K/V        latent_key_rank + latent_value_rank (the pre-RoPE latents c_k, c_v)
 Sliding-window layers keep the last `sliding_window - 1` tokens between steps (the current token completes the
 window; transformers' DynamicSlidingWindowLayer). Linear-attention and SSM layers of hybrid models keep a
 constant state per sequence (a conv window and a recurrent state), whatever the length. Each formula below was
@@ -27,6 +28,16 @@ def layer_qk_rope_head_dim(config, layer_idx: int) -> int | None:
     """MLA shared RoPE key size of one layer: `mla_qk_rope_head_dims[layer_idx]` when a conversion chose it per layer
     (converters/methods/budgets.py), else the config's `qk_rope_head_dim`."""
     return _per_layer(config, layer_idx, "mla_qk_rope_head_dims", "qk_rope_head_dim")
+
+
+def layer_latent_rank(config, layer_idx: int, field: str) -> int | None:
+    """A latent_kv rank of one layer: config.<field> is one int for every layer or a list with one per layer."""
+    value = getattr(config, field, None)
+    if isinstance(value, (list, tuple)):
+        if len(value) != config.num_hidden_layers:
+            raise ValueError(f"{field} has {len(value)} entries, num_hidden_layers={config.num_hidden_layers}")
+        return value[layer_idx]
+    return value
 
 
 def _per_layer(config, layer_idx: int, per_layer_field: str, field: str) -> int | None:
@@ -61,7 +72,7 @@ _NO_CACHE_TYPES = ("mlp", "moe")
 class LayerCache:
     """What one decoder layer caches for one sequence."""
 
-    kind: str  # "mha" | "gqa" | "mqa" | "mla" | "state" | "none" (+ "+state" for hybrid attention+SSM layers)
+    kind: str  # "mha" | "gqa" | "mqa" | "mla" | "latent_kv" | "state" | "none" (+ "+state" for hybrid attention+SSM layers)
     values_per_token: int  # values cached per token (0 for pure state layers)
     window: int | None = None  # at most this many tokens are kept (sliding attention)
     state_values: int = 0  # constant values per sequence (conv + recurrent state)
@@ -137,6 +148,10 @@ def _attention_values(config, layer_idx: int) -> tuple[str, int, int]:
     d_h = head_dim(config)
     if getattr(config, "attention_variant", None) == "mla":  # converted: the source's heads are the baseline
         return "mla", layer_kv_lora_rank(config, layer_idx) + layer_qk_rope_head_dim(config, layer_idx), 2 * heads * d_h
+    if getattr(config, "attention_variant", None) == "latent_kv":
+        values = layer_latent_rank(config, layer_idx, "latent_key_rank") + layer_latent_rank(
+            config, layer_idx, "latent_value_rank")
+        return "latent_kv", values, 2 * heads * d_h
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
     return kind, 2 * kv_heads * d_h, 2 * heads * d_h

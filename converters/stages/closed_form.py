@@ -1,6 +1,7 @@
 """One layer's closed form and the converted decoder layer that holds it.
 
 GQA / MQA: gqa_merge.gqa_layer (the KV heads merged by `method`, grouped by similarity when `regroup`).
+latent K/V: methods.latent_kv_layer (metric-weighted low-rank keys and values before RoPE) at the layer's ranks.
 MLA: a LatentPlan (methods.plan_layer: the shared RoPE key's components and the latent basis, best first; for a
 layer the sensitivity allocation leaves unconverted, its exact form) lifted at the layer's rank (methods.lift_plan).
 The same functions recompute the closed form from the converted prefix's statistics (propagated calibration).
@@ -18,6 +19,7 @@ from ...models.architectures import AttentionShape
 from ..methods.budgets import exact_plan
 from ..io.calibration import LayerStats
 from ..methods.gqa_merge import gqa_layer
+from ..methods.latent_kv import latent_kv_layer
 from ..methods.mla_plan import LatentPlan, lift_plan, plan_layer, ranked_components
 from ..options import ConvertOptions
 
@@ -31,6 +33,16 @@ class LayerChoice:
     rank: int
     frequencies: list[int] | None = None
     exact: bool = False
+
+
+@dataclass(frozen=True)
+class LatentChoice:
+    """What latent_kv layer l becomes: key and value latent ranks; exact_key_heads: KV heads whose keys the latent
+    keeps exactly (their d_h dims are part of key_rank)."""
+
+    key_rank: int
+    value_rank: int
+    exact_key_heads: tuple[int, ...] = ()
 
 
 @dataclass
@@ -56,6 +68,9 @@ def mla_plan(opts: ConvertOptions, w, shape: AttentionShape, stats: LayerStats, 
 def closed_form(opts: ConvertOptions, w, shape: AttentionShape, stats: LayerStats | None,
                 choice: LayerChoice | None) -> LayerResult:  # fmt: skip
     """The layer's closed form from the source's statistics (GQA 'mean' needs none)."""
+    if opts.to == "latent_kv":
+        return LayerResult(latent_kv_layer(w, shape, stats.input_cov, choice.key_rank, choice.value_rank,
+                                           opts.rope_context, choice.exact_key_heads))  # fmt: skip
     if opts.to != "mla":
         state, groups = gqa_layer(opts.method, w, shape, opts.kv_heads, stats, regroup=opts.regroup)
         return LayerResult(state, groups=groups)
@@ -68,6 +83,8 @@ def relifted(opts: ConvertOptions, w, shape: AttentionShape, stats: LayerStats, 
              first: LayerResult) -> LayerResult:  # fmt: skip
     """The same conversion (GQA: the same merge; MLA: the same rank and RoPE frequencies) from the converted
     prefix's statistics; an exact layer keeps its plan."""
+    if opts.to == "latent_kv":
+        return closed_form(opts, w, shape, stats, choice)
     if opts.to != "mla":
         return closed_form(opts, w, shape, stats, None)
     if choice.exact:
@@ -109,6 +126,15 @@ def mla_layer_fields(last_fields: dict, choices: list[LayerChoice], pairs: list,
         fields["mla_kv_lora_ranks"] = ranks
     if allocation in ("sensitivity", "retrieval"):
         fields["mla_qk_rope_head_dims"] = ropes
+    return fields
+
+
+def latent_kv_fields(choices: list[LatentChoice]) -> dict:
+    """Config fields of a latent_kv conversion: one rank each when every layer has the same, else per-layer lists."""
+    fields = {}
+    for name, values in (("latent_key_rank", [c.key_rank for c in choices]),
+                         ("latent_value_rank", [c.value_rank for c in choices])):  # fmt: skip
+        fields[name] = values[0] if len(set(values)) == 1 else values
     return fields
 
 

@@ -25,7 +25,7 @@ from ..io.layer_stream import BATCH, LayerRunner, Tracks
 from ..io.layer_writer import ShardedWriter
 from ..options import ConvertOptions
 from ..fitting.reconstruct import LayerFit, fit_layer
-from .closed_form import (LayerChoice, LayerResult, build_layer, closed_form, converted_config,
+from .closed_form import (LayerChoice, LayerResult, build_layer, closed_form, converted_config, latent_kv_fields,
                                  mla_layer_fields, relifted)  # fmt: skip
 from .source import Source
 from .target import Target
@@ -74,7 +74,9 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
     pairs = [None] * n_layers
     half = source.shape.rotary_dim // 2
     last_fields: dict = {}
-    gqa_config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads}) if opts.to != "mla" else None
+    gqa_config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads}) \
+        if opts.to in ("gqa", "mqa") else None  # fmt: skip
+    latent_config = converted_config(config, "latent_kv", latent_kv_fields(choices)) if opts.to == "latent_kv" else None
     try:
         for i in range(n_layers):
             t = time.perf_counter()
@@ -88,7 +90,9 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             t = time.perf_counter()
             choice = choices[i] if choices is not None else None
             first = closed_form(opts, w, source.shape, stats, choice)
-            if opts.to == "mla":
+            if opts.to == "latent_kv":
+                new_config = latent_config
+            elif opts.to == "mla":
                 pairs[i], last_fields = first.fields["mla_rope_pairs"], first.fields
                 new_config = converted_config(config, "mla", mla_layer_fields(last_fields, choices, pairs,
                                                                                 opts.rank_allocation, half))  # fmt: skip
@@ -104,7 +108,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             seconds["layerwise"] += time.perf_counter() - t
             if opts.to == "mla":
                 result.retained.append(round(first.plan.retained(choice.rank), 4))
-            else:
+            elif opts.to != "latent_kv":
                 result.groups.append(final.groups)
             if tracks is not None and "source" in names:
                 tracks["source"].swap()
@@ -127,7 +131,7 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
                                                                          opts.rank_allocation, half))  # fmt: skip
         result.pairs = pairs
     else:
-        result.config = gqa_config
+        result.config = latent_config or gqa_config
     result.seconds = {k: round(v, 3) for k, v in seconds.items()}
     return result
 
@@ -138,7 +142,7 @@ def _layerwise(opts, runner: LayerRunner, layer, converted, name: str, w, shape,
     reconstruct layer i in place (reconstruct.fit_layer); then advance the converted track through it."""
     kept = {"result": first}
     relift = None
-    if opts.calibration.propagate and not (opts.to != "mla" and opts.method == "mean"):
+    if opts.calibration.propagate and opts.method != "mean":
         def relift(name, stats):  # noqa: E306
             kept["result"] = relifted(opts, w, shape, stats, choice, first)
             return kept["result"].state

@@ -2,7 +2,8 @@
     sensitivity: per-layer RoPE dims and ranks (or the exact layer) by measured KL, a knapsack over all layers
         (budgets.choose; the measurement in sensitivity.py);
     energy: per-layer ranks keeping the most normalized latent energy (methods.allocate_ranks);
-    retrieval: the layers with copy heads exact, the rest uniform (retrieval.py);
+    retrieval: the layers with copy heads exact, the rest uniform (retrieval.py); latent K/V: the copy heads' KV
+        heads keep exact keys, every layer's fitted ranks shrink to pay for them;
     deepseek_v3: the RoPE frequencies 0, s, 2s, ... every layer keeps (deepseek_export.stock_frequencies).
 The pass streams the source's calibration track, computing each layer's statistics as the second pass will (the
 same batches, so the same values), and keeps only what the decisions need (ranked components, energies, KL).
@@ -23,8 +24,8 @@ from ..methods.budgets import MEASURE_TOKENS, LayerCandidates, allocation_report
 from ..export.stock_rope import stock_frequencies
 from ..methods.mla_plan import LatentPlan, allocate_ranks, ranked_components
 from ..options import ConvertOptions
-from .closed_form import LayerChoice, mla_plan
-from .retrieval import retrieval_plan
+from .closed_form import LatentChoice, LayerChoice, mla_plan
+from .retrieval import latent_retrieval_plan, retrieval_plan
 from .source import Source
 from .target import Target
 
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Plan:
-    """choices: per MLA layer (None for GQA / MQA); budgets: the report's "budgets" section (sensitivity);
+    """choices: per MLA layer (LatentChoice per latent_kv layer; None for GQA / MQA); budgets: the report's "budgets" section (sensitivity);
     stride: the deepseek_v3 export's frequency stride s; seconds: the first pass's wall time (0 when none ran)."""
 
     choices: list[LayerChoice] | None
@@ -44,6 +45,14 @@ class Plan:
 
 def plan_layers(source: Source, opts: ConvertOptions, target: Target, windows: torch.Tensor | None) -> Plan:
     """The per-layer choices; a first pass over the layers when the allocation or the export needs one."""
+    if opts.to == "latent_kv":
+        started = time.perf_counter()
+        uniform = LatentChoice(target.latent_key_rank, target.latent_value_rank)
+        if opts.rank_allocation != "retrieval":
+            return Plan([uniform] * source.shape.layers)
+        plan = Plan(*latent_retrieval_plan(source, opts, uniform, windows))
+        plan.seconds = round(time.perf_counter() - started, 3)
+        return plan
     if opts.to != "mla":
         return Plan(None)
     n = source.shape.layers

@@ -72,7 +72,12 @@ def build_report(source, opts: ConvertOptions, target, cal, plan, layers, healed
               "model_type": src_config.model_type}  # fmt: skip
     if cal.windows is not None:
         report["calibration"] = cal.section
-    if opts.to != "mla":
+    if opts.to == "latent_kv":
+        report["latent_kv"] = {"key_share": opts.key_share, "rope_context": opts.rope_context,
+                               "latent_key_rank_per_layer": [c.key_rank for c in plan.choices],
+                               "latent_value_rank_per_layer": [c.value_rank for c in plan.choices],
+                               "exact_key_heads_per_layer": [list(c.exact_key_heads) for c in plan.choices]}  # fmt: skip
+    elif opts.to != "mla":
         report["kv_heads"] = {"before": target.source_kv, "after": opts.kv_heads, "groups_per_layer": layers.groups}
     else:
         choices = plan.choices
@@ -85,7 +90,7 @@ def build_report(source, opts: ConvertOptions, target, cal, plan, layers, healed
     if plan.budgets is not None:
         report["budgets"] = plan.budgets
     if target.layerwise:
-        propagate = opts.calibration.propagate and not (opts.to != "mla" and opts.method == "mean")
+        propagate = opts.calibration.propagate and opts.method != "mean"
         rec = opts.reconstruction
         report["layerwise"] = {"propagate": propagate, "reconstruct_steps": rec.steps, "target": rec.target,
                                "attention_kl": rec.attention_kl, **summary(layers.fits)}  # fmt: skip

@@ -1,5 +1,6 @@
 """What the conversion makes of each layer, decided from the source's config and the options before any weight is
-read: GQA / MQA (KV heads) or MLA (latent rank d_c, shared RoPE dims d_r, the export's shape), the output format, and
+read: GQA / MQA (KV heads), MLA (latent rank d_c, shared RoPE dims d_r, the export's shape) or latent K/V (key and
+value ranks), the output format, and
 the choices the options leave to the source (method with per-head q/k norms, reconstruct_steps "auto"), returned as
 Target.options (the options are frozen)."""
 
@@ -39,6 +40,8 @@ class Target:
     rope_dim: int = 0
     kv_lora_rank: int = 0
     export_rope: int = 0
+    latent_key_rank: int = 0  # latent_kv (uniform allocation)
+    latent_value_rank: int = 0
 
     @property
     def format(self) -> str:
@@ -59,7 +62,7 @@ def resolve_target(source: Source, opts: ConvertOptions) -> Target:
     if arch.replaces_stock:
         raise ValueError(f"model_type={config.model_type!r} is already MLA: there is nothing to convert")
     d_h, source_kv = dims.head_dim, dims.kv_heads
-    stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
+    stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to in ("gqa", "mqa")
                                               and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
     if stock_format and config.model_type not in STOCK_GQA_TYPES:
         raise ValueError(f"format='stock' exists for GQA/MQA of {STOCK_GQA_TYPES} only, not {config.model_type!r}")
@@ -77,6 +80,13 @@ def resolve_target(source: Source, opts: ConvertOptions) -> Target:
         opts = _resolve_steps(opts, share)
         layerwise = bool(opts.reconstruction.steps or (opts.calibration.propagate and opts.method != "mean"))
         return Target(opts, source_kv, d_h, stock_format, share, opts.method != "mean" or layerwise, layerwise)
+    if opts.to == "latent_kv":
+        key_rank, value_rank = latent_kv_sizes(opts.kv_budget, opts.key_share, dims)
+        share = (key_rank + value_rank) / (2 * source_kv * d_h)
+        opts = _resolve_steps(opts, share)
+        layerwise = bool(opts.calibration.propagate or opts.reconstruction.steps)
+        return Target(opts, source_kv, d_h, False, share, True, layerwise, latent_key_rank=key_rank,
+                      latent_value_rank=value_rank)  # fmt: skip
     deepseek = opts.format == "deepseek_v3"
     shape = None
     if deepseek:  # before any work: the source, then the engine's shapes
@@ -104,6 +114,19 @@ def _resolve_steps(opts: ConvertOptions, kv_share: float) -> ConvertOptions:
     steps = auto_reconstruct_steps(kv_share)
     logger.info("reconstruct_steps auto: %d (KV share %.3g)", steps, kv_share)
     return resolved(opts, reconstruct_steps=steps)
+
+
+def latent_kv_sizes(kv_budget: float, key_share: float, shape: AttentionShape) -> tuple[int, int]:
+    """(latent_key_rank, latent_value_rank) per layer: kv_budget x the source's 2 * H_kv * d_h values per token,
+    key_share of it for keys; each at least 1 and at most the rank of the map it factors."""
+    width = shape.kv_heads * shape.head_dim
+    budget = int(round(kv_budget * 2 * width))
+    limit = min(width, shape.hidden)
+    key_rank = min(limit, max(1, int(round(key_share * budget))))
+    value_rank = min(limit, budget - key_rank)
+    if value_rank < 1:
+        raise ValueError(f"kv_budget={kv_budget} gives {budget} values per token: no room for both latents")
+    return key_rank, value_rank
 
 
 def mla_sizes(opts: ConvertOptions, shape: AttentionShape) -> tuple[int, int]:

@@ -27,7 +27,7 @@ from ..cache.kv_storage import KVStorage
 from ..cache.metadata import (PAGED_ATTENTION, AttentionMetadata, ForwardContext, get_forward_context,
                               set_forward_context)  # fmt: skip
 
-__all__ = ["PAGED_ATTENTION", "interface_in_context", "mla_attention", "paged_attention_forward"]
+__all__ = ["PAGED_ATTENTION", "interface_in_context", "latent_kv_attention", "mla_attention", "paged_attention_forward"]
 DECODE_GROUP = 16  # decodes per batched CPU attention call: sorted by context length, padded to the group's longest
 # Keyword arguments the decode kernels do not take: with any set, the reference runs (sliding_window needs none:
 # the window is the layer's group; SDPA raises for softcap as it always did).
@@ -243,6 +243,29 @@ def mla_attention(module, q_nope, q_rope, latent, k_rope, context: ForwardContex
         else:
             qn, qr = (x[0][:, selector].transpose(0, 1)[:, :, None] for x in (q_nope, q_rope))
         o, _ = module._absorbed(qn, qr, c.to(q_nope.dtype), rope.to(q_nope.dtype), visible)
+        out[selector] = o[0] if isinstance(selector, slice) else o[:, 0]
+    return out[None]
+
+
+def latent_kv_attention(module, q, c_k, c_v, context: ForwardContext) -> torch.Tensor:
+    """Latent K/V attention (attention/latent_kv.py) over latent pages: q [1, H, T, d_h] (before RoPE), the new
+    c_k [1, 1, T, r_k], c_v [1, 1, T, r_v] -> [1, T, H, r_v]. The storage holds [c_k | c_v] per token (H = 1).
+    Keys are rotated at their positions 0..L-1; a chunk's n queries sit at L-n..L-1 and a decode at its last
+    visible position (decodes of a group are padded to the longest)."""
+    meta, layer = context.metadata, module.layer_idx
+    storage = write_new(context, layer, c_k, c_v)
+    group, window = meta.layer_groups[layer], module.spec.sliding_window
+    out = q.new_empty((q.shape[2], q.shape[1], module.value_rank))
+    for i, (selector, blocks, visible) in enumerate(segments(meta, group, window)):
+        length = visible.shape[-1]
+        latent_k, latent_v = read_segment(storage, meta, (group, window, i), blocks, length)  # [b, 1, L, r]
+        if isinstance(selector, slice):
+            queries = q[:, :, selector]  # [1, H, n, d_h]
+            positions = torch.arange(length - queries.shape[2], length, device=q.device)[None]
+        else:
+            queries = q[0][:, selector].transpose(0, 1)[:, :, None]  # [g, H, 1, d_h]
+            positions = (length - 1 - visible[:, 0, 0].flip(-1).int().argmax(-1))[:, None]
+        o, _ = module.attend(queries, latent_k.to(q.dtype), latent_v.to(q.dtype), visible, positions)
         out[selector] = o[0] if isinstance(selector, slice) else o[:, 0]
     return out[None]
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-VARIANTS = ("gqa", "mla")
+VARIANTS = ("gqa", "mla", "latent_kv")
 
 
 @dataclass(frozen=True)
@@ -18,6 +18,8 @@ class AttentionSpec:
     GQA: q [H, d_h], k/v [H_kv, d_h]; MHA is H_kv = H, MQA is H_kv = 1.
     MLA: latent c_t of kv_lora_rank dims, per-head k_nope [qk_nope_head_dim] and v [v_head_dim] up-projected from
     it, one RoPE key of qk_rope_head_dim dims shared by all heads; queries [qk_nope_head_dim + qk_rope_head_dim].
+    latent_kv: latents c_k [latent_key_rank], c_v [latent_value_rank] taken before RoPE; keys of the
+    num_key_value_heads heads rebuilt from c_k and rotated with the model's RoPE (rope_frequencies).
     """
 
     variant: str
@@ -44,6 +46,11 @@ class AttentionSpec:
     mla_latent_norm: bool = True  # RMSNorm on c_t (DeepSeek's kv_a_layernorm)
     mla_rope_pairs: tuple[int, ...] | None = None  # which source frequency pairs the decoupled RoPE key carries
     rope_interleave: bool = False  # DeepSeek checkpoints store rotary dims as interleaved pairs
+    # latent_kv
+    latent_key_rank: int | None = None
+    latent_value_rank: int | None = None
+    rope_frequencies: tuple[float, ...] = ()  # theta_i per RoPE pair (rotary_dim / 2 of them)
+    rope_attention_scaling: float = 1.0  # the rotary embedding's cos/sin factor (yarn, longrope; 1 otherwise)
 
     def __post_init__(self) -> None:
         if self.variant not in VARIANTS:
@@ -52,8 +59,10 @@ class AttentionSpec:
         _positive("hidden_size", self.hidden_size)
         if self.variant == "gqa":
             self._validate_gqa()
-        else:
+        elif self.variant == "mla":
             self._validate_mla()
+        else:
+            self._validate_latent_kv()
 
     def _validate_gqa(self) -> None:
         h, h_kv = self.num_attention_heads, self.num_key_value_heads
@@ -62,6 +71,22 @@ class AttentionSpec:
             raise ValueError(
                 f"num_key_value_heads={h_kv} must divide num_attention_heads={h} (GQA groups need equal size)"
             )
+
+    def _validate_latent_kv(self) -> None:
+        self._validate_gqa()
+        kv_width = self.num_key_value_heads * self.head_dim
+        for name in ("latent_key_rank", "latent_value_rank"):
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(f"attention_variant='latent_kv' needs the config field {name}, which is missing")
+            _positive(name, value)
+            limit = min(self.hidden_size, kv_width)
+            if value > limit:
+                raise ValueError(f"{name}={value} exceeds the rank of the map it factors (min(hidden_size, "
+                                 f"num_key_value_heads*head_dim) = {limit})")  # fmt: skip
+        if len(self.rope_frequencies) != self.rotary_dim // 2:
+            raise ValueError(f"latent_kv needs the model's {self.rotary_dim // 2} RoPE frequencies, got "
+                             f"{len(self.rope_frequencies)}")  # fmt: skip
 
     def _validate_mla(self) -> None:
         for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):

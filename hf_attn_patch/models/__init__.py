@@ -3,7 +3,7 @@ name, local folders, Hub ids)."""
 
 from __future__ import annotations
 
-from ..attention import GroupedQueryAttention, MultiHeadLatentAttention
+from ..attention import GroupedQueryAttention, LatentKVAttention, MultiHeadLatentAttention
 from .architectures import ARCHITECTURES, Architecture, AttentionWeights, architecture_of, attention_spec
 from .pretrained import load_default, load_smollm2, load_source
 
@@ -11,8 +11,8 @@ from .pretrained import load_default, load_smollm2, load_source
 def build_attention(config, layer_idx: int):
     """The attention layer a config with `attention_variant` asks for (validates the config first)."""
     spec = attention_spec(config, layer_idx)
-    cls = GroupedQueryAttention if spec.variant == "gqa" else MultiHeadLatentAttention
-    return cls(config, layer_idx, spec)
+    classes = {"gqa": GroupedQueryAttention, "mla": MultiHeadLatentAttention, "latent_kv": LatentKVAttention}
+    return classes[spec.variant](config, layer_idx, spec)
 
 
 def validate_variant_config(config) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from ..attention.spec import AttentionSpec
-from ..kv_memory import head_dim, layer_kv_lora_rank, layer_qk_rope_head_dim  # noqa: F401  (config sizes; re-exported here)
+from ..kv_memory import head_dim, layer_kv_lora_rank, layer_latent_rank, layer_qk_rope_head_dim  # noqa: F401  (config sizes; re-exported here)
 
 
 @dataclass
@@ -137,7 +137,7 @@ class Architecture:
     mla_scaling: Callable[[object, int, int], float] = lambda c, layer_idx, d: d**-0.5
     sliding_window: Callable[[object, int], int | None] = lambda c, layer_idx: None
     dropout: Callable[[object], float] = lambda c: float(getattr(c, "attention_dropout", 0.0) or 0.0)
-    variants: tuple[str, ...] = ("gqa", "mla")
+    variants: tuple[str, ...] = ("gqa", "mla", "latent_kv")
     # Build ours even without `attention_variant` (same weights, same cache layout): DeepSeek-V3 gains absorbed
     # decoding over its latent cache, which transformers' own module lacks.
     replaces_stock: bool = False
@@ -204,7 +204,7 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
     variant = getattr(config, "attention_variant", None) or ("mla" if arch.replaces_stock else None)
     if variant is None:
         raise ValueError(f"config of model_type={config.model_type!r} has no attention_variant")
-    if variant in ("gqa", "mla") and variant not in arch.variants:
+    if variant in ("gqa", "mla", "latent_kv") and variant not in arch.variants:
         raise ValueError(f"attention_variant={variant!r} is not available for model_type={arch.model_type!r}")
     heads, d_h = config.num_attention_heads, head_dim(config)
     q_bias, k_bias, v_bias, o_bias = arch.biases(config)
@@ -228,6 +228,17 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
             **common,
             num_key_value_heads=getattr(config, "num_key_value_heads", None),
             scaling=arch.scaling(config, layer_idx, d_h),
+        )
+    if variant == "latent_kv":
+        frequencies, attention_scaling = rope_table(config) if arch.rotary else ((), 1.0)
+        return AttentionSpec(
+            **common,
+            num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
+            scaling=arch.scaling(config, layer_idx, d_h),
+            latent_key_rank=layer_latent_rank(config, layer_idx, "latent_key_rank"),
+            latent_value_rank=layer_latent_rank(config, layer_idx, "latent_value_rank"),
+            rope_frequencies=frequencies,
+            rope_attention_scaling=attention_scaling,
         )
     if variant != "mla":
         return AttentionSpec(**common)  # raises: unknown variant, naming it
@@ -263,14 +274,28 @@ def rope_frequencies(config) -> tuple[float, ...]:
     (empty without RoPE)."""
     if not architecture_of(config).rotary:
         return ()
+    return rope_table(config)[0]
+
+
+# RoPE types whose frequencies change with the sequence length: a module that rotates cached keys itself
+# (latent_kv) cannot follow them.
+DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def rope_table(config) -> tuple[tuple[float, ...], float]:
+    """(theta_i of each RoPE pair, the cos/sin factor) of a rotary config, as its rotary embedding computes them."""
     params = config.rope_parameters or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         d_rot = rotary_dim(config)
-        return tuple(params["rope_theta"] ** (-2 * i / d_rot) for i in range(d_rot // 2))
+        return tuple(params["rope_theta"] ** (-2 * i / d_rot) for i in range(d_rot // 2)), 1.0
+    if getattr(config, "attention_variant", None) == "latent_kv" and rope_type in DYNAMIC_ROPE_TYPES:
+        raise ValueError(f"rope_type={rope_type!r} changes its frequencies with the length: attention_variant="
+                         f"'latent_kv' rotates cached keys itself and supports static RoPE types only")  # fmt: skip
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    return tuple(ROPE_INIT_FUNCTIONS[rope_type](config)[0].tolist())
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return tuple(inv_freq.tolist()), float(attention_scaling)
 
 
 @dataclass(frozen=True)
