@@ -78,7 +78,8 @@ class StateStorage:
         cache = self._caches[slot]
         if cache is None:
             layers = [DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs) if kind in ("conv", "linear_attention")
-                      else placeholder_cache_layer() for kind, kwargs in zip(self.layer_types, self.layer_kwargs)]  # fmt: skip
+                      else placeholder_cache_layer()
+                      for kind, kwargs in zip(self.layer_types, self.layer_kwargs)]  # fmt: skip
             cache = self._caches[slot] = Cache(layers=layers)
         elif fresh:
             for layer in cache.layers:
