@@ -90,7 +90,8 @@ $(VLLM_VENV)/.installed: scripts/vllm_env.sh pyproject.toml
 	PYTHON=$(PYTHON) bash scripts/vllm_env.sh $(VLLM_VENV)
 
 test-vllm: $(VLLM_VENV)/.installed
-	PYTHONSAFEPATH=1 VLLM_PYTHON=$(VLLM_VENV)/bin/python $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py -m vllm
+	PYTHONSAFEPATH=1 VLLM_PYTHON=$(VLLM_VENV)/bin/python \
+		$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py -m vllm
 
 clean:
 	rm -rf $(VENV) build *.egg-info
