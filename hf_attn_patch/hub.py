@@ -169,6 +169,11 @@ def model_card(report: dict) -> str:
         varies = any(len(set(mla.get(k) or [])) > 1 for k in ("kv_lora_rank_per_layer", "qk_rope_head_dim_per_layer"))
         shape = (f" Latent rank {mla['kv_lora_rank']} + RoPE key {mla['qk_rope_head_dim']} dims per token per layer"
                  f"{' (the largest; each layer its own, below)' if varies else ''}.")  # fmt: skip
+    elif "latent_kv" in report:
+        lk = report["latent_kv"]
+        ranks = sorted({(k, v) for k, v in zip(lk["latent_key_rank_per_layer"], lk["latent_value_rank_per_layer"])})
+        shape = (f" Key latent + value latent dims per token per layer {', '.join(f'{k} + {v}' for k, v in ranks)}, "
+                 "taken before RoPE: keys are rebuilt per KV head and rotated with the source's exact RoPE.")
     elif "kv_heads" in report:
         shape = f" {report['kv_heads']} KV heads."
     lines = ["---", data.to_yaml(), "---", "", f"# {name}, {target.upper()}", "",
@@ -179,7 +184,10 @@ def model_card(report: dict) -> str:
              "Made by:", "", "```bash", convert_command(report), "```", ""]  # fmt: skip
     lines += _quality_lines(report)
     b = report.get("budgets") or {}
-    if b.get("allocation") == "retrieval":  # copy-head layers exact (converters/stages/retrieval.py)
+    if b.get("allocation") == "retrieval" and "exact_key_heads" in b:  # latent_kv: copy KV heads' keys exact
+        lines += [f"Exact keys for the copy heads' KV heads (layer, head) {b['exact_key_heads']}, within the same "
+                  f"{b['values_per_token']} KV values per token.", ""]  # fmt: skip
+    elif b.get("allocation") == "retrieval":  # copy-head layers exact (converters/stages/retrieval.py)
         other = next((c for c in b["layers"] if c["layer"] not in b["exact_layers"]), None)
         lines += [f"Layers {b['exact_layers']} (copy heads) kept exact; the others RoPE + latent dims "
                   f"{other and (other['rope_dim'], other['kv_lora_rank'])}.", ""]

@@ -101,10 +101,10 @@ def test_each_options_section_names_the_field_and_value(section, fields, message
         (dict(to="mla", kv_budget=0.5, calib_samples=1, reconstruct_steps=3), "calib_samples=1: propagate"),
         (dict(to="mqa", heal_steps=2, calib_samples=1, reconstruct_steps=0), "calib_samples=1: propagate"),
         (dict(to="gqa", kv_heads=2, rank_allocation="sensitivity"), "rank_allocation='sensitivity' needs"),
-        (dict(to="mqa", kv_budget=0.5), "kv_budget=0.5 applies to to='mla' only"),
+        (dict(to="mqa", kv_budget=0.5), "kv_budget=0.5 applies to to='mla' / 'latent_kv' only"),
         (dict(to="mla", kv_budget=0.5, regroup=True), "regroup=True applies to"),
         (dict(to="mla", kv_budget=0.5, engine="vllm"), "engine='vllm' applies to format='deepseek_v3' only"),
-        (dict(to="gqa", kv_heads=2, rope_context=4096), "rope_context=4096 applies to to='mla' only"),
+        (dict(to="gqa", kv_heads=2, rope_context=4096), "rope_context=4096 applies to to='mla' / 'latent_kv' only"),
         (dict(to="mla", kv_budget=0.5, rope_context=0), "rope_context=0 must be a positive integer"),
     ],
 )  # fmt: skip

@@ -86,7 +86,7 @@ def test_pickled_bin_only_source_is_refused_with_the_fix(tmp_path):
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(to="gqa", kv_heads=2, kv_budget=0.5), "kv_budget=0.5 applies to to='mla' only, not to='gqa'"),
+        (dict(to="gqa", kv_heads=2, kv_budget=0.5), "kv_budget=0.5 applies to to='mla' / 'latent_kv' only, not to='gqa'"),
         (dict(to="mqa", kv_lora_rank=8), "kv_lora_rank=8 applies to to='mla' only"),
         (dict(to="mqa", rope_dim=8), "rope_dim=8 applies to to='mla' only"),
         (dict(to="mla", kv_budget=0.5, kv_heads=2), "kv_heads=2 applies to to='gqa' / 'mqa' only"),

@@ -157,3 +157,87 @@ def test_bad_ranks_are_refused(field, value, message):
     config.update({"attention_variant": "latent_kv", "latent_key_rank": 8, "latent_value_rank": 8, field: value})
     with pytest.raises(ValueError, match=message):
         transformers.LlamaConfig.from_dict(config)
+
+
+# -- the converter --------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(to="latent_kv"), "to='latent_kv' needs kv_budget"),
+    (dict(to="latent_kv", kv_budget=0.5, key_share=1.0), r"key_share=1.0 must be a fraction in \(0, 1\)"),
+    (dict(to="latent_kv", kv_budget=0.5, kv_lora_rank=8), "kv_lora_rank=8 applies to to='mla' only"),
+    (dict(to="mla", kv_budget=0.5, key_share=0.5), "key_share=0.5 applies to to='latent_kv' only"),
+    (dict(to="latent_kv", kv_budget=0.5, rank_allocation="sensitivity"), "to='latent_kv' takes 'uniform' or"),
+    (dict(to="latent_kv", kv_budget=0.5, format="stock"), "format='stock' exists for GQA/MQA only"),
+])  # fmt: skip
+def test_conversion_options_are_checked(options, message):
+    from hf_attn_patch.converters.options import ConvertOptions
+
+    with pytest.raises(ValueError, match=message):
+        ConvertOptions.from_flat(**options)
+
+
+def test_convert_writes_a_latent_kv_model_that_loads_and_generates(tmp_path, stories):
+    """stories260k (MHA, 8 heads) at half the KV bytes; retrieval allocation with a threshold every head passes:
+    the exact key heads are paid for within the same total."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_attn_patch.converters.convert import convert
+    from hf_attn_patch.converters.stages import retrieval
+
+    from ._fast import FAST
+
+    model, tok = stories
+    options = {**FAST, "reconstruct_steps": 0}
+    uniform = convert("default", tmp_path / "uniform", to="latent_kv", kv_budget=0.5, **options)
+    assert uniform["kv_ratio"] == 0.5 and uniform["format"] == "native"
+    section = uniform["latent_kv"]
+    assert section["latent_key_rank_per_layer"][0] + section["latent_value_rank_per_layer"][0] == 32  # 0.5 * 2 * 32
+    converted = AutoModelForCausalLM.from_pretrained(tmp_path / "uniform").eval()
+    assert all(isinstance(converted.model.layers[i].self_attn, LatentKVAttention) for i in range(5))
+    ids = tok("Once upon a time", return_tensors="pt").input_ids
+    out = converted.generate(ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(out, converted.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="paged_kv"))
+    with torch.no_grad():  # the closed form is close to the source, not equal (half the KV values)
+        kl = torch.nn.functional.kl_div(converted(ids).logits.log_softmax(-1), model(ids).logits.log_softmax(-1),
+                                        log_target=True, reduction="batchmean")  # fmt: skip
+    assert 0 < float(kl) < 2.0
+
+    original = retrieval.COPY_THRESHOLD
+    retrieval.COPY_THRESHOLD = -1.0  # every KV head counts as a copy head: as many exact keys as the budget allows
+    try:
+        report = convert("default", tmp_path / "retrieval", to="latent_kv", kv_budget=0.5,
+                         rank_allocation="retrieval", **options)  # fmt: skip
+    finally:
+        retrieval.COPY_THRESHOLD = original
+    budgets = report["budgets"]
+    assert budgets["exact_key_heads"] and budgets["values_per_token"] <= 5 * 32
+    assert report["kv_ratio"] <= 0.5
+
+
+def test_speculative_decoding_is_exact(one_torch_thread):
+    """Prompt lookup and a draft model both crop the latent cache after rejected drafts: greedy output unchanged."""
+    source, converted = _latent("llama")
+    ids = torch.tensor([[5, 9, 13, 22, 5, 9, 13, 22, 5, 9], [3, 4, 5, 6, 3, 4, 5, 6, 3, 4]])
+    kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    expected = source.generate(ids, **kw)
+    assert torch.equal(converted.generate(ids, prompt_lookup_num_tokens=3, **kw), expected)
+    assert torch.equal(converted.generate(ids, assistant_model=source, **kw), expected)
+
+
+def test_reconstruction_and_healing_train_the_latent_layers(tmp_path):
+    """The layerwise fit and distillation run on latent_kv layers (every parameter is a plain Linear) and move
+    the weights away from the closed form."""
+    from safetensors.torch import load_file
+
+    from hf_attn_patch.converters.convert import convert
+
+    closed = convert("default", tmp_path / "closed", to="latent_kv", kv_budget=0.5, calib_source="text",
+                     calib_samples=4, reconstruct_steps=0)  # fmt: skip
+    fitted = convert("default", tmp_path / "fitted", to="latent_kv", kv_budget=0.5, calib_source="text",
+                     calib_samples=4, reconstruct_steps=3, heal_steps=2, heal_data="calib")  # fmt: skip
+    assert fitted["layerwise"]["reconstruct_steps"] == 3 and fitted["heal"]
+    a, b = load_file(tmp_path / "closed" / "model.safetensors"), load_file(tmp_path / "fitted" / "model.safetensors")
+    name = "model.layers.0.self_attn.k_a_proj.weight"
+    assert a[name].shape == b[name].shape and not torch.equal(a[name], b[name])
+    assert closed["kv_ratio"] == fitted["kv_ratio"] == 0.5

@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ...attention import GroupedQueryAttention, MultiHeadLatentAttention
+from ...attention import GroupedQueryAttention, LatentKVAttention, MultiHeadLatentAttention
 from ...models.architectures import architecture_of
 from .heal_fsdp import FSDP_DIR, Sharded, launch_mode
 from .heal_masters import MasterWeights, load_tensors, save_tensors
@@ -289,5 +289,6 @@ def _trainable(model, train: str) -> list[torch.nn.Parameter]:
         return list(model.parameters())
     stock_name = architecture_of(model.config).attention_class
     layers = [m for m in model.modules()
-              if isinstance(m, (GroupedQueryAttention, MultiHeadLatentAttention)) or type(m).__name__ == stock_name]
+              if isinstance(m, (GroupedQueryAttention, MultiHeadLatentAttention, LatentKVAttention))
+              or type(m).__name__ == stock_name]
     return [p for layer in layers for p in layer.parameters()]

@@ -79,9 +79,15 @@ def weighted_low_rank(weight: torch.Tensor, cov: torch.Tensor, metric: torch.Ten
     return inv_root @ u, u.T @ weighted, e.flip(0)
 
 
+METRICS = ("weighted", "plain")  # plain: unweighted PCA of the K / V outputs (the baseline the metric is measured by)
+
+
 def latent_kv_layer(w: AttentionWeights, shape: AttentionShape, input_cov: torch.Tensor, key_rank: int,
-                    value_rank: int, context: int, exact_key_heads: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:  # fmt: skip
+                    value_rank: int, context: int, exact_key_heads: tuple[int, ...] = (),
+                    metric: str = "weighted") -> dict[str, torch.Tensor]:  # fmt: skip
     """The state dict of one LatentKVAttention layer (module docstring); float64 math, float32 out."""
+    if metric not in METRICS:
+        raise ValueError(f"metric={metric!r} is not one of {METRICS}")
     d, heads, groups, hidden = shape.head_dim, shape.heads, shape.kv_heads, shape.hidden
     cov = input_cov[:hidden, :hidden].double()
     k_w, v_w = w.k_w.double(), w.v_w.double()
@@ -90,7 +96,8 @@ def latent_kv_layer(w: AttentionWeights, shape: AttentionShape, input_cov: torch
         raise ValueError(f"latent_key_rank={key_rank} is below the {len(exact_rows)} dims of the exact key heads "
                          f"{list(exact_key_heads)}")  # fmt: skip
     fitted = [g for g in range(groups) if g not in exact_key_heads]
-    metric_k = key_metric(w, shape, input_cov.double(), context)
+    identity = torch.eye(d, dtype=torch.float64).expand(groups, d, d)
+    metric_k = key_metric(w, shape, input_cov.double(), context) if metric == "weighted" else identity
     b_k = k_w.new_zeros(groups * d, key_rank)
     a_k = k_w.new_zeros(key_rank, hidden)
     for i, r in enumerate(exact_rows):  # exact heads: their rows of W_k are latent dims, rebuilt by the identity
@@ -99,7 +106,7 @@ def latent_kv_layer(w: AttentionWeights, shape: AttentionShape, input_cov: torch
         rows = [r for g in fitted for r in range(g * d, (g + 1) * d)]
         b, a, _ = weighted_low_rank(k_w[rows], cov, metric_k[fitted], key_rank - len(exact_rows))
         b_k[rows, len(exact_rows):], a_k[len(exact_rows):] = b, a
-    b_v, a_v, _ = weighted_low_rank(v_w, cov, value_metric(w, shape), value_rank)
+    b_v, a_v, _ = weighted_low_rank(v_w, cov, value_metric(w, shape) if metric == "weighted" else identity, value_rank)
     o = w.o_w.double().view(hidden, heads, d)
     group_of = torch.arange(heads) // (heads // groups)
     b_v_heads = b_v.view(groups, d, value_rank)[group_of]  # [H, d, r_v]

@@ -118,10 +118,11 @@ def retrieval_plan(source: Source, opts: ConvertOptions, target: Target, windows
 
 
 def latent_retrieval_choices(copy_heads: list[tuple[int, int]], uniform: LatentChoice, n_layers: int,
-                             head_dim: int) -> list[LatentChoice]:  # fmt: skip
+                             head_dim: int, kv_heads: int) -> list[LatentChoice]:  # fmt: skip
     """Per layer: its copy KV heads' keys exact (d_h latent dims each) plus fitted key and value ranks that share
-    what the exact keys leave of the uniform budget n_layers * (r_k + r_v), in the uniform split's proportion. A
-    head is kept only while every layer keeps fitted ranks >= 1 (a tight budget keeps fewer)."""
+    what the exact keys leave of the uniform budget n_layers * (r_k + r_v), in the uniform split's proportion (a
+    layer's fitted key rank at most its other heads' dims). A head is kept only while every layer keeps fitted ranks
+    >= 1 (a tight budget keeps fewer)."""
     total, per_layer = n_layers * (uniform.key_rank + uniform.value_rank), uniform.key_rank + uniform.value_rank
     kept: list[tuple[int, int]] = []
     for head in copy_heads:
@@ -133,7 +134,8 @@ def latent_retrieval_choices(copy_heads: list[tuple[int, int]], uniform: LatentC
     out = []
     for layer in range(n_layers):
         exact = tuple(sorted(g for l, g in kept if l == layer))
-        out.append(LatentChoice(key + head_dim * len(exact), left - key, exact))
+        fitted = min(key, (kv_heads - len(exact)) * head_dim)  # the other heads' keys hold at most their own dims
+        out.append(LatentChoice(fitted + head_dim * len(exact), left - key, exact))
     return out
 
 
@@ -147,8 +149,8 @@ def latent_retrieval_plan(source: Source, opts: ConvertOptions, uniform: LatentC
         del model
     shape = source.shape
     per_kv = kv_copy_scores(scores, shape.kv_heads)
-    heads = copy_kv_heads(per_kv)
-    choices = latent_retrieval_choices(heads, uniform, shape.layers, shape.head_dim)
+    heads = copy_kv_heads(per_kv, COPY_THRESHOLD)
+    choices = latent_retrieval_choices(heads, uniform, shape.layers, shape.head_dim, shape.kv_heads)
     exact = [(l, g) for l, c in enumerate(choices) for g in c.exact_key_heads]
     logger.info("retrieval allocation: exact keys for KV heads %s (layer, head); fitted ranks K %d + V %d", exact,
                 choices[0].key_rank - shape.head_dim * len(choices[0].exact_key_heads), choices[0].value_rank)  # fmt: skip
