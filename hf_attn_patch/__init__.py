@@ -8,16 +8,9 @@ size; `Engine` serves many requests with continuous batching. `unpatch()` restor
 
 from __future__ import annotations
 
-import transformers
-from packaging.version import Version
+from .compat import check_transformers_version
 
-SUPPORTED_TRANSFORMERS = "5.23"  # the series we test against; internals we patch differ between minor releases
-
-if Version(transformers.__version__).release[:2] != Version(SUPPORTED_TRANSFORMERS).release[:2]:
-    raise ImportError(
-        f"hf_attn_patch supports transformers {SUPPORTED_TRANSFORMERS}.x, found {transformers.__version__}: "
-        f'pip install "transformers>={SUPPORTED_TRANSFORMERS},<5.24"'
-    )
+check_transformers_version()  # refuses below the supported range, warns once above it
 
 from .cache import CacheFullError, PagedKVCache  # noqa: E402
 from ._patching import is_patched, patch, unpatch, unpatched  # noqa: E402

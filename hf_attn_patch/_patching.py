@@ -24,6 +24,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from .attention.backend import interface_in_context
+from .compat import patch_rows
 from .cache.generate_hook import prefill_with_paged, prepare_cache_with_paged, with_paged_cache_name
 from .attention.backend import PAGED_ATTENTION, paged_attention_forward
 from .attention.state_layers import mixer_classes, per_sequence_forward
@@ -90,7 +91,7 @@ def patch_table() -> list[Patch]:
               "AutoModelForCausalLM loads a feature drafter (AutoModelForCausalLM.register's registry)"),
         Patch(AttentionInterface, "get_interface", interface_in_context,
               "inside a forward context (the engine's step) every attention lookup returns the paged backend"),
-    ]  # fmt: skip
+    ] + [Patch(*row) for row in patch_rows()]  # fmt: skip
 
 
 @dataclass(frozen=True)

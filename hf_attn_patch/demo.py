@@ -130,8 +130,8 @@ def _demo_paged_cache(model, tokenizer, max_new_tokens: int) -> None:
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     dynamic, paged = DynamicCache(config=model.config), PagedKVCache(model.config, block_size=16)
-    out_dynamic = model.generate(**batch, past_key_values=dynamic, **kw)
-    out_paged = model.generate(**batch, past_key_values=paged, **kw)
+    out_dynamic = model.generate(**batch, cache=dynamic, **kw)
+    out_paged = model.generate(**batch, cache=paged, **kw)
     held = sum(layer.keys.nbytes + layer.values.nbytes for layer in dynamic.layers)
     stats = paged.stats()
     print("\n== Paged KV cache vs DynamicCache: a left-padded batch of 3 prompts of different lengths")
@@ -139,6 +139,6 @@ def _demo_paged_cache(model, tokenizer, max_new_tokens: int) -> None:
     print(f"   DynamicCache holds {held:,} B (every row padded to the longest)")
     print(f"   PagedKVCache holds {stats['allocated_bytes']:,} B in {stats['blocks_used']} blocks of 16 tokens, "
           f"{stats['utilization']:.1%} of it in use (padding takes no blocks)")  # fmt: skip
-    again = model.generate(**batch, past_key_values=paged, **kw)
+    again = model.generate(**batch, cache=paged, **kw)
     print(f"   the same prompts again on that cache: {paged.stats()['prefix_hit_tokens']} prompt tokens reused "
           f"from the prefix cache, same tokens: {torch.equal(again, out_paged)}")  # fmt: skip

@@ -27,6 +27,7 @@ from transformers import DynamicCache, StaticCache
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.cache.generate_hook import pool_blocks_for_generation
+from hf_attn_patch.compat import cache_kwarg
 from hf_attn_patch.kv_memory import kv_cache_bytes
 from hf_attn_patch.models import load_default, load_smollm2
 
@@ -56,7 +57,7 @@ def memory(model, block_size: int, new_tokens: int) -> None:
     print(f"\n1. memory: ragged batch of {batch}, prompt lengths {prompts}, {new_tokens} new tokens each, fp32")
     print(f"   ideal (each row's tokens x {per_token} B/token): {ideal:,} B")
     for name, cache in caches.items():
-        model.generate(ids, attention_mask=mask, past_key_values=cache, **kw)
+        model.generate(ids, attention_mask=mask, cache=cache, **kw)
         held = cache_bytes(cache)
         print(f"   {name:<14}{held:>14,} B held   utilization {ideal / held:6.1%}   x ideal {held / ideal:5.2f}")
 
@@ -78,7 +79,7 @@ def decode_tps(model, batch: int, context: int, steps: int, paged: bool, rounds:
     best = float("inf")
     with torch.no_grad():
         positions = (mask.cumsum(1) - 1).clamp(min=0)
-        first = model(ids, attention_mask=mask, position_ids=positions, past_key_values=cache).logits[:, -1:].argmax(-1)
+        first = model(ids, attention_mask=mask, position_ids=positions, **cache_kwarg(cache)).logits[:, -1:].argmax(-1)
         for _ in range(rounds):
             token, step_mask = first, mask
             start = time.perf_counter()
@@ -86,7 +87,7 @@ def decode_tps(model, batch: int, context: int, steps: int, paged: bool, rounds:
                 step_mask = torch.cat((step_mask, step_mask.new_ones(batch, 1)), 1)
                 position = step_mask.sum(1, keepdim=True) - 1
                 token = model(token, attention_mask=step_mask, position_ids=position,
-                              past_key_values=cache).logits[:, -1:].argmax(-1)  # fmt: skip
+                              **cache_kwarg(cache)).logits[:, -1:].argmax(-1)  # fmt: skip
             best = min(best, time.perf_counter() - start)
             cache.crop(-steps)
     return batch * steps / best
@@ -114,12 +115,12 @@ def prefix_ttft(model, prefix_len: int) -> None:
     for _ in range(3):
         cache = PagedKVCache(model.config, block_size=16)
         start = time.perf_counter()
-        model.generate(second, past_key_values=cache, **kw)
+        model.generate(second, cache=cache, **kw)
         cold.append(time.perf_counter() - start)
         cache = PagedKVCache(model.config, block_size=16)
-        model.generate(first, past_key_values=cache, **kw)
+        model.generate(first, cache=cache, **kw)
         start = time.perf_counter()
-        model.generate(second, past_key_values=cache, **kw)
+        model.generate(second, cache=cache, **kw)
         warm.append(time.perf_counter() - start)
         hits = cache.stats()["prefix_hit_tokens"]
     cold_ms, warm_ms = statistics.median(cold) * 1e3, statistics.median(warm) * 1e3

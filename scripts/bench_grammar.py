@@ -23,6 +23,7 @@ import traceback
 import torch
 from transformers import DynamicCache, LogitsProcessorList
 
+from hf_attn_patch.compat import cache_kwarg
 from hf_attn_patch.grammar import GrammarSpec, JSONSchemaLogitsProcessor, compile_grammar
 from hf_attn_patch.grammar import bitmask as bm
 from hf_attn_patch.models.pretrained import load_smollm2
@@ -186,7 +187,7 @@ def constrained_greedy(model, ids, state, max_new, fast_forward):
     cache, new, out, forwards = DynamicCache(config=model.config), ids, [], 0
     mask = bm.allocate_bitmask(1, state.vocab_size)
     while len(out) < max_new and not state.is_terminated():
-        logits = model(new, past_key_values=cache, use_cache=True).logits[:, -1].float()
+        logits = model(new, **cache_kwarg(cache), use_cache=True).logits[:, -1].float()
         forwards += 1
         state.fill_bitmask(mask, 0)
         tok_id = int(bm.apply_bitmask_(logits, mask).argmax(-1))

@@ -27,6 +27,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import hf_attn_patch
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.attention import latent_kv
+from hf_attn_patch.compat import cache_kwarg
 
 CHUNK = 512
 SHAPE = dict(hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3, head_dim=64,
@@ -56,13 +57,13 @@ def rounds(models: dict, context: int, steps: int) -> dict[str, list[float]]:
         for kind in ("dynamic", "paged"):
             cache = PagedKVCache(model.config) if kind == "paged" else DynamicCache(config=model.config)
             for start in range(0, context, CHUNK):
-                model(ids[:, start : min(start + CHUNK, context)], past_key_values=cache)
+                model(ids[:, start : min(start + CHUNK, context)], **cache_kwarg(cache))
             caches[name, kind] = cache
     times = {key: [] for key in caches}
     for step in range(steps + 2):
         for (name, kind), cache in caches.items():
             started = time.perf_counter()
-            models[name](ids[:, context:], past_key_values=cache)
+            models[name](ids[:, context:], **cache_kwarg(cache))
             elapsed = (time.perf_counter() - started) * 1e3
             cache.crop(-1)  # drop the decoded token: every step sees the same context
             if step >= 2:  # two warm-up rounds

@@ -31,6 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache
 import hf_attn_patch
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.attention import MultiHeadLatentAttention
+from hf_attn_patch.compat import cache_kwarg
 from hf_attn_patch.converters.methods.exact import to_variant
 
 PREFILL_CHUNK = 512
@@ -55,7 +56,7 @@ def decode_rounds(models: dict, layers: list, context: int, steps: int, clock, w
                 model = models[model_name]
                 cache = PagedKVCache(model.config) if kind == "paged" else DynamicCache(config=model.config)
                 for start in range(0, context, PREFILL_CHUNK):  # chunks: a 16K prompt's attention fits in memory
-                    model(ids[:, start : min(start + PREFILL_CHUNK, context)], past_key_values=cache)
+                    model(ids[:, start : min(start + PREFILL_CHUNK, context)], **cache_kwarg(cache))
                 caches[model_name, kind] = cache
         times = {column: [] for column in COLUMNS}
         for step in range(steps + 2):
@@ -64,10 +65,10 @@ def decode_rounds(models: dict, layers: list, context: int, steps: int, clock, w
                     layer.absorb = absorb
                 cache = caches[model_name, kind]
                 if warm:  # an untimed step of this column first: its weights in cache, as in a decode loop
-                    models[model_name](ids[:, context:], past_key_values=cache)
+                    models[model_name](ids[:, context:], **cache_kwarg(cache))
                     cache.crop(-1)
                 start = clock()
-                models[model_name](ids[:, context:], past_key_values=cache)
+                models[model_name](ids[:, context:], **cache_kwarg(cache))
                 elapsed = clock() - start
                 cache.crop(-1)  # drop the decoded token: every step sees the same context
                 if step >= 2:
@@ -91,15 +92,15 @@ def profile_columns(models: dict, layers: list, context: int, top: int) -> None:
             if (model_name, kind) not in caches:
                 cache = PagedKVCache(model.config) if kind == "paged" else DynamicCache(config=model.config)
                 for start in range(0, context, PREFILL_CHUNK):
-                    model(ids[:, start : min(start + PREFILL_CHUNK, context)], past_key_values=cache)
+                    model(ids[:, start : min(start + PREFILL_CHUNK, context)], **cache_kwarg(cache))
                 caches[model_name, kind] = cache
             cache = caches[model_name, kind]
             for _ in range(2):  # warm-up
-                model(ids[:, context:], past_key_values=cache)
+                model(ids[:, context:], **cache_kwarg(cache))
                 cache.crop(-1)
             with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 for _ in range(steps):
-                    model(ids[:, context:], past_key_values=cache)
+                    model(ids[:, context:], **cache_kwarg(cache))
                     cache.crop(-1)
             events = prof.key_averages(group_by_input_shape=True)
             total = sum(e.self_cpu_time_total for e in events) / steps / 1e3

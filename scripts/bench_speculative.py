@@ -31,6 +31,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401  (registers the drafter class, our speculative loop)
+from hf_attn_patch.compat import cache_kwarg, get_cache
 from hf_attn_patch.converters.io.calibration import DEFAULT_CORPUS, read_calibration_text
 from hf_attn_patch.converters.drafting.samples import HELD_IN
 from hf_attn_patch.models.pretrained import load_smollm2
@@ -99,9 +100,9 @@ def step_costs(model, drafter, batches, clock, context: int = 200, repeats: int 
     print("|---|---|---|---|---|")
     for batch in batches:
         ids = torch.randint(0, model.config.vocab_size, (batch, context))
-        cache = model(ids, use_cache=True).past_key_values
+        cache = get_cache(model(ids, use_cache=True))
         mine = DynamicCache(config=drafter.config)
-        drafter(ids, torch.zeros(batch, context, drafter.config.hidden_size), past_key_values=mine, logits_to_keep=1)
+        drafter(ids, torch.zeros(batch, context, drafter.config.hidden_size), **cache_kwarg(mine), logits_to_keep=1)
 
         def timed(forward, cache, n):
             start = clock()
@@ -110,9 +111,9 @@ def step_costs(model, drafter, batches, clock, context: int = 200, repeats: int 
                 cache.crop(-n)  # back to `context` columns
             return (clock() - start) / repeats * 1e3
 
-        target = [timed(lambda n: model(ids[:, :n], past_key_values=cache), cache, n) for n in (1, 3, 5)]
+        target = [timed(lambda n: model(ids[:, :n], **cache_kwarg(cache)), cache, n) for n in (1, 3, 5)]
         hidden = torch.zeros(batch, 1, drafter.config.hidden_size)
-        draft = timed(lambda n: drafter(ids[:, :n], hidden, past_key_values=mine, logits_to_keep=1), mine, 1)
+        draft = timed(lambda n: drafter(ids[:, :n], hidden, **cache_kwarg(mine), logits_to_keep=1), mine, 1)
         print(f"| {batch} | {target[0]:.1f} | {target[1]:.1f} ({target[1] / target[0]:.2f}x) | {target[2]:.1f} "
               f"({target[2] / target[0]:.2f}x) | {draft:.1f} ({draft / target[0]:.1%}) |", flush=True)  # fmt: skip
 

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The package as users install it: the wheel in a fresh venv with no extras, then with [serve].
+# The package as users install it: the wheel in a fresh venv with no extras, then with [serve], then over each
+# supported transformers a user may already have.
 #
 #   bash scripts/check_install.sh        # from the repository root, after `make install` (its venv builds the wheel)
 #
@@ -7,6 +8,7 @@
 # matplotlib (the plot is skipped with a warning); structured output in generate() (llguidance is a core dependency);
 # `hf-attn serve` and `hf-attn eval --tasks` name the extra to install in one line, with no traceback.
 # With [serve]: `hf-attn serve` answers a real request from the openai client (the dev venv's) on localhost.
+# Then, for transformers 5.19, 5.22 and 5.25 installed first, `pip install` of the wheel leaves it as it is.
 # Runs outside the repository, so the checkout's sources cannot stand in for the installed package.
 set -euo pipefail
 
@@ -106,4 +108,22 @@ assert reply.choices[0].text and reply.usage.completion_tokens == 16, reply
 print("completion:", repr(reply.choices[0].text))
 PY
 head -n 1 serve.log
+kill "$SERVER_PID" 2>/dev/null; wait "$SERVER_PID" 2>/dev/null || true; SERVER_PID=""
+
+step "a user's transformers is kept: the oldest, a middle and the newest supported minor"
+for minor in 5.19 5.22 5.25; do
+    "$PY" -m pip install -q "transformers==$minor.*"
+    "$PY" -m pip uninstall -q -y hf-attn-patch
+    "$PY" -m pip install -q "$WHEEL"
+    "$PY" - "$minor" <<'PY'
+import subprocess, sys
+import transformers
+assert transformers.__version__.startswith(sys.argv[1] + "."), f"transformers {transformers.__version__}: not kept"
+# the import patches without a deprecation message (FutureWarning or transformers' own log line)
+done = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", "import hf_attn_patch"],
+                      capture_output=True, text=True)
+assert done.returncode == 0 and "deprecated" not in done.stderr, done.stderr
+print("kept transformers", transformers.__version__, "and imports cleanly")
+PY
+done
 echo; echo "install check: passed"

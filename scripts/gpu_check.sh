@@ -10,7 +10,7 @@
 #
 # The package is not installed there, so the script builds a throw-away import tree under a temporary folder:
 # hf_attn_patch/ with every entry of the repo's package linked in, plus kernels/ and converters/ where setuptools'
-# package-dir would put them. If the full package cannot be imported (it needs transformers 5.23), the tree gets an
+# package-dir would put them. If the full package cannot be imported (it needs transformers 5.19 to 5.25), the tree gets an
 # empty hf_attn_patch/__init__.py and only the kernels are checked (the paged_kv wiring test skips itself).
 #
 # Output: the test summary and the benchmark tables in $OUT/gpu_check_results.md if $OUT is set, else

@@ -144,7 +144,7 @@ def test_sensitivity_conversion_within_budget_and_reported(tmp_path, source):
     assert cache.values_per_token == [c["values_per_token"] for c in b["layers"]]
     ids = torch.tensor([[1, 403, 261, 29, 375, 280]])
     kw = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
-    assert torch.equal(saved.generate(ids, **kw), saved.generate(ids, past_key_values=cache, **kw))
+    assert torch.equal(saved.generate(ids, **kw), saved.generate(ids, cache=cache, **kw))
     card = (tmp_path / "out" / "README.md").read_text()
     assert "| layer | choice | RoPE dims | latent rank | KL |" in card and card.count("\n| ") >= 6
     assert json.loads((tmp_path / "out" / "conversion_report.json").read_text())["budgets"]["layers"] == b["layers"]

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 import hf_attn_patch
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.attention import MultiHeadLatentAttention, mla
+from hf_attn_patch.compat import cache_kwarg
 from hf_attn_patch.converters.methods.exact import to_variant
 
 from .conftest import tiny_model
@@ -60,7 +61,7 @@ def test_deepseek_cache_layout_is_shared(padded_batch):
     for m in (stock, model):
         cache = DynamicCache(config=m.config)
         with torch.no_grad():
-            m(ids, attention_mask=mask, past_key_values=cache)
+            m(ids, attention_mask=mask, **cache_kwarg(cache))
         caches.append(cache.layers[0])
     assert torch.equal(caches[0].keys, caches[1].keys)
     assert torch.equal(caches[0].values, caches[1].values)
@@ -102,8 +103,8 @@ def test_patched_stock_deepseek_decodes_absorbed_with_both_caches(model_type, pa
         layer._absorbed = lambda *a, _f=original: absorbed_calls.append(1) or _f(*a)
     kw = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     reference = stock.generate(ids, **kw)
-    assert torch.equal(patched.generate(ids, past_key_values=DynamicCache(config=patched.config), **kw), reference)
-    assert torch.equal(patched.generate(ids, past_key_values=PagedKVCache(patched.config, block_size=4), **kw), reference)
+    assert torch.equal(patched.generate(ids, cache=DynamicCache(config=patched.config), **kw), reference)
+    assert torch.equal(patched.generate(ids, cache=PagedKVCache(patched.config, block_size=4), **kw), reference)
     # both runs, every layer: 9 decode steps, plus the 9-token prefill, which the FLOP rule also gives to the
     # absorbed path at these tiny sizes (a long prefill goes naive: test_auto_absorb_picks_by_flops)
     assert layers[0].use_absorbed(ids.shape[1])

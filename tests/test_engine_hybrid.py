@@ -4,10 +4,12 @@ what cannot work (speculative decoding, forks, rollback, unsupported mixers) is 
 
 from __future__ import annotations
 
+import contextlib
+import functools
+
 import pytest
 import torch
 import transformers
-from transformers.cache_utils import Cache
 
 import hf_attn_patch
 from hf_attn_patch.attention.state_layers import STATE_MIXERS, mixer_classes
@@ -84,7 +86,7 @@ def family(request):
 
 def _run(model, tokenizer, **options):
     """Engine outputs for PROMPTS, with a record of each step's schedule [(request id, start, n, prompt length)]
-    and the number of state-layer forward calls (each supported mixer reads its conv state once per call)."""
+    and the number of calls of the stock state-layer forwards."""
     engine = Engine(model, tokenizer, block_size=4, **options)
     steps, calls = [], [0]
     forward = engine.runner.forward
@@ -94,17 +96,39 @@ def _run(model, tokenizer, **options):
                       for r, start, n in zip(output.requests, output.starts, output.num_tokens)])  # fmt: skip
         return forward(output, keep)
 
-    get_conv_state = Cache.get_conv_state
-
-    def counting(self, layer_idx, state_idx=0):
-        calls[0] += 1
-        return get_conv_state(self, layer_idx, state_idx)
-
     engine.runner.forward = recording
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(Cache, "get_conv_state", counting)
+    with counting_mixer_calls() as calls:
         outputs = engine.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0))
     return engine, outputs, steps, calls[0]
+
+
+@contextlib.contextmanager
+def counting_mixer_calls():
+    """[calls of the stock mixer forwards] while the block runs: the patch is re-installed over counting stock
+    forwards, so its per-sequence wrapper calls the counters; everything is put back after."""
+    calls = [0]
+
+    def counting(forward):
+        @functools.wraps(forward)  # the wrapper reads the stock signature through __wrapped__
+        def forward_counted(*args, **kwargs):
+            calls[0] += 1
+            return forward(*args, **kwargs)
+
+        return forward_counted
+
+    classes = mixer_classes()
+    hf_attn_patch.unpatch()
+    stock = {cls: vars(cls)["forward"] for cls in classes}
+    for cls in classes:
+        cls.forward = counting(stock[cls])
+    hf_attn_patch.patch()
+    try:
+        yield calls
+    finally:
+        hf_attn_patch.unpatch()
+        for cls in classes:
+            cls.forward = stock[cls]
+        hf_attn_patch.patch()
 
 
 @pytest.mark.parametrize("options", [dict(max_batch_tokens=6, prefill_chunk=4),  # prefills split, mixed with decodes

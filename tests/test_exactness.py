@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_attn_patch.attention import GroupedQueryAttention, MultiHeadLatentAttention
+from hf_attn_patch.compat import cache_kwarg
 from hf_attn_patch.converters.methods.exact import to_variant
 
 from .conftest import TINY_ATOL, tiny_model
@@ -48,9 +49,9 @@ def stepwise_logits(model, ids, mask, steps: int) -> torch.Tensor:
     """Prefill all but the last `steps` tokens, then decode them one by one through a DynamicCache."""
     cache = DynamicCache(config=model.config)
     prefix = ids.shape[1] - steps
-    outs = [model(ids[:, :prefix], attention_mask=mask[:, :prefix], past_key_values=cache).logits[:, -1]]
+    outs = [model(ids[:, :prefix], attention_mask=mask[:, :prefix], **cache_kwarg(cache)).logits[:, -1]]
     for t in range(prefix, ids.shape[1]):
-        outs.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache).logits[:, -1])
+        outs.append(model(ids[:, t : t + 1], attention_mask=mask[:, : t + 1], **cache_kwarg(cache)).logits[:, -1])
     return torch.stack(outs, 1)
 
 
@@ -115,7 +116,7 @@ def test_cache_holds_only_what_the_variant_needs(model_type, variant, padded_bat
     model = to_variant(tiny_model(model_type), variant)
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids, attention_mask=mask, **cache_kwarg(cache))
     layer = cache.layers[0]
     layer_module = ours(model)[0]
     if variant == "gqa":

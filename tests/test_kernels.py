@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def _load_kv_storage():
     """cache/kv_storage.py loaded by path: it needs only torch, while importing hf_attn_patch.cache needs
-    transformers, which scripts/gpu_check.sh's kernels-only fallback (a GPU machine without transformers 5.23) lacks."""
+    transformers, which scripts/gpu_check.sh's kernels-only fallback (a GPU machine without a supported transformers) lacks."""
     spec = importlib.util.spec_from_file_location("_kv_storage", ROOT / "hf_attn_patch" / "cache" / "kv_storage.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -299,7 +299,7 @@ def test_paged_attention_forward_decode_goes_through_the_kernel_entry(model_type
     monkeypatch.setattr(metadata, "use_kernels", lambda query: True)
     model.set_attn_implementation("paged_kv")
     try:
-        out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
+        out = model.generate(ids, cache=PagedKVCache(model.config, block_size=4), **kw)
     finally:
         model.set_attn_implementation("sdpa")
     assert torch.equal(out, expected)

@@ -176,7 +176,7 @@ def test_paged_kv_generate_on_cuda_uses_the_kernel(batch_lengths, monkeypatch):
     monkeypatch.setattr(triton_ops, "paged_decode_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
     model.set_attn_implementation("paged_kv")
     try:
-        out = model.generate(ids, past_key_values=hf_attn_patch.PagedKVCache(model.config, block_size=4), **kw)
+        out = model.generate(ids, cache=hf_attn_patch.PagedKVCache(model.config, block_size=4), **kw)
     finally:
         model.set_attn_implementation("sdpa")
     assert torch.equal(out, expected)

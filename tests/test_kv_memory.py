@@ -12,6 +12,7 @@ import transformers
 from transformers import DynamicCache
 
 import hf_attn_patch
+from hf_attn_patch.compat import get_cache
 from hf_attn_patch.converters.methods.exact import to_variant
 from hf_attn_patch.kv_memory import kv_cache_bytes, layer_caches, mha_cache_bytes, llama3_8b_configs
 
@@ -52,7 +53,7 @@ def measured(model, seq_len: int, batch: int = 2) -> int:
     with torch.no_grad(), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         out = model(ids, use_cache=True)
-    cache = getattr(out, "past_key_values", None) or out.cache_params
+    cache = get_cache(out) or out.get("cache_params")
     return cache_bytes(cache)
 
 

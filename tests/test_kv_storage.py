@@ -8,6 +8,7 @@ import torch
 
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.cache.kv_storage import KVStorage
+from hf_attn_patch.compat import cache_kwarg, get_cache
 
 from .conftest import tiny_model
 from .test_paged_cache import generate_both, no_room_for_runs, ragged
@@ -123,7 +124,7 @@ def test_unpadded_batch_is_laid_out_and_read_as_one_view():
     assert len(views) == steps * model.config.num_hidden_layers and not cache.slots.read
     out = model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=12, do_sample=False,
                          cache_implementation="paged_kv", return_dict_in_generate=True)  # fmt: skip
-    assert torch.equal(out.sequences, reference) and out.past_key_values.slots.strided[None] is not None
+    assert torch.equal(out.sequences, reference) and get_cache(out).slots.strided[None] is not None
 
 
 def test_padded_batch_is_laid_out_storing_the_padding_of_its_first_block():
@@ -149,11 +150,11 @@ def test_without_max_length_a_batch_falls_back_to_page_reads():
     cache = PagedKVCache(model.config, block_size=4)
     cache.start_request(ids, mask)
     with torch.no_grad():
-        logits = model(ids, attention_mask=mask, past_key_values=cache).logits
+        logits = model(ids, attention_mask=mask, **cache_kwarg(cache)).logits
         assert cache.slots.strided[None] == (4, 8)  # blocks 1-2 and 3-4: one view at a stride of 2 blocks
         token = logits[:, -1:].argmax(-1)
         mask = torch.cat((mask, mask.new_ones(2, 1)), 1)
-        model(token, attention_mask=mask, past_key_values=cache)
+        model(token, attention_mask=mask, **cache_kwarg(cache))
     assert cache.slots.strided[None] is None and cache.slots.pages[None] is not None
     with pytest.raises(ValueError, match="max_length=5 must be an integer >= the prompt length 8"):
         cache.start_request(ids, mask[:, :8], max_length=5)

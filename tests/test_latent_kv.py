@@ -8,6 +8,7 @@ import torch
 
 import hf_attn_patch
 from hf_attn_patch.attention import LatentKVAttention, latent_kv
+from hf_attn_patch.compat import cache_kwarg, get_cache
 from hf_attn_patch.converters.methods.exact import to_variant
 from hf_attn_patch.converters.methods.latent_kv import key_metric, latent_kv_layer, rotation, weighted_low_rank
 from hf_attn_patch.engine import Engine, SamplingParams
@@ -52,7 +53,7 @@ def test_cache_holds_the_latents_only():
     source, converted = _latent("llama")
     config = converted.config
     out = converted(torch.randint(3, 90, (1, 7)), use_cache=True)
-    cache = out.past_key_values
+    cache = get_cache(out)
     k, v = cache.layers[0].keys, cache.layers[0].values
     assert k.shape == (1, 1, 7, config.latent_key_rank) and v.shape == (1, 1, 7, config.latent_value_rank)
     per_token = config.num_hidden_layers * (config.latent_key_rank + config.latent_value_rank)
@@ -75,9 +76,9 @@ def test_blockwise_decode_equals_dense_attention(monkeypatch):
     _, converted = _latent("llama")
     ids = torch.randint(3, 90, (2, 23))
     with torch.no_grad():
-        past = converted(ids[:, :-1], use_cache=True).past_key_values
+        past = get_cache(converted(ids[:, :-1], use_cache=True))
         monkeypatch.setattr(latent_kv, "KEY_BLOCK", 5)  # 22 cached tokens in 5 blocks, the last one partial
-        blockwise = converted(ids[:, -1:], past_key_values=past).logits
+        blockwise = converted(ids[:, -1:], **cache_kwarg(past)).logits
         dense = converted(ids).logits[:, -1:]
     torch.testing.assert_close(blockwise, dense, atol=TINY_ATOL, rtol=0)
 

@@ -32,7 +32,7 @@ def test_mla_decode_goes_through_the_kernel_entry(model_type, overrides, monkeyp
     monkeypatch.setattr(kernels, "mla_decode", spy)
     monkeypatch.setattr(metadata, "use_kernels", lambda query: True)
     model.set_attn_implementation("paged_kv")  # decode steps then hand attention the pages and their metadata
-    out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
+    out = model.generate(ids, cache=PagedKVCache(model.config, block_size=4), **kw)
     assert torch.equal(out, expected)
     assert len(calls) == 5 * model.config.num_hidden_layers  # every decode step, every layer
     assert set(calls) == {4}  # block tables of the cache's block size (left padding is not stored)

@@ -9,6 +9,7 @@ from transformers import DynamicCache
 
 from hf_attn_patch import CacheFullError, PagedKVCache
 from hf_attn_patch.cache.paged_cache import PagedLayer
+from hf_attn_patch.compat import cache_kwarg
 from hf_attn_patch.converters.methods.exact import to_variant
 from hf_attn_patch.models import load_default
 
@@ -57,7 +58,7 @@ def generate_both(model, ids, mask, block_size=4, cache_kwargs=None, **kw):
     reference = model.generate(ids, **kw)
     cache = PagedKVCache(model.config, block_size=block_size, **(cache_kwargs or {}))
     counter = UpdateCounter(cache)
-    paged = model.generate(ids, past_key_values=cache, **kw)
+    paged = model.generate(ids, cache=cache, **kw)
     assert counter.calls > 0
     return reference, paged, cache
 
@@ -114,7 +115,7 @@ def test_forked_rows_share_prompt_blocks():
     ids, mask = ragged(lengths=(16, 16))
     cache = PagedKVCache(model.config, block_size=4)
     torch.manual_seed(0)
-    model.generate(ids, attention_mask=mask, past_key_values=cache, do_sample=True, num_return_sequences=4,
+    model.generate(ids, attention_mask=mask, cache=cache, do_sample=True, num_return_sequences=4,
                    max_new_tokens=3, pad_token_id=0)  # fmt: skip
     prompt_blocks = 16 // 4
     # 8 rows; each holds 4 prompt blocks (shared by its 4 forks) and 1 private block for the 3 new tokens
@@ -131,13 +132,13 @@ def test_padding_takes_no_memory(laid_out):
     options = {} if laid_out else no_room_for_runs(mask, 1)
     cache = PagedKVCache(model.config, block_size=4, **options)
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=1, do_sample=False,
+        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=1, do_sample=False,
                        pad_token_id=0)  # fmt: skip
     stored = [n + (17 - n) % 4 if laid_out else n for n in lengths]  # width 17: pads 14, 0, 8
     assert cache.stats()["blocks_used"] == sum(-(-n // 4) for n in stored) == (10 if laid_out else 9)
     dynamic = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(ids, attention_mask=mask, past_key_values=dynamic)
+        model(ids, attention_mask=mask, **cache_kwarg(dynamic))
     per_token = sum(layer.keys[0, :, 0].numel() * 2 * 4 for layer in dynamic.layers)  # K and V, fp32
     assert cache.stats()["used_bytes"] == sum(stored) * per_token
     assert (cache.slots.strided[None] is not None) == laid_out
@@ -153,7 +154,7 @@ def test_prefix_cache_hits_across_generate_calls():
     outs = []
     for p in prompts:
         before = cache.stats()["prefix_hit_tokens"]
-        outs.append(model.generate(**tokenizer(p, return_tensors="pt"), past_key_values=cache, **kw))
+        outs.append(model.generate(**tokenizer(p, return_tensors="pt"), cache=cache, **kw))
         hits = cache.stats()["prefix_hit_tokens"] - before
     system_tokens = len(tokenizer(system).input_ids)
     assert hits >= (system_tokens // 8 - 1) * 8 > 0  # the second prompt reused the system prompt's full blocks
@@ -165,7 +166,7 @@ def test_cache_full_error_names_the_numbers_and_changes_nothing():
     ids, mask = ragged(lengths=(13, 13))
     cache = PagedKVCache(model.config, block_size=4, num_blocks=8)  # 7 usable blocks, 8 needed for the prompts
     with pytest.raises(CacheFullError, match="8 blocks requested, 7 free or evictable of 7"):
-        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=2, pad_token_id=0)
     assert cache.stats()["blocks_used"] == 0
 
 
@@ -190,7 +191,7 @@ def test_hybrid_models_pass_their_states_through(config_class):
     assert not cache.prefix_caching and any(not isinstance(layer, PagedLayer) for layer in cache.layers)
     other = ragged(lengths=(5,), seed=3)  # the same cache object, a new request: states start over
     kw = dict(attention_mask=other[1], max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(model.generate(other[0], past_key_values=cache, **kw), model.generate(other[0], **kw))
+    assert torch.equal(model.generate(other[0], cache=cache, **kw), model.generate(other[0], **kw))
 
 
 def test_assisted_decoding_crops_the_cache():
@@ -201,7 +202,7 @@ def test_assisted_decoding_crops_the_cache():
     reference = model.generate(ids, **kw)
     cache = PagedKVCache(model.config, block_size=4)
     counter = UpdateCounter(cache)
-    out = model.generate(ids, assistant_model=assistant, past_key_values=cache, **kw)
+    out = model.generate(ids, assistant_model=assistant, cache=cache, **kw)
     assert torch.equal(out, reference) and counter.calls > 0
     used = cache.stats()
     assert used["blocks_used"] == -(-(out.shape[1] - 1) // 4)  # rejected draft tokens were cropped away
@@ -218,14 +219,14 @@ def test_growable_pool_and_bad_arguments():
         PagedKVCache(model.config, num_blocks=8, max_memory=1 << 20)
     with pytest.raises(ValueError, match="max_memory=10 gives 0 block"):
         c = PagedKVCache(model.config, max_memory=10)
-        model(ids[:1], past_key_values=c)
+        model(ids[:1], **cache_kwarg(c))
 
 
 def test_max_memory_sizes_the_pool():
     model = tiny_model("llama")  # 2 layers, 2 KV heads, head_dim 8: 64 values per token
     cache = PagedKVCache(model.config, block_size=4, max_memory=64 * 4 * 4 * 10)  # 10 blocks of fp32
     with torch.no_grad():
-        model(torch.randint(3, 97, (1, 5)), past_key_values=cache)
+        model(torch.randint(3, 97, (1, 5)), **cache_kwarg(cache))
     assert cache.stats()["blocks_total"] == 9  # 10 blocks, one is the null block
 
 
@@ -264,7 +265,7 @@ def test_registered_paged_attention_reads_blocks_itself(model_type, variant, bat
     monkeypatch.setattr(kernels, name, spy)
     monkeypatch.setattr(metadata, "use_kernels", lambda query: True)
     model.set_attn_implementation("paged_kv")
-    out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
+    out = model.generate(ids, cache=PagedKVCache(model.config, block_size=4), **kw)
     model.set_attn_implementation("sdpa")
     assert torch.equal(out, reference)
     assert len(calls) == 9 * model.config.num_hidden_layers  # every decode step after the prefill, every layer
@@ -288,7 +289,7 @@ def test_masked_hole_takes_the_reference_not_the_kernels(monkeypatch):
     monkeypatch.setattr(kernels, "paged_decode_attention", lambda *a, **k: calls.append(1))
     monkeypatch.setattr(metadata, "use_kernels", lambda query: True)
     model.set_attn_implementation("paged_kv")
-    out = model.generate(ids, past_key_values=PagedKVCache(model.config, block_size=4), **kw)
+    out = model.generate(ids, cache=PagedKVCache(model.config, block_size=4), **kw)
     model.set_attn_implementation("sdpa")
     assert torch.equal(out, reference)
     assert calls == []

@@ -160,13 +160,6 @@ def test_gpt2_cross_attention_stays_stock():
     assert not isinstance(block.crossattention, GroupedQueryAttention)
 
 
-def test_wrong_transformers_version_fails_clearly():
-    code = "import transformers; transformers.__version__ = '5.22.0'; import hf_attn_patch"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode != 0
-    assert "hf_attn_patch supports transformers 5.23.x, found 5.22.0" in result.stderr
-
-
 def test_kernels_and_converters_install_under_the_namespace():
     import importlib.util
 

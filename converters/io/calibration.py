@@ -20,6 +20,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ... import __file__ as _package_file
+from ...compat import cache_kwarg, get_cache
 from ...models.architectures import AttentionShape
 
 logger = logging.getLogger(__name__)
@@ -159,8 +160,8 @@ def sample_from_teacher(teacher, prompts: torch.Tensor, length: int, seed: int =
         ids = prompts[start : start + batch_size].to(device)
         past, step_input = None, ids
         while ids.shape[1] < length:
-            result = teacher(step_input, past_key_values=past, use_cache=True)
-            past = result.past_key_values
+            result = teacher(step_input, **cache_kwarg(past), use_cache=True)
+            past = get_cache(result)
             probs = torch.softmax(result.logits[:, -1].float(), dim=-1).cpu()
             probs[:, eos] = 0
             if top_p < 1:  # keep the most probable tokens until their sum reaches top_p (the first always)

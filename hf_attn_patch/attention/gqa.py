@@ -83,11 +83,12 @@ class GroupedQueryAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
+        past_key_values=None,  # the cache's name before transformers 5.24
         layer_past=None,  # GPT-NeoX passes the cache under this name
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cache = past_key_values if past_key_values is not None else layer_past
+        cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
         batch, length, _ = hidden_states.shape
         shape = (batch, length, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape)

@@ -95,11 +95,12 @@ class LatentKVAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
+        past_key_values=None,  # the cache's name before transformers 5.24
         layer_past=None,  # GPT-NeoX passes the cache under this name
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cache = past_key_values if past_key_values is not None else layer_past
+        cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
         batch, length, _ = hidden_states.shape
         q = self._queries(hidden_states)
         c_k = self.k_a_proj(hidden_states).unsqueeze(1)

@@ -127,13 +127,14 @@ class MultiHeadLatentAttention(nn.Module):
         hidden_states: torch.Tensor,
         position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
         attention_mask: torch.Tensor | None = None,
-        past_key_values=None,
+        cache=None,
+        past_key_values=None,  # the cache's name before transformers 5.24
         layer_past=None,  # GPT-NeoX passes the cache under this name
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.absorb not in ABSORB_MODES:
             raise ValueError(f"absorb={self.absorb!r} is not one of {ABSORB_MODES}")
-        cache = past_key_values if past_key_values is not None else layer_past
+        cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
         batch, length, _ = hidden_states.shape
         q_nope, q_rope = self._queries(hidden_states)
         c, k_rope = self._latent(hidden_states)

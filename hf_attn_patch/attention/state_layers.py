@@ -50,7 +50,7 @@ STATE_MIXERS = {  # model_type -> mixer
     # Mamba1: its sequence scan starts from a zero state ("initial state not supported"), so whole prefills only
     "jamba": Mixer(_MODELING.format("jamba"), "JambaMambaMixer", continues_chunks=False),
 }
-_CACHE_ARGUMENTS = ("past_key_values", "cache_params")
+_CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")  # the first since transformers 5.24
 
 
 def mixer_classes() -> list[type]:

@@ -13,6 +13,7 @@ cache construction has no hook, so:
 
 from __future__ import annotations
 
+from ..compat import CACHE, get_cache
 from .paged_cache import PagedKVCache
 
 PAGED_CACHE_NAME = "paged_kv"
@@ -30,14 +31,14 @@ def pool_blocks_for_generation(rows: int, max_length: int, block_size: int) -> i
 
 def prepare_cache_with_paged(original):
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
-        if generation_config.cache_implementation != PAGED_CACHE_NAME or model_kwargs.get("past_key_values") is not None:
+        if generation_config.cache_implementation != PAGED_CACHE_NAME or get_cache(model_kwargs) is not None:
             return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         options = dict(generation_config.cache_config or {})
         block_size = options.get("block_size", 16)
         if "num_blocks" not in options and "max_memory" not in options:  # enough for every row to reach max length
             rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
             options["num_blocks"] = pool_blocks_for_generation(rows, max_cache_length, block_size)
-        model_kwargs["past_key_values"] = PagedKVCache(self.config.get_text_config(decoder=True), **options)
+        model_kwargs[CACHE] = PagedKVCache(self.config.get_text_config(decoder=True), **options)
 
     _prepare_cache_for_generation.__wrapped__ = original
     return _prepare_cache_for_generation
@@ -45,7 +46,7 @@ def prepare_cache_with_paged(original):
 
 def prefill_with_paged(original):
     def _prefill(self, input_ids, generation_config, model_kwargs, is_first_iteration=True):
-        cache = model_kwargs.get("past_key_values")
+        cache = get_cache(model_kwargs)
         if isinstance(cache, PagedKVCache) and is_first_iteration and model_kwargs.get("inputs_embeds") is None:
             longest = generation_config.max_length  # rows laid out for it (None where it is shorter than the prompt)
             longest = longest if isinstance(longest, int) and longest >= input_ids.shape[1] else None

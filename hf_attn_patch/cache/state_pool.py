@@ -6,7 +6,7 @@ recurrent state of fixed size per sequence. Ownership is split as for the paged 
   enters the manager (`KVManager.add`) and returned when it leaves (`free`: finish, abort, preemption); a
   preempted sequence restarts from position 0 with an empty state (recompute, like its blocks).
 - `StateStorage` (held by the storage owner, the engine's runner): per slot one transformers `Cache` whose state
-  layers are transformers' own `LinearAttentionLayer`s (`DummyLayer` at attention layers, which never see it), so
+  layers are transformers' own `LinearAttentionLayer`s (a placeholder at attention layers, which never see it), so
   each model's own mixer code reads and writes it as it does under generate(). The storage is reset whenever a
   sequence starts at position 0 in a slot.
 - `ForwardContext.states` (cache/metadata.py): per sequence of the forward (query_start_loc order), its Cache;
@@ -21,8 +21,10 @@ of a state: `KVManager.fork` refuses) and rollback (`crop`: a recurrent state ca
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, DummyLayer, LinearAttentionCacheLayerMixin,
+from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionCacheLayerMixin,
                                       get_layer_types_and_kwargs)  # fmt: skip
+
+from ..compat import placeholder_cache_layer
 
 
 __all__ = ["StateSlots", "StateStorage", "stack_layer_states", "unstack_layer_states"]
@@ -76,7 +78,8 @@ class StateStorage:
         cache = self._caches[slot]
         if cache is None:
             layers = [DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs) if kind in ("conv", "linear_attention")
-                      else DummyLayer() for kind, kwargs in zip(self.layer_types, self.layer_kwargs)]  # fmt: skip
+                      else placeholder_cache_layer()
+                      for kind, kwargs in zip(self.layer_types, self.layer_kwargs)]  # fmt: skip
             cache = self._caches[slot] = Cache(layers=layers)
         elif fresh:
             for layer in cache.layers:
@@ -101,7 +104,7 @@ def stack_layer_states(caches: list[Cache], layer: int) -> Cache:
         if first.is_recurrent_states_initialized[i]:
             joint.recurrent_states[i] = torch.cat([part.recurrent_states[i] for part in parts])
             joint.is_recurrent_states_initialized[i] = True
-    return Cache(layers=[DummyLayer()] * layer + [joint])
+    return Cache(layers=[placeholder_cache_layer() for _ in range(layer)] + [joint])
 
 
 def unstack_layer_states(joint: Cache, caches: list[Cache], layer: int) -> None:

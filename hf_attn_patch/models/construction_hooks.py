@@ -11,8 +11,7 @@
 
 from __future__ import annotations
 
-import inspect
-
+from ..compat import constructor_signature
 from . import build_attention, validate_variant_config
 
 
@@ -46,7 +45,7 @@ def attention_dispatch(original: type, architecture) -> type:
     namespace = {
         "original": original,
         "architecture": architecture,
-        "signature": inspect.signature(original.__init__),
+        "signature": constructor_signature(original),
         "__module__": original.__module__,
         "__qualname__": original.__qualname__,
         "__doc__": original.__doc__,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from ..compat import get_cache
 
 from .draft_length import DraftLength
 from .drafters import Draft, ModelDrafter, PromptLookupDrafter
@@ -138,7 +139,7 @@ def _decode(model, drafter, max_draft, input_ids, logits_processor, stopping_cri
     check_supported(model.config.get_text_config(decoder=True), batch)
     if not model_kwargs.get("use_cache", True):
         raise ValueError("speculative decoding needs use_cache=True")
-    cache = model_kwargs["past_key_values"]
+    cache = get_cache(model_kwargs)
     if hasattr(cache, "activate_past_recording"):
         cache.activate_past_recording()
 

@@ -25,6 +25,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaPreTrainedModel, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)  # fmt: skip
 
+from ..compat import cache_kwarg
 from .drafters import Draft, Drafter, draft_chain
 from .ragged import RaggedModel
 from .sequences import Sequences
@@ -47,7 +48,7 @@ class FeatureDrafterConfig(LlamaConfig):
 class FeatureDrafterOutput(ModelOutput):
     logits: torch.Tensor | None = None  # [B, n or logits_to_keep, N]: over the draft vocabulary
     features: torch.Tensor | None = None  # [B, n, D]: g, the predicted target hidden states
-    past_key_values: object = None
+    cache: object = None
 
 
 class FeatureDrafterForCausalLM(LlamaPreTrainedModel):
@@ -80,26 +81,26 @@ class FeatureDrafterForCausalLM(LlamaPreTrainedModel):
         self._target = {"model": target, "embed": target.get_input_embeddings(), "head": rows}
 
     def forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, attention_mask=None, position_ids=None,
-                past_key_values=None, use_cache: bool = True, logits_to_keep: int = 0,
+                cache=None, use_cache: bool = True, logits_to_keep: int = 0, past_key_values=None,
                 **kwargs) -> FeatureDrafterOutput:  # fmt: skip
         """input_ids [B, n], target_hidden [B, n, D] (the target's h at each token's previous position)."""
         if not self._target:
             raise ValueError("the feature drafter is not bound to its target: call drafter.bind(target) first")
         embed = self._target["embed"](input_ids).to(self.fc.weight.dtype)
         x = self.fc(torch.cat([self.feature_norm(target_hidden.to(embed.dtype)), self.embed_norm(embed)], dim=-1))
-        if use_cache and past_key_values is None:
-            past_key_values = DynamicCache(config=self.config)
+        cache = cache if cache is not None else past_key_values  # the cache's name before transformers 5.24
+        if use_cache and cache is None:
+            cache = DynamicCache(config=self.config)
         if position_ids is None:
-            seen = past_key_values.get_seq_length() if past_key_values is not None else 0
+            seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(x.shape[1], device=x.device) + seen)[None]
         mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
-                                  past_key_values=past_key_values, position_ids=position_ids)  # fmt: skip
+                                  position_ids=position_ids, **cache_kwarg(cache))  # fmt: skip
         x = self.layer(x, attention_mask=mask, position_embeddings=self.rotary_emb(x, position_ids=position_ids),
-                       position_ids=position_ids, past_key_values=past_key_values, use_cache=use_cache)  # fmt: skip
+                       position_ids=position_ids, use_cache=use_cache, **cache_kwarg(cache))  # fmt: skip
         features = self.norm(x)
         kept = features[:, -logits_to_keep:] if logits_to_keep else features
-        return FeatureDrafterOutput(logits=kept @ self._target["head"].T, features=features,
-                                    past_key_values=past_key_values)  # fmt: skip
+        return FeatureDrafterOutput(logits=kept @ self._target["head"].T, features=features, cache=cache)
 
 
 class FeatureDrafter(Drafter):

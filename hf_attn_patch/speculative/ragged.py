@@ -22,6 +22,8 @@ import inspect
 import torch
 from torch import nn
 
+from ..compat import cache_kwarg
+
 
 def check_supported(config, batch_size: int) -> None:
     """Raise before any work when holes would change the model's math (sliding windows count columns)."""
@@ -116,7 +118,7 @@ class RaggedModel:
         self.next_position = self.next_position + valid.long().sum(1)
         # an all-ones mask (no padding, no holes: always so at batch 1) is dropped, as generate() does: plain causal
         mask = None if bool(self.mask.all()) else self.mask
-        inputs = {"input_ids": tokens, "attention_mask": mask, "past_key_values": self.cache, "use_cache": True}
+        inputs = {"input_ids": tokens, "attention_mask": mask, "use_cache": True, **cache_kwarg(self.cache)}
         inputs.update(extra)
         if self._takes_positions:
             inputs["position_ids"] = positions
