@@ -27,7 +27,6 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 import hf_attn_patch
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.attention import latent_kv
-from hf_attn_patch.compat import CACHE
 from hf_attn_patch.compat import cache_kwarg
 
 CHUNK = 512
