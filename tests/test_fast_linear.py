@@ -70,6 +70,13 @@ def test_model_built_while_patched_runs_every_linear_packed():
     with torch.no_grad():
         ours = model(ids).logits
     assert fast_linear.counts() == {fast_linear.PACKED: 15}
+    fast_linear.reset_counts()
+    with torch.no_grad():
+        model(ids[:1, :1])  # one fp32 row times small weights: MKL's gemv, by choice
+    assert fast_linear.counts() == {fast_linear.GEMV: 15}
+    fast_linear.reset_counts()
+    with torch.no_grad():
+        model(ids)
     fast_linear.set_enabled(False)
     with torch.no_grad():
         stock = model(ids).logits
@@ -163,7 +170,7 @@ def test_generate_and_speculative_verification_are_greedy_exact(stories):
     fast_linear.reset_counts()
     assert torch.equal(model.generate(ids, **kw), reference)
     assert torch.equal(model.generate(ids, prompt_lookup_num_tokens=4, **kw), reference)
-    assert set(fast_linear.counts()) == {fast_linear.PACKED}
+    assert set(fast_linear.counts()) <= set(fast_linear.FAST) and fast_linear.counts().get(fast_linear.PACKED)
 
 
 def test_engine_runs_packed_and_is_greedy_exact(stories):
@@ -174,7 +181,7 @@ def test_engine_runs_packed_and_is_greedy_exact(stories):
     prompts = ["Once upon a time, there was a little girl", "The cat sat", "Tom and his dog went to the park."]
     fast_linear.reset_counts()
     outs = engine.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
-    assert set(fast_linear.counts()) == {fast_linear.PACKED}
+    assert set(fast_linear.counts()) <= set(fast_linear.FAST) and fast_linear.counts().get(fast_linear.PACKED)
     fast_linear.set_enabled(False)
     for out in outs:
         ids = out.prompt_token_ids
@@ -198,4 +205,4 @@ def test_bf16_generate_is_greedy_exact(stories):
     kw = dict(max_new_tokens=16, do_sample=False, pad_token_id=0)
     fast_linear.reset_counts()
     assert torch.equal(ours.generate(ids, **kw), stock.generate(ids, **kw))
-    assert set(fast_linear.counts()) == {fast_linear.PACKED}
+    assert set(fast_linear.counts()) <= set(fast_linear.FAST) and fast_linear.counts().get(fast_linear.PACKED)

@@ -10,7 +10,9 @@ once in oneDNN's blocked layout (kernels/cpu_linear.py) whenever that is exact a
   frozen weights and an input that needs none): the packed product has no backward;
 - not while torch.compile traces the module (the compiled graph makes its own choice).
 
-Everything else runs nn.Linear's own forward (F.linear), counted under its reason in `counts()`; a missing CPU
+One exception by choice: a single fp32 row times a small weight (under GEMV_MAX_ELEMENTS) runs MKL's gemv
+(F.linear), which is faster there (counted as "gemv"). Everything else runs nn.Linear's own forward (F.linear),
+counted under its reason in `counts()`; a missing CPU
 capability is also logged once at WARNING, naming the fallback. "Exact" means: the same products summed in another
 order, so fp32 outputs differ from F.linear's by fp32 rounding and bf16 ones by at most one bf16 ulp
 (kernels/cpu_linear.py derives both); greedy tokens are those of the stock model (tests/test_fast_linear.py).
@@ -19,7 +21,7 @@ order, so fp32 outputs differ from F.linear's by fp32 rounding and bf16 ones by 
     fast_linear.install(model)      # a model built before the import or unpatched (the engine calls it itself)
     fast_linear.restore(model)      # this model's layers back to nn.Linear, packed copies freed
     fast_linear.set_enabled(False)  # every FastLinear runs F.linear until set_enabled(True)
-    fast_linear.counts()            # {"packed": n, "<fallback reason>": n, ...} since reset_counts()
+    fast_linear.counts()            # {"packed": n, "gemv": n, "<fallback reason>": n, ...} since reset_counts()
 
 `HF_ATTN_PATCH_FAST_LINEAR=0` in the environment turns it off before anything is built. `unpatch()` turns every
 FastLinear back into nn.Linear (and frees its packed copy); `patch()` turns them into FastLinear again.
@@ -45,6 +47,12 @@ logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "HF_ATTN_PATCH_FAST_LINEAR"
 PACKED = "packed"  # the key of counts() for products that ran on the packed weight
+# fp32, one row, a weight of fewer elements than this: MKL's gemv (F.linear) is faster than the packed product's
+# fixed cost (scripts/bench_fast_linear.py --part linear, one thread: 576 x 576 0.031 vs 0.046 ms, 192 x 576 0.013 vs
+# 0.032, 1,536 x 576 0.075 vs 0.083; from 576 x 1,536 (0.100 vs 0.092) and up, and at 2+ rows, packed wins)
+GEMV = "gemv"  # the key of counts() for those: a choice of the fast path, not a fallback
+GEMV_MAX_ELEMENTS = 1_000_000
+FAST = (PACKED, GEMV)  # what counts() holds when nothing fell back
 # fallback reasons, the keys of counts() for products that ran F.linear
 DISABLED, GRAD, DEVICE, MIXED_DTYPES, COMPILING = "disabled", "grad", "not cpu", "mixed dtypes", "compiling"
 
@@ -72,6 +80,10 @@ class FastLinear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         reason = self._fallback_reason(input)
         if reason is None:
+            weight = self.weight
+            if weight.dtype == torch.float32 and input.numel() == input.shape[-1] and weight.numel() < GEMV_MAX_ELEMENTS:
+                _counts[GEMV] += 1
+                return nn.Linear.forward(self, input)
             _counts[PACKED] += 1
             return packed_linear(input, self._packed_weight(), self.bias)
         _counts[reason] += 1
