@@ -6,17 +6,21 @@ gradients, disabled) run F.linear; unpatch() / restore() give back plain nn.Line
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import hf_attn_patch
+from hf_attn_patch.converters import convert as convert_module
+from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.engine import Engine, SamplingParams
 from hf_attn_patch.kernels.cpu_linear import onednn_linear_unsupported, pack_linear_weight, packed_linear
 from hf_attn_patch.models import fast_linear
 from hf_attn_patch.models.fast_linear import FastLinear
 
+from ._fast import FAST
 from .conftest import STORIES_ATOL
 
 pytestmark = pytest.mark.skipif(onednn_linear_unsupported(torch.float32) is not None, reason="no oneDNN in torch")
@@ -83,6 +87,38 @@ def test_model_built_while_patched_runs_every_linear_packed():
     assert fast_linear.counts() == {fast_linear.PACKED: 15, fast_linear.DISABLED: 15}
     # fp32, sums of <= 96 terms in another order, 2 layers, |logits| < 1: the tiny configs' TINY_ATOL bound, 1e-5
     torch.testing.assert_close(ours, stock, atol=1e-5, rtol=0)
+
+
+def test_disabled_blocks_nest_and_hold_in_every_thread():
+    model = small_llama()
+    ids = torch.randint(0, 300, (2, 7))
+    seen = []
+    with torch.no_grad(), fast_linear.disabled():
+        with fast_linear.disabled():
+            model(ids)
+        assert not fast_linear.is_enabled()  # the outer block is still open
+        worker = threading.Thread(target=lambda: seen.append(fast_linear.is_enabled()))
+        worker.start()
+        worker.join()
+        model(ids)
+    assert seen == [False] and fast_linear.is_enabled()
+    with torch.no_grad():
+        model(ids)
+    assert fast_linear.counts() == {fast_linear.DISABLED: 30, fast_linear.PACKED: 15}
+
+
+def test_convert_runs_f_linear(tmp_path, monkeypatch):
+    """A conversion's passes run torch's F.linear, whatever the switch: its weights are bitwise those of the stock
+    kernels (tests/test_streamed_exact.py compares them with the in-memory reference, which runs F.linear too)."""
+    seen, calibrate = [], convert_module.calibrate
+
+    def spy(*args, **kwargs):
+        seen.append(fast_linear.is_enabled())
+        return calibrate(*args, **kwargs)
+
+    monkeypatch.setattr(convert_module, "calibrate", spy)
+    convert("default", tmp_path / "out", to="gqa", kv_heads=1, **FAST)
+    assert seen == [False] and fast_linear.is_enabled()
 
 
 def test_weight_changes_are_followed():

@@ -21,8 +21,15 @@ order, so fp32 outputs differ from F.linear's by fp32 rounding and bf16 ones by 
     fast_linear.install(model)      # a model built before the import or unpatched (the engine calls it itself)
     fast_linear.restore(model)      # this model's layers back to nn.Linear, packed copies freed
     fast_linear.set_enabled(False)  # every FastLinear runs F.linear until set_enabled(True)
+    with fast_linear.disabled():    # every FastLinear runs F.linear inside the block (blocks nest; process-wide)
+        ...
     fast_linear.counts()            # {"packed": n, "gemv": n, "<fallback reason>": n, ...} since reset_counts()
 
+`disabled()` is for computations that must be bitwise reproducible whatever runs them: the converter
+(converters/convert.py, converters/fitting/heal.py, the layer-streamed passes of converters/io/) runs inside it, so
+a conversion's weights and report do not depend on this switch, on the CPU's bf16 support or on which of its
+modules happen to be FastLinear (decoder layers it builds itself are plain nn.Linear), and a layer-streamed
+conversion stays bitwise equal to the whole model's.
 `HF_ATTN_PATCH_FAST_LINEAR=0` in the environment turns it off before anything is built. `unpatch()` turns every
 FastLinear back into nn.Linear (and frees its packed copy); `patch()` turns them into FastLinear again.
 
@@ -34,8 +41,10 @@ layer's first packed call and again whenever the weight changes (its storage, ve
 from __future__ import annotations
 
 import collections
+import contextlib
 import logging
 import os
+import threading
 import weakref
 
 import torch
@@ -56,7 +65,31 @@ FAST = (PACKED, GEMV)  # what counts() holds when nothing fell back
 # fallback reasons, the keys of counts() for products that ran F.linear
 DISABLED, GRAD, DEVICE, MIXED_DTYPES, COMPILING = "disabled", "grad", "not cpu", "mixed dtypes", "compiling"
 
-_enabled = os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no")
+
+class _Switch:
+    """Whether FastLinear runs packed, the one place that holds it: the user's switch (set_enabled(), the
+    environment at import) and how many disabled() blocks are open. Process-wide: a block opened in one thread turns
+    the packed path off for every thread until it closes; the count changes under a lock, so blocks opened and
+    closed in several threads at once nest correctly."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.blocks = 0
+        self.lock = threading.Lock()
+
+    def on(self) -> bool:
+        return self.enabled and not self.blocks
+
+    def enter(self) -> None:
+        with self.lock:
+            self.blocks += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.blocks -= 1
+
+
+_switch = _Switch(os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "off", "no"))
 _installed: weakref.WeakSet = weakref.WeakSet()  # modules that are FastLinear now
 _suspended: weakref.WeakSet = weakref.WeakSet()  # turned back into nn.Linear by suspend(); resume() swaps them again
 _counts: collections.Counter = collections.Counter()
@@ -77,6 +110,22 @@ def _unsupported(dtype: torch.dtype) -> str | None:
 class FastLinear(nn.Linear):
     """nn.Linear whose forward uses a packed copy of its weight where that is exact (see the module docstring)."""
 
+    # x W^T + b with `weight` as it is, like nn.Linear itself: code that folds the weight into another matrix (MLA's
+    # absorbed attention) may treat it as plain, unlike quantized or wrapped Linear subclasses
+    plain_weight = True
+
+    def __getstate__(self):
+        """copy.deepcopy and pickle: the packed copy (an opaque oneDNN tensor, not copyable) stays behind; the copy
+        packs its own at its first product."""
+        state = super().__getstate__()
+        state.pop("_fast_packed", None)
+        state.pop("_fast_key", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        _installed.add(self)  # a copy made while patched: unpatch() turns it back into nn.Linear too
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         reason = self._fallback_reason(input)
         if reason is None:
@@ -91,7 +140,7 @@ class FastLinear(nn.Linear):
 
     def _fallback_reason(self, x: torch.Tensor) -> str | None:
         weight = self.weight
-        if not _enabled:
+        if not _switch.on():
             return DISABLED
         if weight.device.type != "cpu" or x.device.type != "cpu":
             return DEVICE
@@ -121,8 +170,9 @@ def _to_plain(module: nn.Module) -> None:
 
 
 def install(model: nn.Module) -> int:
-    """Turn every plain nn.Linear of `model` into FastLinear (no-op while disabled) -> how many were turned."""
-    if not _enabled:
+    """Turn every plain nn.Linear of `model` into FastLinear (no-op while set_enabled(False); inside disabled() they
+    are turned, and run F.linear until the block closes) -> how many were turned."""
+    if not _switch.enabled:
         return 0
     turned = 0
     for module in model.modules():
@@ -184,13 +234,24 @@ def with_fast_linears(original):
 
 
 def set_enabled(enabled: bool) -> None:
-    """Off: every FastLinear runs F.linear (counted as "disabled") and install() does nothing; on: back to packed."""
-    global _enabled
-    _enabled = bool(enabled)
+    """Off: every FastLinear runs F.linear (counted as "disabled") and install() does nothing; on: back to packed
+    (outside disabled() blocks)."""
+    _switch.enabled = bool(enabled)
 
 
 def is_enabled() -> bool:
-    return _enabled
+    """Whether FastLinear layers run packed now (the switch on, no disabled() block open)."""
+    return _switch.on()
+
+
+@contextlib.contextmanager
+def disabled():
+    """Every FastLinear runs F.linear (counted as "disabled") inside the block, in every thread; blocks nest."""
+    _switch.enter()
+    try:
+        yield
+    finally:
+        _switch.exit()
 
 
 def counts() -> dict[str, int]:
