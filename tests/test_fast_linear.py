@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from copy import deepcopy
 
 import pytest
 import torch
@@ -167,6 +168,25 @@ def test_bf16_runs_packed_where_the_cpu_has_it():
     with torch.no_grad():
         model(torch.randint(0, 300, (1, 6)))
     assert fast_linear.counts() == {fast_linear.PACKED: 15}
+
+
+def test_a_deep_copy_packs_its_own_weights_and_unpatches():
+    model = small_llama()
+    ids = torch.randint(0, 300, (2, 7))
+    with torch.no_grad():
+        want = model(ids).logits  # the packed copies exist now: an opaque oneDNN tensor deepcopy cannot copy
+    copy = deepcopy(model)
+    assert fast_linear.installed(copy) == 15 and "_fast_packed" not in copy.lm_head.__dict__
+    fast_linear.reset_counts()
+    with torch.no_grad():
+        assert torch.equal(copy(ids).logits, want)  # the same packed product on the same weights
+    assert fast_linear.counts() == {fast_linear.PACKED: 15}
+    hf_attn_patch.unpatch()
+    try:
+        assert fast_linear.installed(copy) == 0
+    finally:
+        hf_attn_patch.patch()
+    assert fast_linear.installed(copy) == 15
 
 
 def test_unpatch_restore_and_install():
