@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from ..hub import push
+from ..models import fast_linear
 from .options import ConvertOptions
 from .io.output import check_output
 from .stages.layers import convert_layers, write_native
@@ -33,6 +34,7 @@ from .stages.write import OutputWriter
 logger = logging.getLogger(__name__)
 
 
+@fast_linear.disabled()  # a conversion's numbers never depend on the CPU inference fast path (models/fast_linear.py)
 def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> dict:
     """Convert `source` and write the result to `out`; returns the conversion report (also in the output folder).
     With push_to_hub="owner/name" the finished folder is uploaded (`hub_client`: a huggingface_hub.HfApi stand-in)."""

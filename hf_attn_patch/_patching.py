@@ -19,7 +19,7 @@ from transformers.configuration_utils import PreTrainedConfig
 from transformers.generation import configuration_utils as generation_config_module
 from transformers.generation.utils import GenerationMixin
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-from transformers.modeling_utils import AttentionInterface
+from transformers.modeling_utils import AttentionInterface, PreTrainedModel
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
@@ -30,6 +30,7 @@ from .attention.backend import PAGED_ATTENTION, paged_attention_forward
 from .attention.state_layers import mixer_classes, per_sequence_forward
 from .grammar.generate_hook import generate_with_grammar
 from .models import ARCHITECTURES
+from .models import fast_linear
 from .models.construction_hooks import attention_dispatch, validating_post_init
 from .speculative.feature_drafter import MODEL_TYPE as DRAFTER_TYPE
 from .speculative.feature_drafter import FeatureDrafterConfig, FeatureDrafterForCausalLM
@@ -69,6 +70,8 @@ def patch_table() -> list[Patch]:
     return rows + [
         Patch(PreTrainedConfig, "__post_init__", validating_post_init,
               "validate attention_variant and its fields when a config is built"),
+        Patch(PreTrainedModel, "post_init", fast_linear.with_fast_linears,
+              "a model's nn.Linear layers run packed CPU weights (models/fast_linear.py); no hook for modules"),
         Patch(generation_config_module, "ALL_CACHE_IMPLEMENTATIONS", with_paged_cache_name,
               "cache names are a fixed tuple: add 'paged_kv'"),
         Patch(generation, "_prepare_cache_for_generation", prepare_cache_with_paged,
@@ -131,11 +134,14 @@ def patch() -> None:
         installed = row.make(original)
         _set(row.owner, row.name, installed)
         _applied.append(Applied(row, original, installed))
+    fast_linear.resume()  # layers unpatch() turned back into nn.Linear
     logger.debug("hf_attn_patch: patched %d objects", len(_applied))
 
 
 def unpatch() -> None:
-    """Put every replaced object back, last row first (idempotent). Models built while patched keep their modules."""
+    """Put every replaced object back, last row first (idempotent). Models built while patched keep their attention
+    modules; their FastLinear layers become nn.Linear again until the next patch()."""
+    fast_linear.suspend()
     while _applied:
         row = _applied.pop()
         _set(row.patch.owner, row.patch.name, row.original)

@@ -1,17 +1,19 @@
 """Our Engine vs vLLM's CPU build on the same model, threads and requests, measured in one process.
 
     flock /tmp/hfap-bench.lock .venv/bin/python scripts/bench_vs_vllm.py [--model stories15m|smollm2|both]
-        [--threads 1] [--batches 1 8 32] [--prompt 64] [--tokens 64] [--reps 2]
+        [--dtypes float32 bfloat16] [--threads 1 2] [--batches 1 8 32] [--prompt 64] [--tokens 64] [--reps 2]
 
 vLLM runs in its own venv (build/vllm-venv: scripts/vllm_env.sh) as a child process that loads the model once and
 then answers batches on stdin (scripts/vllm_run.py --bench), so the two engines' runs interleave here: for each
 batch size, `reps` times, ours and vLLM's in alternating order; the best of each counts. Workload: B prompts of
 `prompt` tokens cut from TinyStories (seeded, fresh for every run, the same for both engines: no prefix-cache hits),
-each generating exactly `tokens` tokens (greedy, EOS ignored), all submitted at t = 0 (offline). Both fp32 on the CPU
-with the same thread count on the same cores (vLLM: VLLM_CPU_OMP_THREADS_BIND, ours: torch threads and this
+each generating exactly `tokens` tokens (greedy, EOS ignored), all submitted at t = 0 (offline). Both in the same
+dtype (each of --dtypes: fp32, and bf16 where the CPU has oneDNN's bf16 kernels) on the CPU, with the same thread
+count (each of --threads) on the same cores (vLLM: VLLM_CPU_OMP_THREADS_BIND, ours: torch threads and this
 process's CPU affinity) and the same step token budget
-(vLLM's max_num_batched_tokens, 4096 for its offline LLM on a CPU). One thread by default: on a busy 2-core machine
-two threads mostly wait for each other at every op. vLLM runs as it does by default (compiled).
+(vLLM's max_num_batched_tokens, 4096 for its offline LLM on a CPU). One vLLM process per (model, dtype, threads).
+vLLM runs as it does by default (compiled); ours runs every linear layer on packed oneDNN weights (FastLinear,
+models/fast_linear.py: the run fails if that path did not run).
 Reports generated tokens / s per batch size, median time to first token (from submission) and inter-token latency
 (per request: (last - first token time) / (tokens - 1)), KV-cache bytes per token, and the ratios ours / vLLM.
 """
@@ -32,6 +34,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch.engine import Engine, SamplingParams
+from hf_attn_patch.models import fast_linear
 from hf_attn_patch.models.pretrained import smollm2_dir
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -69,8 +72,8 @@ def run_ours(engine: Engine, batch: list[list[int]], tokens: int) -> dict:
 class VLLMChild:
     """scripts/vllm_run.py --bench in vLLM's venv: one load, then one batch per line."""
 
-    def __init__(self, model_dir: Path, threads: int, max_seqs: int, max_len: int):
-        engine = {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": max_len, "seed": 0,
+    def __init__(self, model_dir: Path, threads: int, max_seqs: int, max_len: int, dtype: str = "float32"):
+        engine = {"dtype": dtype, "skip_tokenizer_init": True, "max_model_len": max_len, "seed": 0,
                   "max_num_seqs": max_seqs}  # fmt: skip
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), "OMP_NUM_THREADS": str(threads),
                "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}  # fmt: skip
@@ -101,21 +104,25 @@ def best(runs: list[dict]) -> dict:
             "itl_ms": 1000 * statistics.median(r["itl_s"])}  # fmt: skip
 
 
-def bench(label: str, model_dir: Path, args) -> list[dict]:
-    torch.set_num_threads(args.threads)
-    os.sched_setaffinity(0, range(args.threads))  # the cores vLLM's threads are bound to (VLLM_CPU_OMP_THREADS_BIND)
+def bench(label: str, model_dir: Path, args, dtype: str, threads: int) -> list[dict]:
+    torch.set_num_threads(threads)
+    os.sched_setaffinity(0, range(threads))  # the cores vLLM's threads are bound to (VLLM_CPU_OMP_THREADS_BIND)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
     max_len, corpus = args.prompt + args.tokens, corpus_ids(tokenizer)
+    label = f"{label} {dtype} {threads}t"
     print(f"{label}: starting vLLM (one load, about a minute)", flush=True)
-    vllm = VLLMChild(model_dir, args.threads, max(args.batches), max_len)
+    vllm = VLLMChild(model_dir, threads, max(args.batches), max_len, dtype)
     engine = Engine(model, tokenizer, max_memory=KV_SPACE_GIB << 30, max_num_seqs=max(args.batches),
                     max_batch_tokens=vllm.pool["max_num_batched_tokens"], max_model_len=max_len)  # vLLM's step budget
     ours_kv = engine.block_bytes / engine.kv.block_size
     vllm_kv = (KV_SPACE_GIB << 30) / (vllm.pool["num_blocks"] * vllm.pool["block_size"])
     try:
         warm = prompts(corpus, max(args.batches), args.prompt, seed=-1)  # first-call costs out of the timings
+        fast_linear.reset_counts()
         run_ours(engine, warm, 8), vllm.run(warm, 8)
+        if not set(fast_linear.counts()) <= set(fast_linear.FAST):  # the fast path must have run, and only it
+            raise SystemExit(f"{label}: our linear layers did not all run packed: {fast_linear.counts()}")
         rows = []
         for b in args.batches:
             ours, theirs = [], []
@@ -138,7 +145,8 @@ def bench(label: str, model_dir: Path, args) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", choices=["stories15m", "smollm2", "both"], default="stories15m")
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--dtypes", nargs="+", choices=["float32", "bfloat16"], default=["float32", "bfloat16"])
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
     parser.add_argument("--tokens", type=int, default=64, help="generated tokens per request")
@@ -151,7 +159,9 @@ def main() -> None:
     names = ["stories15m", "smollm2"] if args.model == "both" else [args.model]
     rows = []
     for name in names:
-        rows += bench(name, models[name] or smollm2_dir(), args)
+        for dtype in args.dtypes:
+            for threads in args.threads:
+                rows += bench(name, models[name] or smollm2_dir(), args, dtype, threads)
     print("\n| model | batch | ours tok/s | vLLM tok/s | ratio | TTFT ms ours / vLLM | ITL ms ours / vLLM "
           "| KV B/token |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

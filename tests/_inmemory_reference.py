@@ -34,6 +34,7 @@ from hf_attn_patch.converters.options import ConvertOptions
 from hf_attn_patch.devices import resolve_device
 from hf_attn_patch.hub import engines
 from hf_attn_patch.kv_memory import dtype_of, kv_cache_bytes
+from hf_attn_patch.models import fast_linear
 from hf_attn_patch.models.architectures import AttentionShape, AttentionWeights, architecture_of, head_dim, rotary_dim
 from hf_attn_patch.models.pretrained import load_source
 
@@ -47,6 +48,7 @@ def _flat_options(**options) -> SimpleNamespace:
     return SimpleNamespace(**ConvertOptions.from_flat(**options).flat())
 
 
+@fast_linear.disabled()  # the kernels convert() runs: torch's F.linear
 def convert_in_memory(source: str, **options):
     """(converted model, report): the in-memory conversion as it was before streaming (nothing written)."""
     opts = _flat_options(**options)

@@ -11,6 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_attn_patch.converters.io.layer_source import LayerSource, resolve_folder
 from hf_attn_patch.converters.io.layer_stream import Activations, LayerRunner, choose_placement
+from hf_attn_patch.models import fast_linear
 
 STORIES15M = Path(__file__).resolve().parents[2] / "shared" / "models" / "stories15m"
 
@@ -82,8 +83,10 @@ def tiny_mistral_sliding(folder: Path) -> Path:
 
 
 def whole_logits(folder, ids, attn="sdpa", dtype=torch.float32):
+    """The whole model's logits with the kernels the streamed passes run: torch's F.linear (the converter's passes run
+    with the packed CPU linear layers off, fast_linear.disabled())."""
     model = AutoModelForCausalLM.from_pretrained(folder, attn_implementation=attn, dtype=dtype).eval()
-    with torch.no_grad():
+    with torch.no_grad(), fast_linear.disabled():
         return model(ids).logits
 
 

@@ -19,6 +19,9 @@ first step and every `eval_every` steps, and the trainable weights of the best m
 AUTO_LRS for `probe` steps at a constant rate (optimizer state reset between them), the rate with the lowest held-in
 KL is used (the weights go back to the start first). Distillation text from the source model's own distribution:
 calibration.sample_from_teacher.
+
+Like the rest of the converter, healing runs torch's F.linear for every linear layer (fast_linear.disabled()): its
+result does not depend on the CPU inference fast path.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ...attention import GroupedQueryAttention, LatentKVAttention, MultiHeadLatentAttention
+from ...models import fast_linear
 from ...models.architectures import architecture_of
 from .heal_fsdp import FSDP_DIR, Sharded, launch_mode
 from .heal_masters import MasterWeights, load_tensors, save_tensors
@@ -58,6 +62,7 @@ class HealResult:
     range_test: dict[float, float] = field(default_factory=dict)  # lr="auto": held-in KL after each probe
 
 
+@fast_linear.disabled()  # the teacher's and held-in passes run F.linear, as in convert() (models/fast_linear.py)
 def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str = 1e-4, batch_size: int = 1,
          train: str = "attention", lm_weight: float = 0.0, gradient_checkpointing: bool = False,
          checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool = False,

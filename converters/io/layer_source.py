@@ -19,6 +19,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from ...models import fast_linear
+
 logger = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -224,6 +226,7 @@ class LayerSource:
         return self._skeleton_pass(ids, replace).logits
 
     @torch.no_grad()
+    @fast_linear.disabled()  # the converter's kernels: torch's F.linear (models/fast_linear.py, disabled())
     def _skeleton_pass(self, input_ids: torch.Tensor, on_call):
         """The model's forward on input_ids with decoder layer i stood in for by on_call(i, hidden, args, kwargs)."""
         container = self.layers

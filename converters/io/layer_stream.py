@@ -7,7 +7,8 @@ temporary file on disk mapped into memory. Peak memory: the resident parts + one
 memory) + one chunk's intermediates, whatever the depth.
 
 The ops and their order are the base model's forward (embed -> layers with the same masks and rotary cos/sin ->
-norm -> lm_head), so the logits equal the whole model's.
+norm -> lm_head), so the logits equal the whole model's with the same kernels: the passes here (and LayerSource's) run
+torch's F.linear whatever the CPU inference fast path (models/fast_linear.py, disabled()), as the whole conversion does.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from ...models import fast_linear
 from .layer_source import LayerSource
 
 logger = logging.getLogger(__name__)
@@ -157,12 +159,14 @@ class LayerRunner:
         return {**dict(zip(names, args)), **kwargs}
 
     @torch.no_grad()
+    @fast_linear.disabled()  # the converter's kernels: torch's F.linear (models/fast_linear.py)
     def embed(self, input_ids: torch.Tensor, out: torch.Tensor) -> None:
         """out [N, T, D] <- the hidden states entering layer 0 for input_ids [N, T]."""
         for lo in range(0, input_ids.shape[0], self.chunk_size):
             out[lo : lo + self.chunk_size] = self.src.embed(input_ids[lo : lo + self.chunk_size]).to(out.device)
 
     @torch.no_grad()
+    @fast_linear.disabled()
     def apply(self, layer: torch.nn.Module, i: int, inputs: torch.Tensor, outputs: torch.Tensor) -> None:
         """outputs [N, T, D] <- decoder layer i (`layer`, on the source's device) applied to inputs [N, T, D]."""
         for lo in range(0, inputs.shape[0], self.chunk_size):

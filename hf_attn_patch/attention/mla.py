@@ -115,7 +115,9 @@ class MultiHeadLatentAttention(nn.Module):
         """
         if self.absorb != "auto":
             return self.absorb == "always"
-        if not self.kv_b_proj.weight.is_floating_point() or type(self.kv_b_proj) is not nn.Linear:
+        proj = self.kv_b_proj
+        plain = type(proj) is nn.Linear or type(proj).__dict__.get("plain_weight", False)  # models/fast_linear.py
+        if not proj.weight.is_floating_point() or not plain:
             return False  # quantized / wrapped up-projection: its weight cannot be folded as a plain matrix
         d_c, d_n, d_v = self.kv_lora_rank, self.qk_nope_head_dim, self.v_head_dim
         return num_queries * (2 * d_c - d_n - d_v) < d_c * (d_n + d_v)

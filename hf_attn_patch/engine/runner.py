@@ -7,8 +7,9 @@ The scheduled tokens of many requests go through the model as one row [1, T] wit
 metadata travels in a forward context (cache/metadata.py); while it is set, transformers' attention lookup returns
 the paged backend (attention/backend.py), which writes each layer's new K/V at slot_mapping and attends over the
 block tables. The model is called without a cache and with a 4-D placeholder mask, which transformers passes
-through untouched (the metadata is the mask); nothing on the model or its config is changed, except that an fp32
-model on the CPU runs its lm_head with a packed copy of its weight during the forward (packed_head.py).
+through untouched (the metadata is the mask); nothing on the model or its config is changed, except that its
+nn.Linear layers become FastLinear (models/fast_linear.py: packed oneDNN weights on the CPU, as every model built
+while patched already has; a no-op where that is turned off).
 
 Hybrid models (constant-state layers: attention/state_layers.py lists the families): the KV manager gives each
 sequence a state slot, the runner keeps the slots' states (cache/state_pool.py) and hands the forward each
@@ -16,8 +17,6 @@ sequence's Cache in the forward context (`states`); a sequence at position 0 sta
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
@@ -28,7 +27,7 @@ from ..cache.kv_storage import apply_copies
 from ..cache.manager import STATE, layer_groups
 from ..cache.metadata import ForwardContext, build_metadata, forward_context
 from ..cache.state_pool import StateStorage
-from .packed_head import PackedHead
+from ..models import fast_linear
 from .scheduler_output import SchedulerOutput
 
 
@@ -48,7 +47,7 @@ class ModelRunner:
         self.device = next(model.parameters()).device
         self.storage: list = [None] * len(self.layer_groups)  # per layer its KVStorage (made at its first write)
         self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
-        self._head = PackedHead.for_model(model)  # fp32 on the CPU: lm_head in oneDNN's layout (packed_head.py)
+        fast_linear.install(model)  # a model built before the import or unpatched gets the packed layers too
         self._allocate_storage(num_blocks)
 
     def _allocate_storage(self, num_blocks: int) -> None:
@@ -85,8 +84,7 @@ class ModelRunner:
         context = ForwardContext(metadata, self.storage, pool_blocks, states=states)
         device = self.device
         keep = torch.tensor(keep, dtype=torch.long, device=device)
-        head = self._head.swapped() if self._head is not None else contextlib.nullcontext()
-        with torch.no_grad(), forward_context(context), head:
+        with torch.no_grad(), forward_context(context):
             out = self.model(input_ids=torch.tensor([tokens], device=device),
                              position_ids=torch.tensor([positions], device=device), attention_mask=self._mask,
                              use_cache=False, logits_to_keep=keep)  # fmt: skip
