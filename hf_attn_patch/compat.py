@@ -21,7 +21,7 @@ FLOOR = "5.19"
 NEWEST_TESTED = "5.25"
 PIP_LINE = f'pip install "transformers>={FLOOR},<6"'
 
-__all__ = ["CACHE", "FLOOR", "NEWEST_TESTED", "cache_kwarg", "check_transformers_version", "constructor_signature",
+__all__ = ["CACHE", "FLOOR", "NEWEST_TESTED", "attention_cache", "cache_kwarg", "check_transformers_version", "constructor_signature",
            "get_cache", "patch_rows", "placeholder_cache_layer", "transformers_minor"]  # fmt: skip
 
 
@@ -63,6 +63,12 @@ CACHE = "cache" if _INSTALLED >= (5, 24) else "past_key_values"
 def cache_kwarg(cache) -> dict:
     """{CACHE: cache}: pass a cache to a model forward, generate() or a mask function under the installed name."""
     return {CACHE: cache}
+
+
+def attention_cache(cache=None, past_key_values=None, layer_past=None):
+    """The cache an attention forward was handed, under whichever name the caller used: `cache` (5.24+),
+    `past_key_values` (before 5.24) or `layer_past` (GPT-NeoX); None when it got none."""
+    return next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
 
 
 def get_cache(mapping):

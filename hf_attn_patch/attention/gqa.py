@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..compat import attention_cache
 from .rope import apply_rope
 from .spec import AttentionSpec
 
@@ -88,7 +89,7 @@ class GroupedQueryAttention(nn.Module):
         layer_past=None,  # GPT-NeoX passes the cache under this name
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
+        cache = attention_cache(cache, past_key_values, layer_past)
         batch, length, _ = hidden_states.shape
         shape = (batch, length, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..cache.metadata import get_forward_context
+from ..compat import attention_cache
 from . import backend
 from .gqa import RMSNorm, attention_function
 from .mla import _mask_bias
@@ -100,7 +101,7 @@ class LatentKVAttention(nn.Module):
         layer_past=None,  # GPT-NeoX passes the cache under this name
         **kwargs,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
+        cache = attention_cache(cache, past_key_values, layer_past)
         batch, length, _ = hidden_states.shape
         q = self._queries(hidden_states)
         c_k = self.k_a_proj(hidden_states).unsqueeze(1)

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..cache.metadata import get_forward_context
+from ..compat import attention_cache
 from . import backend
 from .gqa import RMSNorm, attention_function
 from .rope import apply_rope, deinterleave, select_rope_pairs
@@ -136,7 +137,7 @@ class MultiHeadLatentAttention(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if self.absorb not in ABSORB_MODES:
             raise ValueError(f"absorb={self.absorb!r} is not one of {ABSORB_MODES}")
-        cache = next((c for c in (cache, past_key_values, layer_past) if c is not None), None)
+        cache = attention_cache(cache, past_key_values, layer_past)
         batch, length, _ = hidden_states.shape
         q_nope, q_rope = self._queries(hidden_states)
         c, k_rope = self._latent(hidden_states)
