@@ -20,6 +20,10 @@ AUTO_LRS for `probe` steps at a constant rate (optimizer state reset between the
 KL is used (the weights go back to the start first). Distillation text from the source model's own distribution:
 calibration.sample_from_teacher.
 
+Balanced factors: before the first step every latent factor pair is rebalanced (balance.py), the same function in
+a basis where Adam's steps of about lr per weight are alike for both factors (a closed form's factors can differ in
+scale by 1e5, and a step sized for one wipes out the other).
+
 Like the rest of the converter, healing runs torch's F.linear for every linear layer (fast_linear.disabled()): its
 result does not depend on the CPU inference fast path.
 """
@@ -39,6 +43,7 @@ from tqdm.auto import tqdm
 from ...attention import GroupedQueryAttention, LatentKVAttention, MultiHeadLatentAttention
 from ...models import fast_linear
 from ...models.architectures import architecture_of
+from .balance import balance
 from .heal_fsdp import FSDP_DIR, Sharded, launch_mode
 from .heal_masters import MasterWeights, load_tensors, save_tensors
 
@@ -67,6 +72,7 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
          train: str = "attention", lm_weight: float = 0.0, gradient_checkpointing: bool = False,
          checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool = False,
          held_in: torch.Tensor | None = None, eval_every: int | None = None, probe: int | None = None,
+         weights: torch.Tensor | None = None, held_in_weights: torch.Tensor | None = None,
          progress: bool = True) -> HealResult:  # fmt: skip
     """Train `student` in place for `steps` optimizer steps on token windows [n, L]; `teacher` stays frozen.
 
@@ -74,7 +80,8 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
     With checkpoint_dir, the optimizer/model state is saved every `checkpoint_every` steps; resume=True continues
     from the last one saved there. held_in [m, L]: windows for keeping the best state (module docstring), checked
     every eval_every steps (default steps // 10); lr="auto" (needs held_in): the range test, `probe` steps per rate
-    (default max(1, min(10, steps // 10))).
+    (default max(1, min(10, steps // 10))). weights [n, L - 1] / held_in_weights [m, L - 1]: the KL's weight at each
+    predicted position (io/heal_data.py; default: every position counts the same).
     """
     from accelerate import Accelerator
 
@@ -87,6 +94,10 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
             raise ValueError("lr='auto' needs held_in windows (the range test measures on them)")
     elif isinstance(lr, str) or not lr > 0:
         raise ValueError(f"lr={lr!r} must be positive or 'auto'")
+    for name, w, ids in (("weights", weights, windows), ("held_in_weights", held_in_weights, held_in)):
+        if w is not None and (ids is None or tuple(w.shape) != (ids.shape[0], ids.shape[1] - 1)):
+            shape = None if ids is None else (ids.shape[0], ids.shape[1] - 1)
+            raise ValueError(f"{name} has shape {tuple(w.shape)}, expected {shape} (one per predicted position)")
     if eval_every is not None and (not isinstance(eval_every, int) or eval_every < 1):
         raise ValueError(f"eval_every={eval_every!r} must be a positive integer")
     if resume and checkpoint_dir is None:
@@ -103,6 +114,9 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
     params = _trainable(student, train)
     if not params:
         raise ValueError("the student has no attention layers to train (train='attention')")
+    unbalanced = [p.detach().clone() for p in params]  # returned, bit for bit, if no step beats the start
+    if not balance(student):
+        unbalanced = None
     model = student  # the caller's model; `student` below: what trains (the DDP wrapper, or the sharded copy)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -141,9 +155,10 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
     result = HealResult(steps=0, tokens=0, seconds=0.0)
     started = time.perf_counter()
     held = None if held_in is None else held_in.to(accelerator.device)
+    held_weights = None if held_in_weights is None else held_in_weights.to(accelerator.device)
 
     def measure() -> float:
-        kl = _held_in_kl(student, teacher, held)
+        kl = _held_in_kl(student, teacher, held, held_weights)
         if sharded is not None:  # every process measures the same windows; the mean makes their choices one
             kl = accelerator.reduce(torch.tensor(kl, dtype=torch.float64, device=accelerator.device), "mean").item()
         return kl
@@ -158,7 +173,7 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         result.range_test = {float(k): v for k, v in saved["range_test"].items()}
         lr = saved["lr"] if lr == "auto" else lr
     if lr == "auto":
-        lr = _range_test(student, teacher, optimizer, masters, windows, batch_size, lm_weight, accelerator,
+        lr = _range_test(student, teacher, optimizer, masters, windows, weights, batch_size, lm_weight, accelerator,
                          probe or max(1, min(10, steps // 10)), result, best_state, measure)  # fmt: skip
         schedule.base_lrs = [lr for _ in schedule.base_lrs]
         for group in optimizer.param_groups:
@@ -170,8 +185,8 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
     for step in bar:  # each process takes its own batch_size windows of every step: data parallel
         first = (step * accelerator.num_processes + accelerator.process_index) * batch_size
         rows = torch.arange(first, first + batch_size) % len(windows)
-        loss = _step(student, teacher, optimizer, masters, windows[rows].to(accelerator.device), lm_weight,
-                     accelerator)  # fmt: skip
+        loss = _step(student, teacher, optimizer, masters, windows[rows].to(accelerator.device),
+                     _rows(weights, rows, accelerator.device), lm_weight, accelerator)  # fmt: skip
         schedule.step()
         result.losses.append(loss.item())
         result.tokens += len(rows) * windows.shape[1] * accelerator.num_processes
@@ -204,6 +219,10 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
                     result.held_in[-1][1])  # fmt: skip
     if sharded is not None:
         sharded.copy_into(model)
+    if unbalanced is not None and result.best_step == 0 and best_state is not None:  # the start, bit for bit
+        with torch.no_grad():
+            for p, original in zip(params if sharded is None else _trainable(model, train), unbalanced):
+                p.copy_(original)
     model.eval()
     if gradient_checkpointing:
         model.gradient_checkpointing_disable()
@@ -215,14 +234,24 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
     return result
 
 
-def _step(student, teacher, optimizer, masters, ids, lm_weight, accelerator) -> torch.Tensor:
-    """One optimizer step of KL(teacher || student) (+ lm_weight x cross-entropy) on ids [b, L]; the loss."""
+def _rows(weights: torch.Tensor | None, rows: torch.Tensor, device) -> torch.Tensor | None:
+    return None if weights is None else weights[rows].to(device)
+
+
+def _weighted_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.Tensor:
+    """mean of values [b, L - 1], or sum(w values) / sum(w) with weights [b, L - 1]."""
+    return values.mean() if weights is None else (weights * values).sum() / weights.sum().clamp_min(1e-12)
+
+
+def _step(student, teacher, optimizer, masters, ids, weights, lm_weight, accelerator) -> torch.Tensor:
+    """One optimizer step of KL(teacher || student) (+ lm_weight x cross-entropy) on ids [b, L], the KL weighted per
+    predicted position by weights [b, L - 1] (None: all alike); the loss."""
     with torch.no_grad():
         target = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
     with accelerator.autocast():
         logits = student(ids).logits[:, :-1].float()
     log_q = torch.log_softmax(logits, dim=-1)
-    loss = (target.exp() * (target - log_q)).sum(-1).mean()
+    loss = _weighted_mean((target.exp() * (target - log_q)).sum(-1), weights)
     if lm_weight:
         loss = loss + lm_weight * torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
     accelerator.backward(loss)
@@ -230,7 +259,7 @@ def _step(student, teacher, optimizer, masters, ids, lm_weight, accelerator) -> 
     return loss
 
 
-def _range_test(student, teacher, optimizer, masters, windows, batch_size, lm_weight, accelerator, probe,
+def _range_test(student, teacher, optimizer, masters, windows, weights, batch_size, lm_weight, accelerator, probe,
                 result: HealResult, start_state, measure) -> float:  # fmt: skip
     """The rate of AUTO_LRS whose `probe` constant-rate steps from the start reach the lowest held-in KL; the
     weights and optimizer state go back to the start after every probe."""
@@ -241,7 +270,8 @@ def _range_test(student, teacher, optimizer, masters, windows, batch_size, lm_we
             group["lr"] = rate
         for step in range(probe):
             rows = torch.arange(step * batch_size, (step + 1) * batch_size) % len(windows)
-            _step(student, teacher, optimizer, masters, windows[rows].to(accelerator.device), lm_weight, accelerator)
+            _step(student, teacher, optimizer, masters, windows[rows].to(accelerator.device),
+                  _rows(weights, rows, accelerator.device), lm_weight, accelerator)  # fmt: skip
         result.range_test[rate] = measure()
         masters.restore(state)
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -252,16 +282,19 @@ def _range_test(student, teacher, optimizer, masters, windows, batch_size, lm_we
 
 
 @torch.no_grad()
-def _held_in_kl(student, teacher, held: torch.Tensor) -> float:
-    """Mean KL(teacher || student) per predicted token over the held-in windows [m, L] (student in eval mode)."""
+def _held_in_kl(student, teacher, held: torch.Tensor, weights: torch.Tensor | None = None) -> float:
+    """Mean KL(teacher || student) per predicted token over the held-in windows [m, L] (student in eval mode),
+    weighted per predicted position by weights [m, L - 1] when given."""
     student.eval()
-    total, count = 0.0, 0
-    for ids in held.split(max(1, 4096 // held.shape[1])):  # <= 4,096 tokens of [tokens, vocab] logits at once
+    total, count = 0.0, 0.0
+    chunk = max(1, 4096 // held.shape[1])  # <= 4,096 tokens of [tokens, vocab] logits at once
+    for i, ids in enumerate(held.split(chunk)):
         log_p = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
         log_q = torch.log_softmax(student(ids).logits[:, :-1].float(), dim=-1)
-        total += float((log_p.exp() * (log_p - log_q)).sum())
-        count += log_p.shape[0] * log_p.shape[1]
-    return total / count
+        w = torch.ones(log_p.shape[:2]) if weights is None else weights[i * chunk : i * chunk + len(ids)]
+        total += float((w.to(log_p.device) * (log_p.exp() * (log_p - log_q)).sum(-1)).sum())
+        count += float(w.sum())
+    return total / max(count, 1e-12)
 
 
 def plot_curve(losses: list[float], held_in: list[tuple[int, float]], best_step: int, lr: float, path) -> None:

@@ -18,6 +18,7 @@ import torch
 
 from ...kv_memory import dtype_of
 from ..io.calibration import TEACHER_PROMPT, calibration_windows, sample_from_teacher
+from ..io.heal_data import retrieval_windows
 from ..export.deepseek_export import to_deepseek_v3
 from ..options import ConvertOptions
 from ..fitting.reconstruct import LAYERWISE_LR, sequential, summary
@@ -75,12 +76,22 @@ def distill(student, teacher, tokenizer, opts: ConvertOptions, samples: torch.Te
     Data (heal_data), windows of heal_len tokens: calib: windows of the calibration text; teacher: the source's own
     continuations of TEACHER_PROMPT-token prompts cut from it (one window per training step and batch row, at most
     64, reused cyclically; `samples`, the teacher calibration windows when calib_source is "teacher" and heal_len is
-    calib_len, are used instead of sampling again); mix: the two alternating. The last heal_held_in windows (of the
-    same kind) are never trained on: they pick the learning rate (lr "auto") and the state returned."""
+    calib_len, are used instead of sampling again); mix: the two alternating; retrieval: io/heal_data.py's windows
+    (repeated segments, recalled facts, plain text) with the KL weighted on the positions that retrieve, one fresh
+    window per step and batch row. The last heal_held_in windows (of the same kind; retrieval: drawn from the last
+    HELD_SHARE of the calibration tokens, which training never reads) are never trained on: they pick the learning
+    rate (lr "auto") and the state returned."""
     from ..fitting.heal import heal as run_heal
 
     heal, length = opts.healing, opts.healing.length
     text = calibration_text(opts.calibration)
+    if heal.data == "retrieval":
+        train, held_in = _retrieval_data(text, tokenizer, opts)
+        result = run_heal(student, teacher, train.ids, weights=train.weights, held_in=held_in.ids,
+                          held_in_weights=held_in.weights, steps=heal.steps, lr=heal.lr, batch_size=heal.batch_size,
+                          train=heal.train, checkpoint_dir=heal.checkpoint_dir, checkpoint_every=heal.checkpoint_every,
+                          resume=heal.resume)  # fmt: skip
+        return _summary(result, heal, len(train), len(held_in))
     tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
     if tokens < 2 * length:
         raise ValueError(f"heal_len={length}: the calibration text has {tokens} tokens, fewer than two windows")
@@ -110,8 +121,30 @@ def distill(student, teacher, tokenizer, opts: ConvertOptions, samples: torch.Te
     result = run_heal(student, teacher, train, steps=heal.steps, lr=heal.lr, held_in=held_in,
                       batch_size=heal.batch_size, train=heal.train, checkpoint_dir=heal.checkpoint_dir,
                       checkpoint_every=heal.checkpoint_every, resume=heal.resume)  # fmt: skip
+    return _summary(result, heal, len(train), held)
+
+
+HELD_SHARE = 0.15  # retrieval data: the share of the calibration tokens kept for the held-in windows
+
+
+def _retrieval_data(text: str, tokenizer, opts: ConvertOptions):
+    """(train, held-in) WeightedWindows of heal_len tokens: one training window per step, batch row and process, from
+    the first 1 - HELD_SHARE of the calibration tokens; heal_held_in windows from the rest."""
+    heal, length = opts.healing, opts.healing.length
+    stream = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    cut = len(stream) - max(int(len(stream) * HELD_SHARE), length + 1)
+    if cut < length + 1:
+        raise ValueError(f"heal_len={length}: the calibration text has {len(stream)} tokens; retrieval healing needs "
+                         f"at least {2 * (length + 1)} (one window to train on, one held in)")  # fmt: skip
+    processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
+    train = retrieval_windows(stream[:cut], tokenizer, heal.steps * heal.batch_size * processes, length, opts.seed)
+    return train, retrieval_windows(stream[cut:], tokenizer, heal.held_in, length, opts.seed + 1)
+
+
+def _summary(result, heal, windows: int, held: int) -> dict:
+    """The report's "heal" section."""
     return {"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 2),
             "first_loss": result.losses[0], "last_loss": result.losses[-1], "train": heal.train,
             "lr": result.lr, "lr_option": heal.lr, "range_test": result.range_test, "data": heal.data,
-            "length": length, "windows": len(train), "held_in_windows": held, "held_in_kl": result.held_in,
+            "length": heal.length, "windows": windows, "held_in_windows": held, "held_in_kl": result.held_in,
             "best_step": result.best_step, "losses": result.losses}  # fmt: skip
