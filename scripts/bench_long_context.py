@@ -20,6 +20,8 @@ Per model (rows/<label>.json, rewritten after each part, so a stopped run keeps 
               held_in part's samples (D + 64 <= L). Settings are chosen on held_in + retrieval_kl together.
     passkey / copy   evaluation/retrieval.py at the given distances (copy: an item is 2 x distance long), the
               source's vocabulary (known_vocabulary, seed 0), seed 0: every model answers the same items
+    perplexity  WikiText-2 test perplexity (6 windows of 512 tokens, ../shared, first 200,000 characters) of the model
+              and of the source in the same run, their ratio, and the mean KL(source || model) there
     passage   evaluation/passage.py: a 128-token passage, D tokens of the text that follows it, the passage again;
               texts: WikiText-2 test (../shared, first 200,000 characters) and the last 60,000 characters of the
               package's TinyStories sample (the default calibration reads its first 8,192 tokens only)
@@ -43,6 +45,7 @@ from hf_attn_patch.converters.io.calibration import calibration_windows, read_ca
 from hf_attn_patch.evaluation.held_in import (long_context_kl, repeat_items, repeat_kl, repeat_source_log_probs,
                                               repeat_summary, source_log_probs)
 from hf_attn_patch.evaluation.passage import evaluate_passages
+from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 from hf_attn_patch.evaluation.retrieval import RetrievalResult, known_vocabulary, make_batch, score
 from hf_attn_patch.models.pretrained import load_source
 
@@ -51,7 +54,8 @@ SHARED = ROOT.parent / "shared"
 CALIBRATED_TOKENS = 8192  # the calibration windows of every conversion measured here lie within these
 REPEAT_SEGMENT = 64  # tokens of the repeated segment of the retrieval_kl part
 PROBE_CHARS = 60_000  # the end of the calibration corpus: the passage probe's "tinystories" text, never held-in
-PARTS = ("held_in", "retrieval_kl", "passkey", "copy", "passage")
+PARTS = ("held_in", "retrieval_kl", "passkey", "copy", "passage", "perplexity")
+PERPLEXITY_WINDOWS = (6, 512)  # WikiText-2 test windows x tokens (the conversion baselines' protocol, RESEARCH)
 
 
 def cached(path: Path, make) -> torch.Tensor:
@@ -159,8 +163,15 @@ def measure(args, label: str, folder: str | None) -> None:
             if "passage" in row:  # other texts measured before stay
                 result["accuracy"] = {**row["passage"]["accuracy"], **result["accuracy"]}
             row["passage"] = result
+        elif part == "perplexity":
+            n, length = PERPLEXITY_WINDOWS
+            windows = windows_of(evaluation_texts()["wikitext"], tokenizer, length, n * length)
+            ours = evaluate(model, windows, None if folder is None else source, progress=False)
+            base = ours if folder is None else evaluate(source, windows, progress=False)
+            row["perplexity"] = {"windows": f"{n}x{length}", "model": ours.perplexity, "source": base.perplexity,
+                                 "ratio": ours.perplexity / base.perplexity, "kl": ours.kl_to_reference}  # fmt: skip
         row.setdefault("seconds", {})[part] = round(time.perf_counter() - started, 1)
-        shown = ("held_in_kl", "retrieval_kl", "retrieval", "passage")
+        shown = ("held_in_kl", "retrieval_kl", "retrieval", "passage", "perplexity")
         print(label, part, json.dumps({k: row.get(k) for k in shown}), flush=True)
         rows.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(row, indent=1))

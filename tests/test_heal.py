@@ -186,13 +186,15 @@ def test_two_process_data_parallel_healing_equals_one_process_with_twice_the_bat
     assert_same_adam_training(a, b, lr=1e-3, steps=3)
 
 
-def test_a_diverging_run_returns_its_start(setup):
+def test_a_diverging_run_returns_its_start_and_says_so(setup, caplog):
     source, out, train, held_out = setup
     student = AutoModelForCausalLM.from_pretrained(out).eval()
     start = {n: p.detach().clone() for n, p in student.named_parameters()}
-    result = heal(student, source, train[:-2], steps=4, lr=10.0, held_in=train[-2:], eval_every=1, progress=False)
+    with caplog.at_level("WARNING"):
+        result = heal(student, source, train[:-2], steps=4, lr=10.0, held_in=train[-2:], eval_every=1, progress=False)
     assert result.held_in[0][0] == 0 and all(kl > result.held_in[0][1] for _, kl in result.held_in[1:])
-    assert result.best_step == 0
+    assert result.best_step == 0 and result.improved is False
+    assert "healing did not lower the held-in KL" in caplog.text
     for name, p in student.named_parameters():
         assert torch.equal(p, start[name]), name
 

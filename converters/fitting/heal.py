@@ -64,6 +64,12 @@ class HealResult:
     lr: float = 0.0  # the rate used (lr="auto": the range test's pick)
     held_in: list[tuple[int, float]] = field(default_factory=list)  # (step, mean held-in KL); step 0: the start
     best_step: int = 0  # the step whose weights were returned (0: the start)
+
+    @property
+    def improved(self) -> bool | None:
+        """Whether a step beat the start on the held-in windows (None: no held-in windows were measured); False
+        means the run diverged or stalled, and the start was returned."""
+        return None if not self.held_in else self.best_step > 0
     range_test: dict[float, float] = field(default_factory=dict)  # lr="auto": held-in KL after each probe
 
 
@@ -217,6 +223,10 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         masters.restore(best_state)
         logger.info("healing: restored step %d (held-in KL %.4f; last %.4f)", result.best_step, best_kl,
                     result.held_in[-1][1])  # fmt: skip
+    if result.improved is False:
+        logger.warning("healing did not lower the held-in KL (start %.4f, then %s): the start is returned; lower the "
+                       "learning rate (lr %g)", result.held_in[0][1],
+                       ", ".join(f"{kl:.4f}" for _, kl in result.held_in[1:]), lr)  # fmt: skip
     if sharded is not None:
         sharded.copy_into(model)
     if unbalanced is not None and result.best_step == 0 and best_state is not None:  # the start, bit for bit

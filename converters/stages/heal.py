@@ -147,4 +147,4 @@ def _summary(result, heal, windows: int, held: int) -> dict:
             "first_loss": result.losses[0], "last_loss": result.losses[-1], "train": heal.train,
             "lr": result.lr, "lr_option": heal.lr, "range_test": result.range_test, "data": heal.data,
             "length": heal.length, "windows": windows, "held_in_windows": held, "held_in_kl": result.held_in,
-            "best_step": result.best_step, "losses": result.losses}  # fmt: skip
+            "best_step": result.best_step, "improved": result.improved, "losses": result.losses}  # fmt: skip
