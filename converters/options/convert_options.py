@@ -1,5 +1,5 @@
-"""The options of `convert()`: ConvertOptions and its sections (calibration, reconstruction, healing, output:
-option_sections.py), frozen dataclasses, each validated on construction.
+"""ConvertOptions, the parsed options of `convert()`: what to convert to, and its sections (calibration,
+reconstruction, healing, output: sections.py), frozen dataclasses, each validated on construction.
 
 Each option is declared once, as its field: the default, and in `option(...)` metadata its flat name, help text,
 choices and command-line type; FLAT_NAMES, the CLI's --flags (cli.py) and the applied defaults of healing are read
@@ -15,15 +15,13 @@ import copy
 import logging
 from dataclasses import dataclass, field, fields
 
-from .option_sections import (HEAL_DATA, SECTIONS, CalibrationOptions, HealingOptions, OutputOptions,  # noqa: F401
-                              ReconstructionOptions, _fill, _one_of, _positive_int, option)
-
-
-from ..devices import resolve_device
-from ..kv_memory import dtype_of
-from .export.constants import ENGINES
-from .methods.gqa_merge import GQA_METHODS
-from .methods.mla_plan import MLA_METHODS
+from ...devices import resolve_device
+from ...kv_memory import dtype_of
+from ..export.constants import ENGINES
+from ..methods.gqa_merge import GQA_METHODS
+from ..methods.mla_plan import MLA_METHODS
+from .fields import fill, one_of, positive_int, option
+from .sections import SECTIONS, CalibrationOptions, HealingOptions, OutputOptions, ReconstructionOptions
 
 logger = logging.getLogger(__name__)
 
@@ -44,12 +42,12 @@ def resolved(opts: "ConvertOptions", **changes) -> "ConvertOptions":
     for name, value in changes.items():
         place = FLAT_NAMES[name]
         if place is None:
-            _fill(out, name, value)
+            fill(out, name, value)
         else:
             section = sections.setdefault(place[0], copy.copy(getattr(opts, place[0])))
-            _fill(section, place[1], value)
+            fill(section, place[1], value)
     for section, value in sections.items():
-        _fill(out, section, value)
+        fill(out, section, value)
     return out
 
 def option_fields() -> list[tuple[str, tuple | None, dict]]:
@@ -128,19 +126,19 @@ class ConvertOptions:
         for section, kind in SECTIONS.items():
             if not isinstance(getattr(self, section), kind):
                 raise TypeError(f"{section}={getattr(self, section)!r} is not a {kind.__name__}")
-        _one_of("to", self.to, TARGETS)
+        one_of("to", self.to, TARGETS)
         self._refuse_inapplicable()
-        _one_of("format", self.format, FORMATS)
+        one_of("format", self.format, FORMATS)
         methods = _methods(self.to)
-        _fill(self, "method", self.method or methods[0])
+        fill(self, "method", self.method or methods[0])
         if self.method not in methods:
             raise ValueError(f"method={self.method!r} is not one of {methods} for to={self.to!r}")
         if self.to in ("gqa", "mqa") and self.method != "mean" and self.regroup is None:
-            _fill(self, "regroup", True)
+            fill(self, "regroup", True)
         if self.to == "mqa":
             if self.kv_heads not in (None, 1):
                 raise ValueError(f"kv_heads={self.kv_heads!r}: MQA has exactly one KV head")
-            _fill(self, "kv_heads", 1)
+            fill(self, "kv_heads", 1)
         if self.to == "gqa" and self.kv_heads is None:
             raise ValueError("to='gqa' needs kv_heads")
         self._check_rank_allocation()
@@ -152,8 +150,8 @@ class ConvertOptions:
         if self.engine is not None and self.format != "deepseek_v3":
             raise ValueError(f"engine={self.engine!r} applies to format='deepseek_v3' only, not format={self.format!r}")
         if self.format == "deepseek_v3":
-            _fill(self, "engine", self.engine or "llama.cpp")
-            _one_of("engine", self.engine, ENGINES)
+            fill(self, "engine", self.engine or "llama.cpp")
+            one_of("engine", self.engine, ENGINES)
         if self.to == "mla":
             if (self.kv_lora_rank is None) == (self.kv_budget is None):
                 raise ValueError(f"to='mla' needs exactly one of kv_lora_rank={self.kv_lora_rank!r} and "
@@ -162,11 +160,11 @@ class ConvertOptions:
                 raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
         if self.to == "latent_kv":
             self._check_latent_kv()
-        _positive_int("kv_heads", self.kv_heads)
-        _positive_int("kv_lora_rank", self.kv_lora_rank)
+        positive_int("kv_heads", self.kv_heads)
+        positive_int("kv_lora_rank", self.kv_lora_rank)
         if self.to == "mla" and self.rope_context is None:  # the calibration window (the source's context costs
-            _fill(self, "rope_context", self.calibration.length)  # short-range quality: docs/conversion-methods.md)
-        _positive_int("rope_context", self.rope_context)
+            fill(self, "rope_context", self.calibration.length)  # short-range quality: docs/conversion-methods.md)
+        positive_int("rope_context", self.rope_context)
         if self.rope_dim is not None and (not isinstance(self.rope_dim, int) or self.rope_dim < 0 or self.rope_dim % 2):
             raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")
         if self.dtype is not None:
@@ -176,7 +174,7 @@ class ConvertOptions:
         if heal.steps and self.calibration.lengths:  # healing's whole-model passes read plain windows
             raise ValueError(f"calib_lengths={self.calibration.lengths!r} does not apply with heal_steps")
         if heal.steps and heal.length is None:
-            _fill(heal, "length", self.calibration.length)
+            fill(heal, "length", self.calibration.length)
         if (self.calibration.propagate or self.reconstruction.steps or heal.steps and heal.layerwise_steps) \
                 and self.calibration.samples < 2:  # fmt: skip
             raise ValueError(f"calib_samples={self.calibration.samples!r}: propagate / reconstruct_steps / "
@@ -187,10 +185,10 @@ class ConvertOptions:
             raise ValueError("to='latent_kv' needs kv_budget (the fraction of the source's KV bytes to keep)")
         if not 0 < self.kv_budget <= 1:
             raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
-        _fill(self, "key_share", LATENT_KEY_SHARE if self.key_share is None else self.key_share)
+        fill(self, "key_share", LATENT_KEY_SHARE if self.key_share is None else self.key_share)
         if not isinstance(self.key_share, (int, float)) or not 0 < self.key_share < 1:
             raise ValueError(f"key_share={self.key_share!r} must be a fraction in (0, 1)")
-        _fill(self, "rope_context", self.rope_context or LATENT_ROPE_CONTEXT)
+        fill(self, "rope_context", self.rope_context or LATENT_ROPE_CONTEXT)
 
     def _refuse_inapplicable(self) -> None:
         """An option the chosen target or method would ignore is an error (it was given for a reason)."""
@@ -215,8 +213,8 @@ class ConvertOptions:
         (stock DeepSeek has one rank for all layers)."""
         if self.rank_allocation is None:
             sensitivity = self.to == "mla" and self.kv_budget is not None and self.format != "deepseek_v3"
-            _fill(self, "rank_allocation", "sensitivity" if sensitivity else "uniform")
-        _one_of("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
+            fill(self, "rank_allocation", "sensitivity" if sensitivity else "uniform")
+        one_of("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
         if self.to == "latent_kv":
             if self.rank_allocation not in ("uniform", "retrieval"):
                 raise ValueError(f"rank_allocation={self.rank_allocation!r}: to='latent_kv' takes 'uniform' or "
