@@ -72,12 +72,9 @@ def imported(tree: ast.AST, name: list[str], is_package: bool):
                 target = base + (node.module.split(".") if node.module else [])
             else:
                 target = (node.module or "").split(".")
-            if target[0] == "hf_attn_patch":
-                if node.module:
-                    yield target, node.lineno
-                else:  # from . import x: the module x, or a name x of the package
-                    for alias in node.names:
-                        yield target + [alias.name], node.lineno
+            if target[0] == "hf_attn_patch":  # from p import x: the module p.x, or a name x of p (a namespace
+                for alias in node.names:     # package such as kernels has none: its modules are what is imported)
+                    yield target + [alias.name], node.lineno
         elif isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.startswith("hf_attn_patch."):
