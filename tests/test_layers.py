@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"hf_attn_patch": ROOT / "hf_attn_patch", "hf_attn_patch.converters": ROOT / "converters",
             "hf_attn_patch.kernels": ROOT / "kernels"}  # fmt: skip
-LEVEL = {"kernels": 0, "extras": 0, "compat": 0, "assets": 0, "kv_memory": 1, "devices": 1, "cache": 1, "attention": 2,
+LEVEL = {"kernels": 0, "extras": 0, "compat": 0, "assets": 0, "variants": 0, "kv_memory": 1, "devices": 1, "cache": 1, "attention": 2,
          "models": 2, "grammar": 3, "speculative": 3, "engine": 4, "serving": 5, "evaluation": 5, "hub": 5,
          "converters": 6, "cli": 6, "demo": 6, "draft": 6, "_patching": 6}  # fmt: skip
 # lm-eval's loaders of the offline tasks live beside their YAMLs (lm-eval imports them by path): evaluation code, the
