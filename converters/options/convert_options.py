@@ -64,18 +64,19 @@ class ConvertOptions:
     sections run here (errors name the option and its value)."""
 
     to: str = option(None, "the target attention (required)", choices=TARGETS)
-    kv_heads: int | None = option(None, "gqa: KV heads after conversion (mqa: 1)", parse=int)
-    kv_lora_rank: int | None = option(None, "mla: latent dims d_c", parse=int)
+    kv_heads: int | None = option(None, "gqa: KV heads after conversion (mqa: 1)", parse=int, targets=("gqa", "mqa"))
+    kv_lora_rank: int | None = option(None, "mla: latent dims d_c", parse=int, targets=("mla",))
     rope_dim: int | None = option(None, "mla: dims of the shared RoPE key (even; default: one head's d_h, at most a "
-                                  "third of --kv-budget)", parse=int)  # fmt: skip
+                                  "third of --kv-budget)", parse=int, targets=("mla",))  # fmt: skip
     kv_budget: float | None = option(None, "mla: fraction of the source's KV bytes (instead of --kv-lora-rank); "
-                                     "latent_kv: the same, required", parse=float)  # fmt: skip
+                                     "latent_kv: the same, required", parse=float, targets=("mla", "latent_kv"))  # fmt: skip
     key_share: float | None = option(None, "latent_kv: share of the budget spent on key latents, the rest on values "
-                                     "(default 1/3: values need more rank than keys)", parse=float)  # fmt: skip
+                                     "(default 1/3: values need more rank than keys)", parse=float,
+                                     targets=("latent_kv",))  # fmt: skip
     method: str | None = option(None, "gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla "
                                 "(defaults: the best measured, docs/conversion.md)")  # fmt: skip
     regroup: bool | None = option(None, "gqa aligned/pca: merge KV heads by index instead of grouping them by "
-                                  "similarity (default: grouped)", flag="--no-regroup")  # fmt: skip
+                                  "similarity (default: grouped)", flag="--no-regroup", targets=("gqa", "mqa"))  # fmt: skip
     rank_allocation: str | None = option(None, "mla with --kv-budget: per layer RoPE dims + rank (or exact) by each "
                                          "choice's measured KL (default; uniform for deepseek_v3), one rank for all "
                                          "layers, by retained energy, or copy layers exact; latent_kv: uniform (default), or "
@@ -84,7 +85,7 @@ class ConvertOptions:
     rope_context: int | None = option(None, "mla: the distances the RoPE split keeps scores right over (default: "
                                       "--calib-len; the served context keeps far retrieval at some short-range cost); "
                                       "latent_kv: the distances the key fit weighs (default 4096)",
-                                      parse=int, metavar="TOKENS")  # fmt: skip
+                                      parse=int, metavar="TOKENS", targets=("mla", "latent_kv"))  # fmt: skip
     format: str = option("auto", "auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock "
                          "DeepseekV3ForCausalLM (MLA)", choices=FORMATS)  # fmt: skip
     engine: str | None = option(None, "--format deepseek_v3: the engine whose MLA kernels the shapes fit (default "
@@ -191,20 +192,20 @@ class ConvertOptions:
         fill(self, "rope_context", self.rope_context or LATENT_ROPE_CONTEXT)
 
     def _refuse_inapplicable(self) -> None:
-        """An option the chosen target or method would ignore is an error (it was given for a reason)."""
-        allowed = {"mla": ("kv_lora_rank", "rope_dim", "kv_budget", "rope_context"),
-                   "latent_kv": ("kv_budget", "rope_context", "key_share")}.get(self.to, ())  # fmt: skip
-        for name, owners in (("kv_lora_rank", "'mla'"), ("rope_dim", "'mla'"), ("kv_budget", "'mla' / 'latent_kv'"),
-                             ("rope_context", "'mla' / 'latent_kv'"), ("key_share", "'latent_kv'")):  # fmt: skip
-            if getattr(self, name) is not None and name not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} applies to to={owners} only, not to={self.to!r}")
-        if self.to in ("mla", "latent_kv") and self.kv_heads is not None:
-            raise ValueError(f"kv_heads={self.kv_heads!r} applies to to='gqa' / 'mqa' only, not to={self.to!r}")
+        """An option the chosen target or method would ignore is an error (it was given for a reason): each option
+        declares the targets it belongs to (`option(targets=...)`), and one check refuses it for any other."""
+        for name, _, metadata in option_fields():
+            owners = metadata.get("targets")
+            if owners is not None and self.to not in owners and getattr(self, name) is not None:
+                if name == "regroup":  # its own message below names the methods too
+                    continue
+                raise ValueError(f"{name}={getattr(self, name)!r} applies to to={' / '.join(map(repr, owners))} only, "
+                                 f"not to={self.to!r}")  # fmt: skip
         rec = self.reconstruction
         if rec.attention_kl and rec.steps == 0 and not self.calibration.propagate:
             raise ValueError(f"reconstruct_attention_kl={rec.attention_kl!r} needs reconstruct_steps > 0 or propagate")
         method = self.method or _methods(self.to)[0]
-        if self.regroup is not None and (self.to in ("mla", "latent_kv") or method == "mean"):
+        if self.regroup is not None and (self.to not in targets_of("regroup") or method == "mean"):
             raise ValueError(f"regroup={self.regroup!r} applies to to='gqa' / 'mqa' with method 'aligned' or 'pca', "
                              f"not to={self.to!r} with method={method!r}")  # fmt: skip
 
@@ -228,6 +229,11 @@ class ConvertOptions:
                                                  or self.format == "deepseek_v3"):
             raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
                              "format (stock DeepSeek has one kv_lora_rank)")
+
+
+def targets_of(name: str) -> tuple[str, ...]:
+    """The targets a top-level option belongs to (every target when it declares none)."""
+    return next(f.metadata["targets"] for f in fields(ConvertOptions) if f.name == name) or TARGETS
 
 
 def _methods(to: str) -> tuple[str, ...]:

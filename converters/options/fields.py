@@ -8,15 +8,17 @@ from dataclasses import field, fields
 
 
 def option(default=None, help: str = "", *, flat: str | None = None, choices: tuple | None = None, parse=None,
-           metavar: str | None = None, flag: str | None = None, applied=None, factory=None):  # noqa: A002
+           metavar: str | None = None, flag: str | None = None, applied=None, factory=None,
+           targets: tuple[str, ...] | None = None):  # noqa: A002
     """A field declared once: its default and, in its metadata, what the command line and the report need.
 
     flat: the user-facing name (default: the field's); choices: shown by --help and checked by argparse; parse: the
     argparse type (text -> value; range checks stay in the dataclass, which names the option); flag: an explicit
     --flag with a store_true / store_false action for booleans ("--propagate", "--no-regroup"); applied: the default
-    filled in when the option applies (healing options: when healing runs)."""
+    filled in when the option applies (healing options: when healing runs); targets: the conversion targets (`to`)
+    the option belongs to (None: every one): given for another, it is refused, naming the option and the target."""
     metadata = {"help": help, "flat": flat, "choices": choices, "parse": parse, "metavar": metavar, "flag": flag,
-                "applied": applied}  # fmt: skip
+                "applied": applied, "targets": targets}  # fmt: skip
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
