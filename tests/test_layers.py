@@ -1,10 +1,11 @@
 """The package's layers, top to bottom: cli / _patching / draft, converters -> serving, evaluation, hub -> engine ->
-speculative, grammar -> attention, models -> cache, kv_memory -> kernels. No import, at module level or inside a
-function, runs up this list: evaluation (measuring a model) and hub (model cards, publishing) may be used by the
-converters and the CLI, never by the engine or anything below it. Inside the converters: convert -> stages -> options
--> fitting, export, drafting -> methods -> io. Every module sits in one of these maps (a new one must be placed), no two
-modules import each other, directly or around a circle, and no library file grows into a god file (over 600 lines;
-files hold one concept each, whatever their length). docs/architecture.md draws these layers."""
+speculative, grammar -> attention, models -> cache, kv_memory -> kernels, variants (the attention variant registry,
+which the variants fill). No import, at module level or inside a function, runs up this list: evaluation (measuring
+a model) and hub (model cards, publishing) may be used by the converters and the CLI, never by the engine or
+anything below it. Inside the converters: convert -> stages -> targets -> options -> fitting, export, drafting ->
+methods -> io. Every module sits in one of these maps (a new one must be placed), no two modules import each other,
+directly or around a circle, and no library file grows into a god file (over 600 lines; files hold one concept
+each, whatever their length). docs/architecture.md draws these layers."""
 
 from __future__ import annotations
 
@@ -27,8 +28,8 @@ SUBLEVEL = {("assets", "lm_eval_tasks"): LEVEL["evaluation"]}
 ROOT_LEVEL = 6  # the package root loads every layer's public names (and patch()): importing it is importing the top
 # inside hf_attn_patch.converters, by role (its package root, like the package's, may load anything); drafting builds a
 # drafter from the source's samples (io) and trains it, beside fitting
-CONVERTER_LEVEL = {"io": 0, "methods": 1, "fitting": 2, "export": 2, "drafting": 2, "options": 3, "stages": 4,
-                   "convert": 5}  # fmt: skip
+CONVERTER_LEVEL = {"io": 0, "methods": 1, "fitting": 2, "export": 2, "drafting": 2, "options": 3, "targets": 4,
+                   "stages": 5, "convert": 6}  # fmt: skip
 MAX_LINES = 600  # a god file: look for the concepts it holds (400 is a prompt to look again, not a reason to cut)
 
 

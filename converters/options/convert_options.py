@@ -18,20 +18,17 @@ from dataclasses import dataclass, field, fields
 from ...devices import resolve_device
 from ...kv_memory import dtype_of
 from ..export.constants import ENGINES
-from ..methods.gqa_merge import GQA_METHODS
-from ..methods.mla_plan import MLA_METHODS
 from .fields import fill, one_of, positive_int, option
 from .sections import SECTIONS, CalibrationOptions, HealingOptions, OutputOptions, ReconstructionOptions
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("gqa", "mqa", "mla", "latent_kv")
-LATENT_KV_METHODS = ("calibrated",)  # the metric-weighted closed form (methods/latent_kv.py)
-# latent_kv defaults, chosen on the held-in criteria (docs/conversion.md, "Latent K/V"): the share of the KV budget
-# spent on keys, and the distances the key metric averages over
-LATENT_KEY_SHARE = 1 / 3
-LATENT_ROPE_CONTEXT = 4096
+TARGETS = ("gqa", "mqa", "mla", "latent_kv")  # the names of converters/targets/'s table, in its order
+_TARGETS: dict = {}  # name -> the target (register_targets)
 FORMATS = ("auto", "native", "stock", "deepseek_v3")
+# a format the target cannot write: what it is, and which targets have it
+FORMAT_REFUSALS = {"stock": "format='stock' exists for GQA/MQA only, not to={to!r} (native; MLA also 'deepseek_v3')",
+                   "deepseek_v3": "format='deepseek_v3' is an MLA export, not one for to={to!r}"}  # fmt: skip
 RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity", "retrieval")
 
 
@@ -130,41 +127,23 @@ class ConvertOptions:
         one_of("to", self.to, TARGETS)
         self._refuse_inapplicable()
         one_of("format", self.format, FORMATS)
-        methods = _methods(self.to)
+        target = _target(self.to)  # its own checks and defaults: converters/targets/
+        methods = target.methods
         fill(self, "method", self.method or methods[0])
         if self.method not in methods:
             raise ValueError(f"method={self.method!r} is not one of {methods} for to={self.to!r}")
-        if self.to in ("gqa", "mqa") and self.method != "mean" and self.regroup is None:
-            fill(self, "regroup", True)
-        if self.to == "mqa":
-            if self.kv_heads not in (None, 1):
-                raise ValueError(f"kv_heads={self.kv_heads!r}: MQA has exactly one KV head")
-            fill(self, "kv_heads", 1)
-        if self.to == "gqa" and self.kv_heads is None:
-            raise ValueError("to='gqa' needs kv_heads")
-        self._check_rank_allocation()
-        if self.format == "stock" and self.to in ("mla", "latent_kv"):
-            raise ValueError(f"format='stock' exists for GQA/MQA only, not to={self.to!r} (native; MLA also "
-                             "'deepseek_v3')")  # fmt: skip
-        if self.format == "deepseek_v3" and self.to != "mla":
-            raise ValueError(f"format='deepseek_v3' is an MLA export, not one for to={self.to!r}")
+        target.check_options(self)
+        self._check_rank_allocation(target)
+        if self.format not in target.formats:  # what the format is, and who has it
+            raise ValueError(FORMAT_REFUSALS[self.format].format(to=self.to))
         if self.engine is not None and self.format != "deepseek_v3":
             raise ValueError(f"engine={self.engine!r} applies to format='deepseek_v3' only, not format={self.format!r}")
         if self.format == "deepseek_v3":
             fill(self, "engine", self.engine or "llama.cpp")
             one_of("engine", self.engine, ENGINES)
-        if self.to == "mla":
-            if (self.kv_lora_rank is None) == (self.kv_budget is None):
-                raise ValueError(f"to='mla' needs exactly one of kv_lora_rank={self.kv_lora_rank!r} and "
-                                 f"kv_budget={self.kv_budget!r}")  # fmt: skip
-            if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
-                raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
-        if self.to == "latent_kv":
-            self._check_latent_kv()
+        target.check_budget(self)
         positive_int("kv_heads", self.kv_heads)
         positive_int("kv_lora_rank", self.kv_lora_rank)
-        if self.to == "mla" and self.rope_context is None:  # the calibration window (the source's context costs
-            fill(self, "rope_context", self.calibration.length)  # short-range quality: docs/conversion-methods.md)
         positive_int("rope_context", self.rope_context)
         if self.rope_dim is not None and (not isinstance(self.rope_dim, int) or self.rope_dim < 0 or self.rope_dim % 2):
             raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")
@@ -181,16 +160,6 @@ class ConvertOptions:
             raise ValueError(f"calib_samples={self.calibration.samples!r}: propagate / reconstruct_steps / "
                              "heal_layerwise_steps hold one window in, so they need at least 2")  # fmt: skip
 
-    def _check_latent_kv(self) -> None:
-        if self.kv_budget is None:
-            raise ValueError("to='latent_kv' needs kv_budget (the fraction of the source's KV bytes to keep)")
-        if not 0 < self.kv_budget <= 1:
-            raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
-        fill(self, "key_share", LATENT_KEY_SHARE if self.key_share is None else self.key_share)
-        if not isinstance(self.key_share, (int, float)) or not 0 < self.key_share < 1:
-            raise ValueError(f"key_share={self.key_share!r} must be a fraction in (0, 1)")
-        fill(self, "rope_context", self.rope_context or LATENT_ROPE_CONTEXT)
-
     def _refuse_inapplicable(self) -> None:
         """An option the chosen target or method would ignore is an error (it was given for a reason): each option
         declares the targets it belongs to (`option(targets=...)`), and one check refuses it for any other."""
@@ -204,31 +173,18 @@ class ConvertOptions:
         rec = self.reconstruction
         if rec.attention_kl and rec.steps == 0 and not self.calibration.propagate:
             raise ValueError(f"reconstruct_attention_kl={rec.attention_kl!r} needs reconstruct_steps > 0 or propagate")
-        method = self.method or _methods(self.to)[0]
+        method = self.method or _target(self.to).methods[0]
         if self.regroup is not None and (self.to not in targets_of("regroup") or method == "mean"):
             raise ValueError(f"regroup={self.regroup!r} applies to to='gqa' / 'mqa' with method 'aligned' or 'pca', "
                              f"not to={self.to!r} with method={method!r}")  # fmt: skip
 
-    def _check_rank_allocation(self) -> None:
-        """Default: sensitivity for MLA by kv_budget in a native format (measured best, BENCHMARKS.md), else uniform
-        (stock DeepSeek has one rank for all layers)."""
+    def _check_rank_allocation(self, target) -> None:
+        """Default: the target's (MLA by kv_budget in a native format: sensitivity, measured best; else uniform),
+        then the target's checks of the choice."""
         if self.rank_allocation is None:
-            sensitivity = self.to == "mla" and self.kv_budget is not None and self.format != "deepseek_v3"
-            fill(self, "rank_allocation", "sensitivity" if sensitivity else "uniform")
+            fill(self, "rank_allocation", target.default_rank_allocation(self))
         one_of("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
-        if self.to == "latent_kv":
-            if self.rank_allocation not in ("uniform", "retrieval"):
-                raise ValueError(f"rank_allocation={self.rank_allocation!r}: to='latent_kv' takes 'uniform' or "
-                                 "'retrieval' (exact keys for the KV heads that copy from far back)")  # fmt: skip
-            return
-        if self.rank_allocation in ("sensitivity", "retrieval") and (self.to != "mla" or self.kv_budget is None
-                                                                    or self.format == "deepseek_v3"):  # fmt: skip
-            raise ValueError(f"rank_allocation={self.rank_allocation!r} needs to='mla', kv_budget and a native format "
-                             "(stock DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)")
-        if self.rank_allocation == "energy" and (self.to != "mla" or self.kv_budget is None or self.method != "calibrated"
-                                                 or self.format == "deepseek_v3"):
-            raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
-                             "format (stock DeepSeek has one kv_lora_rank)")
+        target.check_rank_allocation(self)
 
 
 def targets_of(name: str) -> tuple[str, ...]:
@@ -236,9 +192,14 @@ def targets_of(name: str) -> tuple[str, ...]:
     return next(f.metadata["targets"] for f in fields(ConvertOptions) if f.name == name) or TARGETS
 
 
-def _methods(to: str) -> tuple[str, ...]:
-    """The methods of a target, the default first."""
-    return {"mla": MLA_METHODS, "latent_kv": LATENT_KV_METHODS}.get(to, GQA_METHODS)
+def register_targets(table: dict) -> None:
+    """The conversion targets' option hooks, by name (converters/targets/ registers its table when it loads, which
+    the converters package does first: this layer stays below the targets)."""
+    _TARGETS.update(table)
+
+
+def _target(to: str):
+    return _TARGETS[to]
 
 
 # Every flat option name (convert()'s keywords, the CLI's --flags, the report's "options") -> (section, field), or
