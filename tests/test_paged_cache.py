@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from hf_attn_patch import CacheFullError, PagedKVCache
 from hf_attn_patch.cache.paged_cache import PagedLayer
 from hf_attn_patch.compat import cache_kwarg
-from hf_attn_patch.converters.methods.exact import to_variant
+from hf_attn_patch.converters.targets.exact import to_variant
 from hf_attn_patch.models import load_default
 
 from .conftest import tiny_model

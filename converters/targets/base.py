@@ -14,6 +14,8 @@ look the target up once (`target_of(opts.to)`) and call its hooks, in the order 
                         the converted config, per layer as the loop goes and at the end (its config fields)
     record(result, first, final, choice)   what the report keeps per layer
     report(opts, target, plan, layers)     the report's section for this target
+    exact(model, shape) -> (layers, fields)
+                        the exact full-rank form of a stock model (targets/exact.py: to_variant)
 
 Options name the targets they belong to (`option(targets=...)`), so a flag given to another target is refused by
 one check in options/convert_options.py.
@@ -146,6 +148,11 @@ class ConversionTarget:
 
     def report(self, opts, target: Target, plan: Plan, layers) -> dict:
         return {}
+
+    def exact(self, model, shape) -> tuple[dict, dict]:
+        """({attention module name: state dict of our module}, config fields): the same function as the stock
+        `model`, re-expressed at full rank."""
+        raise ValueError(f"to={self.name!r} has no exact form: it keeps less than the source")
 
 
 class LayerConfigs:

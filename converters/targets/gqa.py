@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 
+from ..methods.exact import stock_attention_layers
 from ..methods.gqa_merge import GQA_METHODS, gqa_layer
 from ..options import resolved
 from ..options.fields import fill
@@ -71,3 +72,10 @@ class GQATarget(ConversionTarget):
 
     def report(self, opts, target, plan, layers) -> dict:
         return {"kv_heads": {"before": target.source_kv, "after": opts.kv_heads, "groups_per_layer": layers.groups}}
+
+    def exact(self, model, shape) -> tuple[dict, dict]:
+        """The source's own heads (H_kv = H for MHA sources) in GroupedQueryAttention."""
+        if self.kv_heads is not None:
+            return super().exact(model, shape)
+        lifted = {name: shape.arch.split_heads(m).gqa_state_dict() for name, m in stock_attention_layers(model).items()}
+        return lifted, {"num_key_value_heads": next(iter(lifted.values()))["k_proj.weight"].shape[0] // shape.head_dim}

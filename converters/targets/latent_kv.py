@@ -7,6 +7,9 @@ from __future__ import annotations
 import time
 
 from ...models.architectures import AttentionShape
+import torch
+
+from ..methods.exact import stock_attention_layers
 from ..methods.latent_kv import latent_kv_layer
 from ..options.fields import fill
 from .base import ConversionTarget, LatentChoice, LayerConfigs, LayerResult, Plan, Target, converted_config, resolve_steps
@@ -67,6 +70,20 @@ class LatentKVTarget(ConversionTarget):
                               "latent_key_rank_per_layer": [c.key_rank for c in plan.choices],
                               "latent_value_rank_per_layer": [c.value_rank for c in plan.choices],
                               "exact_key_heads_per_layer": [list(c.exact_key_heads) for c in plan.choices]}}  # fmt: skip
+
+    def exact(self, model, shape) -> tuple[dict, dict]:
+        """Full ranks (G * d_h each, at most the hidden size): A_k = W_k, B_k = I, A_v = W_v, o_proj with the
+        identity up-projection of V folded in (latent_kv_layer with every component kept)."""
+        lifted = {}
+        for name, m in stock_attention_layers(model).items():
+            weights = shape.arch.split_heads(m)
+            rank = weights.k_w.shape[0]
+            if rank > shape.hidden:
+                raise ValueError(f"latent_kv's exact form needs num_key_value_heads*head_dim={rank} <= "
+                                 f"hidden_size={shape.hidden}")  # fmt: skip
+            cov = torch.eye(shape.hidden + 1, dtype=torch.float64)  # any full-rank input: the fit is exact
+            lifted[name] = latent_kv_layer(weights, shape, cov, rank, rank, context=1)
+        return lifted, {"latent_key_rank": rank, "latent_value_rank": rank, "num_key_value_heads": rank // shape.head_dim}
 
 
 def latent_kv_sizes(kv_budget: float, key_share: float, shape: AttentionShape) -> tuple[int, int]:

@@ -13,6 +13,8 @@ from ...models.architectures import AttentionShape
 from ..export.deepseek_export import check_source, engine_shape
 from ..export.stock_rope import stock_frequencies
 from ..methods.budgets import candidate_grid, exact_plan
+from ..methods.exact import stock_attention_layers
+from ..methods.mla_lift import all_pairs, lift_mla
 from ..methods.mla_plan import MLA_METHODS, LatentPlan, allocate_ranks, lift_plan, plan_layer, ranked_components
 from ..options.fields import fill
 from .base import ConversionTarget, LayerChoice, LayerConfigs, LayerResult, Plan, Target, converted_config, resolve_steps
@@ -131,6 +133,19 @@ class MLATarget(ConversionTarget):
                         "qk_nope_head_dim": layers.config.qk_nope_head_dim, "rope_pairs_per_layer": layers.pairs,
                         "kv_lora_rank_per_layer": [c.rank for c in choices],
                         "retained_energy_per_layer": layers.retained}}  # fmt: skip
+
+    def exact(self, model, shape) -> tuple[dict, dict]:
+        """TransMLA's observation made exact: every RoPE pair of every KV head in the decoupled key, the latent
+        spanning the stacked non-RoPE K and V exactly (mla_lift.py). DeepSeek is MLA already: its own weights."""
+        layers = stock_attention_layers(model, allow_ours=shape.arch.replaces_stock)
+        if shape.arch.replaces_stock:
+            return {name: m.state_dict() for name, m in layers.items()}, {}
+        lifted, fields = {}, {}
+        for name, m in layers.items():
+            weights = shape.arch.split_heads(m)
+            kv_heads = weights.k_w.shape[0] // shape.head_dim
+            lifted[name], fields = lift_mla(weights, shape, all_pairs(shape, kv_heads), None)
+        return lifted, fields
 
 
 class MLAConfigs(LayerConfigs):
