@@ -66,14 +66,16 @@ class ConvertOptions:
     rope_dim: int | None = option(None, "mla: dims of the shared RoPE key (even; default: one head's d_h, at most a "
                                   "third of --kv-budget)", parse=int, targets=("mla",))  # fmt: skip
     kv_budget: float | None = option(None, "mla: fraction of the source's KV bytes (instead of --kv-lora-rank); "
-                                     "latent_kv: the same, required", parse=float, targets=("mla", "latent_kv"))  # fmt: skip
+                                     "latent_kv: the same, required", parse=float,
+                                     targets=("mla", "latent_kv"))  # fmt: skip
     key_share: float | None = option(None, "latent_kv: share of the budget spent on key latents, the rest on values "
                                      "(default 1/3: values need more rank than keys)", parse=float,
                                      targets=("latent_kv",))  # fmt: skip
     method: str | None = option(None, "gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla "
                                 "(defaults: the best measured, docs/conversion.md)")  # fmt: skip
     regroup: bool | None = option(None, "gqa aligned/pca: merge KV heads by index instead of grouping them by "
-                                  "similarity (default: grouped)", flag="--no-regroup", targets=("gqa", "mqa"))  # fmt: skip
+                                  "similarity (default: grouped)", flag="--no-regroup",
+                                  targets=("gqa", "mqa"))  # fmt: skip
     rank_allocation: str | None = option(None, "mla with --kv-budget: per layer RoPE dims + rank (or exact) by each "
                                          "choice's measured KL (default; uniform for deepseek_v3), one rank for all "
                                          "layers, by retained energy, or copy layers exact; latent_kv: uniform (default), or "

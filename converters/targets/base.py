@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ...variants import variant_of
 from ..methods.mla_plan import LatentPlan
 from ..options import resolved
 
@@ -109,12 +110,16 @@ class Plan:
 
 class ConversionTarget:
     """The protocol (module docstring). `variant`: the attention variant a conversion to it writes; `methods`: its
-    methods, the default first; `formats`: the output formats it can write ("auto" picks one)."""
+    methods, the default first."""
 
     name: str
     variant: str
     methods: tuple[str, ...]
-    formats: tuple[str, ...] = ("auto", "native")
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        """The output formats it can write: "auto" (picks one) and its variant's export formats (variants.py)."""
+        return ("auto", *variant_of(self.variant).export_formats)
 
     def check_options(self, opts) -> None:
         pass

@@ -20,7 +20,6 @@ class GQATarget(ConversionTarget):
 
     variant = "gqa"
     methods = GQA_METHODS
-    formats = ("auto", "native", "stock")
 
     def __init__(self, name: str, kv_heads: int | None = None):
         self.name, self.kv_heads = name, kv_heads

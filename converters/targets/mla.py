@@ -33,7 +33,6 @@ def refuse_allocation(opts) -> None:
 class MLATarget(ConversionTarget):
     name = variant = "mla"
     methods = MLA_METHODS
-    formats = ("auto", "native", "deepseek_v3")
 
     def default_rank_allocation(self, opts) -> str:
         """sensitivity by kv_budget in a native format (measured best, BENCHMARKS.md), else uniform (stock DeepSeek
