@@ -32,11 +32,10 @@ demo: install
 	$(VENV)/bin/hf-attn demo
 
 # Two pytest workers (pytest-xdist), one torch thread each: most tests are small models bound by Python, so two
-# processes use both cores where one process with two threads mostly uses one. PYTHONSAFEPATH=1: the repository
-# root stays off sys.path (its kernels/ folder would shadow Hugging Face's `kernels`, which transformers imports).
+# processes use both cores where one process with two threads mostly uses one.
 TEST_WORKERS ?= 2
 PYTEST_ARGS ?= tests -m "not llamacpp and not vllm"
-RUN_TESTS = PYTHONSAFEPATH=1 OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
+RUN_TESTS = OMP_NUM_THREADS=1 $(1)/bin/python -m pytest -q -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 test: install
 	$(call RUN_TESTS,$(VENV))
@@ -90,7 +89,7 @@ $(VLLM_VENV)/.installed: scripts/vllm_env.sh pyproject.toml
 	PYTHON=$(PYTHON) bash scripts/vllm_env.sh $(VLLM_VENV)
 
 test-vllm: $(VLLM_VENV)/.installed
-	PYTHONSAFEPATH=1 VLLM_PYTHON=$(VLLM_VENV)/bin/python \
+	VLLM_PYTHON=$(VLLM_VENV)/bin/python \
 		$(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm.py -m vllm
 
 clean:

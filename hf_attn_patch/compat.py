@@ -65,6 +65,11 @@ def cache_kwarg(cache) -> dict:
     return {CACHE: cache}
 
 
+# every keyword a forward has been handed its cache under: `cache` (5.24+), `past_key_values` (before 5.24),
+# `layer_past` (GPT-NeoX attention), `cache_params` (Mamba-style mixers)
+CACHE_ARGUMENTS = ("cache", "past_key_values", "layer_past", "cache_params")
+
+
 def attention_cache(cache=None, past_key_values=None, layer_past=None):
     """The cache an attention forward was handed, under whichever name the caller used: `cache` (5.24+),
     `past_key_values` (before 5.24) or `layer_past` (GPT-NeoX); None when it got none."""

@@ -9,7 +9,7 @@ import time
 def cmd_demo(args) -> None:
     import torch
 
-    from .converters.methods.exact import to_variant
+    from .converters.targets.exact import to_variant
     from .kv_memory import kv_report, llama3_8b_configs
     from .models import load_default
 

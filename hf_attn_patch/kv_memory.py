@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .variants import STOCK_VARIANT, variant_of
+
 
 def layer_kv_lora_rank(config, layer_idx: int) -> int | None:
     """MLA latent size of one layer: `mla_kv_lora_ranks[layer_idx]` when a conversion chose ranks per layer, else the
@@ -145,16 +147,9 @@ def _attention_values(config, layer_idx: int) -> tuple[str, int, int]:
     if config.model_type in ("deepseek_v2", "deepseek_v3"):  # native MLA; as MHA: DeepSeek's q/k and v head sizes
         mha = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
         return "mla", config.kv_lora_rank + config.qk_rope_head_dim, mha
-    d_h = head_dim(config)
-    if getattr(config, "attention_variant", None) == "mla":  # converted: the source's heads are the baseline
-        return "mla", layer_kv_lora_rank(config, layer_idx) + layer_qk_rope_head_dim(config, layer_idx), 2 * heads * d_h
-    if getattr(config, "attention_variant", None) == "latent_kv":
-        values = layer_latent_rank(config, layer_idx, "latent_key_rank") + layer_latent_rank(
-            config, layer_idx, "latent_value_rank")
-        return "latent_kv", values, 2 * heads * d_h
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
-    return kind, 2 * kv_heads * d_h, 2 * heads * d_h
+    # the variant's own accounting (variants.py); a converted model's baseline is its source's heads
+    kind, values = variant_of(getattr(config, "attention_variant", None) or STOCK_VARIANT).cached_values(config, layer_idx)
+    return kind, values, 2 * heads * head_dim(config)
 
 
 def _state_values(config, layer_type: str) -> int:

@@ -1,13 +1,30 @@
-"""Public entry points: argument checks, then one backend.
+"""Attention kernels: one public entry point per op, backend="auto" or explicit.
 
-backend="auto" picks, for CUDA tensors, the fastest backend that is importable and supports the call
-(paged decode: flash_attn -> triton -> torch; prefill: flash_attn -> torch; MLA decode and bitmask: triton -> torch)
-and always "torch" for CPU tensors; a backend that is unavailable is skipped (logged at debug level). An explicit
-backend that is unavailable, or that cannot run this call, raises BackendUnavailableError saying why. Triton and
-flash-attn are imported only here, when picked: `import hf_attn_patch.kernels` imports neither and never touches CUDA.
+    paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, *, block_size=None,
+                           scale=None, softcap=None, sliding_window=None, key_mask=None, backend="auto",
+                           validate=True)                                 torch | triton | flash_attn
+    mla_decode(q_latent, q_rope, latent_cache, block_tables, context_lens, *, block_size=None, scale=None,
+               key_mask=None, backend="auto", validate=True)               torch | triton
+    paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, *,
+                            block_size=None, scale=None, causal=True, softcap=None, sliding_window=None,
+                            backend="auto", validate=True)                 torch | flash_attn
+    apply_token_bitmask(logits, bitmask, *, backend="auto")                torch | triton (in place)
+
+Each checks its arguments, then runs one backend. backend="auto" picks, for CUDA tensors, the fastest backend that is
+importable and supports the call (paged decode: flash_attn -> triton -> torch; prefill: flash_attn -> torch; MLA
+decode and bitmask: triton -> torch) and always "torch" for CPU tensors; a backend that is unavailable is skipped
+(logged at debug level). An explicit backend that is unavailable, or that cannot run this call, raises
+BackendUnavailableError saying why. Triton and flash-attn are imported only here, when picked: importing this module
+imports neither and never touches CUDA.
 
 Explicit backend="triton" also accepts CPU tensors when TRITON_INTERPRET=1 was set before triton was imported
 (Triton's interpreter: how the kernels are tested on CPU).
+
+`reference` holds the pure-torch twins (the CPU path and the test oracle). The kernels/ folder sits at the
+repository root and installs as hf_attn_patch.kernels, a namespace package (no __init__.py), so the entry points are
+imported from here (`from hf_attn_patch.kernels.ops import paged_decode_attention`): a regular package named
+`kernels` at the root would shadow Hugging Face's own `kernels` package, which transformers imports, for any Python
+started there.
 """
 
 from __future__ import annotations
@@ -22,6 +39,9 @@ import torch
 from . import reference
 
 logger = logging.getLogger(__name__)
+
+__all__ = ["BACKENDS", "BackendUnavailableError", "apply_token_bitmask", "available_backends", "mla_decode",
+           "paged_decode_attention", "paged_prefill_attention", "reference"]
 
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _INT_DTYPES = (torch.int32, torch.int64)

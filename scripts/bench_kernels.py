@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from hf_attn_patch import kernels
+from hf_attn_patch.kernels import ops as kernels
 from hf_attn_patch.kernels import reference
 
 GQA_SHAPE = dict(heads_q=32, heads_kv=8, head_dim=128)  # Llama-3-8B

@@ -32,7 +32,7 @@ import hf_attn_patch
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.attention import MultiHeadLatentAttention
 from hf_attn_patch.compat import cache_kwarg
-from hf_attn_patch.converters.methods.exact import to_variant
+from hf_attn_patch.converters.targets.exact import to_variant
 
 PREFILL_CHUNK = 512
 COLUMNS = {  # column: (model, cache, absorb mode of our layers)

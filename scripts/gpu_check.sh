@@ -9,8 +9,8 @@
 # `pip install --target build/gpu_site pytest` and passed as GPU_SITE=build/gpu_site (prepended to PYTHONPATH).
 #
 # The package is not installed there, so the script builds a throw-away import tree under a temporary folder:
-# hf_attn_patch/ with every entry of the repo's package linked in, plus kernels/ and converters/ where setuptools'
-# package-dir would put them. If the full package cannot be imported (it needs transformers 5.19 to 5.25), the tree gets an
+# hf_attn_patch/ with every entry of the repo's package linked in (kernels/ comes through its hf_attn_patch/kernels
+# link), plus converters/ where setuptools' package-dir would put it. If the full package cannot be imported (it needs transformers 5.19 to 5.25), the tree gets an
 # empty hf_attn_patch/__init__.py and only the kernels are checked (the paged_kv wiring test skips itself).
 #
 # Output: the test summary and the benchmark tables in $OUT/gpu_check_results.md if $OUT is set, else
@@ -32,7 +32,6 @@ mkdir -p "$TREE/hf_attn_patch"
 for entry in "$ROOT"/hf_attn_patch/*; do
     ln -s "$entry" "$TREE/hf_attn_patch/$(basename "$entry")"
 done
-ln -s "$ROOT/kernels" "$TREE/hf_attn_patch/kernels"
 ln -s "$ROOT/converters" "$TREE/hf_attn_patch/converters"
 for entry in tests scripts pyproject.toml; do ln -s "$ROOT/$entry" "$TREE/$entry"; done
 # Everything runs from the tree: `python -m` puts the working directory first on sys.path, and the repo root's

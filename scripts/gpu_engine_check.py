@@ -15,7 +15,7 @@ import torch
 import transformers
 
 import hf_attn_patch
-import hf_attn_patch.kernels as kernels
+import hf_attn_patch.kernels.ops as kernels
 from hf_attn_patch.compat import get_cache
 from hf_attn_patch import Engine, SamplingParams
 from hf_attn_patch.models import load_default

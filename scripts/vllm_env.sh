@@ -38,7 +38,7 @@ info = pathlib.Path(sysconfig.get_paths()["purelib"]) / f"vllm-{version}.dist-in
 info.mkdir(exist_ok=True)
 (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
 PY
-# checked from outside the repository, whose kernels/ folder would shadow Hugging Face's `kernels`
+# checked from outside the repository: the installed package, not the checkout
 (cd "$VENV" && ./bin/python -c "import torch, transformers, vllm, hf_attn_patch; \
 assert torch.__version__ == '$TORCH_INSTALLED', torch.__version__; assert hf_attn_patch.is_patched(); \
 print('vllm', vllm.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__, \

@@ -2,24 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import sys
-from pathlib import Path
+import pytest
+import torch
+import transformers
 
-# The repository root must stay off sys.path: its kernels/ folder (installed as hf_attn_patch.kernels) would shadow
-# Hugging Face's `kernels` package, which transformers imports. pytest runs in importlib mode (pyproject.toml) and so
-# adds no path; `python -m pytest` put the working directory first, which goes here, before transformers loads.
-# PYTHONSAFEPATH keeps the CLI subprocesses that tests start (`python -m hf_attn_patch.cli`) from adding it back.
-_ROOT = Path(__file__).resolve().parents[1]
-sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != _ROOT]
-os.environ["PYTHONSAFEPATH"] = "1"
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
-import transformers  # noqa: E402
-
-import hf_attn_patch  # noqa: E402, F401  (the patch is what is under test)
-from hf_attn_patch.models.pretrained import load_default  # noqa: E402
+import hf_attn_patch  # noqa: F401  (the patch is what is under test)
+from hf_attn_patch.models.pretrained import load_default
 
 
 # fp32 rounding bounds of the exactness tests. Two fp32 computations of one function that differ only in summation

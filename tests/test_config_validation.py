@@ -62,7 +62,7 @@ def test_good_configs_pass():
     validate_variant_config(tiny_config("gpt_neox", attention_variant="gqa", num_key_value_heads=1))
 
 
-# --- conversion options (converters/options.py): each section names the flat option and its value ---
+# --- conversion options (converters/options/): each section names the flat option and its value ---
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import hf_attn_patch
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.attention import MultiHeadLatentAttention, mla
 from hf_attn_patch.compat import cache_kwarg
-from hf_attn_patch.converters.methods.exact import to_variant
+from hf_attn_patch.converters.targets.exact import to_variant
 
 from .conftest import tiny_model
 from .test_exactness import ATOL, CallCounter, stepwise_logits

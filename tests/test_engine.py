@@ -188,7 +188,7 @@ def test_sliding_window_models(model_type, overrides, stories):
 def test_cuda_dispatch_calls_the_kernels_with_block_tables(model_type, overrides, stories, monkeypatch):
     """With the kernel gate open (as on CUDA), prefill goes to paged_prefill_attention and decodes to
     paged_decode_attention (MLA: mla_decode), all with block tables of the engine's block size."""
-    import hf_attn_patch.kernels as kernels
+    import hf_attn_patch.kernels.ops as kernels
     from hf_attn_patch.cache import metadata
 
     model = tiny_model(model_type, **overrides)

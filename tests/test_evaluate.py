@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
-from hf_attn_patch.converters.methods.exact import to_variant
+from hf_attn_patch.converters.targets.exact import to_variant
 from hf_attn_patch.models import load_default
 
 from .test_models import CORPORA

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 
 from hf_attn_patch.attention import GroupedQueryAttention, MultiHeadLatentAttention
 from hf_attn_patch.compat import cache_kwarg
-from hf_attn_patch.converters.methods.exact import to_variant
+from hf_attn_patch.converters.targets.exact import to_variant
 
 from .conftest import TINY_ATOL, tiny_model
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hf_attn_patch import kernels
+from hf_attn_patch.kernels import ops as kernels
 from hf_attn_patch.kernels import reference
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,7 +222,7 @@ def test_cpu_import_and_auto_never_import_backends_or_touch_cuda():
         import sys
         sys.modules["triton"] = sys.modules["flash_attn"] = None  # `import triton` now raises ImportError
         import torch
-        from hf_attn_patch import kernels
+        from hf_attn_patch.kernels import ops as kernels
         q = torch.randn(1, 2, 4); cache = torch.randn(8, 1, 4); table = torch.tensor([[0, 1]])
         out = kernels.paged_decode_attention(q, cache, cache, table, torch.tensor([7]), block_size=4)
         kernels.mla_decode(q, q[..., :1], torch.randn(8, 1, 5), table, torch.tensor([7]), block_size=4)

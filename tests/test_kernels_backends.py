@@ -19,7 +19,7 @@ if not (INTERPRET or CUDA):
     pytest.skip("needs CUDA or TRITON_INTERPRET=1 (tests/test_kernels.py runs it so)", allow_module_level=True)
 pytest.importorskip("triton")
 
-from hf_attn_patch import kernels  # noqa: E402
+from hf_attn_patch.kernels import ops as kernels  # noqa: E402
 from hf_attn_patch.kernels import reference  # noqa: E402
 
 from .test_kernels import GQA, ODD_LENGTHS, make_paged  # noqa: E402

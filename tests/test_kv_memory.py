@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 import hf_attn_patch
 from hf_attn_patch.compat import get_cache
-from hf_attn_patch.converters.methods.exact import to_variant
+from hf_attn_patch.converters.targets.exact import to_variant
 from hf_attn_patch.kv_memory import kv_cache_bytes, layer_caches, mha_cache_bytes, llama3_8b_configs
 
 from .conftest import tiny_model

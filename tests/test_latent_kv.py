@@ -9,7 +9,7 @@ import torch
 import hf_attn_patch
 from hf_attn_patch.attention import LatentKVAttention, latent_kv
 from hf_attn_patch.compat import cache_kwarg, get_cache
-from hf_attn_patch.converters.methods.exact import to_variant
+from hf_attn_patch.converters.targets.exact import to_variant
 from hf_attn_patch.converters.methods.latent_kv import key_metric, latent_kv_layer, rotation, weighted_low_rank
 from hf_attn_patch.engine import Engine, SamplingParams
 from hf_attn_patch.models.architectures import AttentionShape

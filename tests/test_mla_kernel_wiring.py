@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_attn_patch.kernels as kernels
+import hf_attn_patch.kernels.ops as kernels
 from hf_attn_patch import PagedKVCache
 from hf_attn_patch.cache import metadata
 

@@ -10,7 +10,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from hf_attn_patch.attention import GroupedQueryAttention, MultiHeadLatentAttention
-from hf_attn_patch.converters.methods.exact import to_variant
+from hf_attn_patch.converters.targets.exact import to_variant
 from hf_attn_patch.models import load_default, load_smollm2
 
 from .conftest import STORIES_ATOL

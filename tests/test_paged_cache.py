@@ -10,7 +10,7 @@ from transformers import DynamicCache
 from hf_attn_patch import CacheFullError, PagedKVCache
 from hf_attn_patch.cache.paged_cache import PagedLayer
 from hf_attn_patch.compat import cache_kwarg
-from hf_attn_patch.converters.methods.exact import to_variant
+from hf_attn_patch.converters.targets.exact import to_variant
 from hf_attn_patch.models import load_default
 
 from .conftest import tiny_model
@@ -247,7 +247,7 @@ def test_registered_paged_attention_reads_blocks_itself(model_type, variant, bat
     """attn_implementation="paged_kv" with the kernel gate open (as on CUDA): every decode step hands attention the
     pages and the step's metadata, the decode kernel reads them by block table (block_size 4, left padding not
     stored), and tokens match sdpa with DynamicCache; no forward context outlives the forward."""
-    import hf_attn_patch.kernels as kernels
+    import hf_attn_patch.kernels.ops as kernels
     from hf_attn_patch.cache import metadata
 
     model = tiny_model(model_type)
@@ -277,7 +277,7 @@ def test_registered_paged_attention_reads_blocks_itself(model_type, variant, bat
 def test_masked_hole_takes_the_reference_not_the_kernels(monkeypatch):
     """A prompt mask with a hole after the first real token is not left padding: the block-table kernels (which see
     every stored position as visible) must not run, and tokens still match sdpa with DynamicCache."""
-    import hf_attn_patch.kernels as kernels
+    import hf_attn_patch.kernels.ops as kernels
     from hf_attn_patch.cache import metadata
 
     model = tiny_model("llama")

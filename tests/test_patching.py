@@ -170,3 +170,24 @@ def test_kernels_and_converters_install_under_the_namespace():
     assert hf_attn_patch.converters.__name__ == "hf_attn_patch.converters"
     spec = importlib.util.find_spec("kernels")  # Hugging Face's package, if installed, is not shadowed by ours
     assert spec is None or "hf_attn_patch" not in (spec.origin or "")
+
+
+def test_the_repository_root_imports():
+    """A Python started at the repository root (REPL, `python -c`, `python -m`) has the root first on sys.path: no
+    regular package named `kernels` may sit there, or it would shadow Hugging Face's `kernels`, which transformers
+    imports (5.25 imports it when installed)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    code = ("import sys, transformers, hf_attn_patch, hf_attn_patch.kernels.ops; import kernels; "
+            "assert sys.path[0] == '', sys.path[0]; "
+            "print(getattr(kernels, '__file__', None) or 'namespace', hf_attn_patch.kernels.ops.__name__)")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
+                            timeout=300)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    found, _ = result.stdout.split()
+    assert not found.startswith(str(root / "kernels")), found

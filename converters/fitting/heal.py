@@ -40,9 +40,10 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from ...attention import GroupedQueryAttention, LatentKVAttention, MultiHeadLatentAttention
+from ...attention import VariantAttention
 from ...models import fast_linear
 from ...models.architectures import architecture_of
+from ...variants import variant_of
 from .balance import balance
 from .heal_fsdp import FSDP_DIR, Sharded, launch_mode
 from .heal_masters import MasterWeights, load_tensors, save_tensors
@@ -332,11 +333,11 @@ def plot_curve(losses: list[float], held_in: list[tuple[int, float]], best_step:
 
 
 def _trainable(model, train: str) -> list[torch.nn.Parameter]:
-    """Every weight, or those of the attention layers: ours, or the stock class of a stock-format GQA export."""
+    """Every weight, or those of the attention layers: what each variant says healing trains (variants.py), or every
+    weight of the stock class of a stock-format GQA export."""
     if train == "all":
         return list(model.parameters())
     stock_name = architecture_of(model.config).attention_class
-    layers = [m for m in model.modules()
-              if isinstance(m, (GroupedQueryAttention, MultiHeadLatentAttention, LatentKVAttention))
-              or type(m).__name__ == stock_name]
-    return [p for layer in layers for p in layer.parameters()]
+    return [p for m in model.modules()
+            for p in (variant_of(m.variant).trainable(m) if isinstance(m, VariantAttention)
+                      else m.parameters() if type(m).__name__ == stock_name else ())]

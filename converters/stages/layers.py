@@ -25,10 +25,10 @@ from ..io.layer_stream import BATCH, LayerRunner, Tracks
 from ..io.layer_writer import ShardedWriter
 from ..options import ConvertOptions
 from ..fitting.reconstruct import LayerFit, fit_layer
-from .closed_form import (LayerChoice, LayerResult, build_layer, closed_form, converted_config, latent_kv_fields,
-                                 mla_layer_fields, relifted)  # fmt: skip
+from ..targets import target_of
+from ..targets.base import LayerChoice, LayerResult, Target
+from .closed_form import build_layer
 from .source import Source
-from .target import Target
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +71,8 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
     if tracks is not None:
         result.activations = {"placement": tracks.placement, "bytes": tracks.bytes, "tracks": names}
     seconds = {"statistics": 0.0, "closed_form": 0.0, "layerwise": 0.0, "export": 0.0, "read_write": 0.0}
-    pairs = [None] * n_layers
-    half = source.shape.rotary_dim // 2
-    last_fields: dict = {}
-    gqa_config = converted_config(config, "gqa", {"num_key_value_heads": opts.kv_heads}) \
-        if opts.to in ("gqa", "mqa") else None  # fmt: skip
-    latent_config = converted_config(config, "latent_kv", latent_kv_fields(choices)) if opts.to == "latent_kv" else None
+    kind = target_of(opts.to)  # the target's hooks: closed form, relift, configs, what the report keeps
+    configs = kind.layer_configs(config, opts, target, choices, source.shape.rotary_dim // 2)
     try:
         for i in range(n_layers):
             t = time.perf_counter()
@@ -89,27 +85,17 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             seconds["statistics"] += time.perf_counter() - t
             t = time.perf_counter()
             choice = choices[i] if choices is not None else None
-            first = closed_form(opts, w, source.shape, stats, choice)
-            if opts.to == "latent_kv":
-                new_config = latent_config
-            elif opts.to == "mla":
-                pairs[i], last_fields = first.fields["mla_rope_pairs"], first.fields
-                new_config = converted_config(config, "mla", mla_layer_fields(last_fields, choices, pairs,
-                                                                                opts.rank_allocation, half))  # fmt: skip
-            else:
-                new_config = gqa_config
+            first = kind.closed_form(opts, w, source.shape, stats, choice)
+            new_config = configs.layer(i, first)
             converted = build_layer(layer, i, new_config, attn_name, first.state)
             seconds["closed_form"] += time.perf_counter() - t
             t = time.perf_counter()
             final = first
             if target.layerwise:
-                final = _layerwise(opts, runners[BATCH], layer, converted, f"{src.layers_name}.{i}.{attn_name}", w,
-                                   source.shape, choice, first, i, tracks, result)  # fmt: skip
+                final = _layerwise(opts, kind, runners[BATCH], layer, converted, f"{src.layers_name}.{i}.{attn_name}",
+                                   w, source.shape, choice, first, i, tracks, result)  # fmt: skip
             seconds["layerwise"] += time.perf_counter() - t
-            if opts.to == "mla":
-                result.retained.append(round(first.plan.retained(choice.rank), 4))
-            elif opts.to != "latent_kv":
-                result.groups.append(final.groups)
+            kind.record(result, first, final, choice)
             if tracks is not None and "source" in names:
                 tracks["source"].swap()
             t = time.perf_counter()
@@ -126,25 +112,21 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
     finally:
         if tracks is not None:
             tracks.close()
-    if opts.to == "mla":
-        result.config = converted_config(config, "mla", mla_layer_fields(last_fields, choices, pairs,
-                                                                         opts.rank_allocation, half))  # fmt: skip
-        result.pairs = pairs
-    else:
-        result.config = latent_config or gqa_config
+    result.config = configs.final()
+    result.pairs = configs.pairs
     result.seconds = {k: round(v, 3) for k, v in seconds.items()}
     return result
 
 
-def _layerwise(opts, runner: LayerRunner, layer, converted, name: str, w, shape, choice, first: LayerResult, i: int,
-               tracks: Tracks, result: LayersResult) -> LayerResult:  # fmt: skip
+def _layerwise(opts, kind, runner: LayerRunner, layer, converted, name: str, w, shape, choice, first: LayerResult,
+               i: int, tracks: Tracks, result: LayersResult) -> LayerResult:  # fmt: skip
     """Propagate (recompute the closed form from the converted prefix's statistics, kept if better held-in) and / or
     reconstruct layer i in place (reconstruct.fit_layer); then advance the converted track through it."""
     kept = {"result": first}
     relift = None
     if opts.calibration.propagate and opts.method != "mean":
         def relift(name, stats):  # noqa: E306
-            kept["result"] = relifted(opts, w, shape, stats, choice, first)
+            kept["result"] = kind.relift(opts, w, shape, stats, choice, first)
             return kept["result"].state
 
     h_src, h_new = tracks["source"].current, tracks["converted"].current

@@ -1,4 +1,5 @@
-"""First pass, for the MLA decisions that need every layer before any is converted:
+"""First pass, for the decisions that need every layer before any is converted (the target's plan hook decides,
+with the passes below as its tools):
     sensitivity: per-layer RoPE dims and ranks (or the exact layer) by measured KL, a knapsack over all layers
         (budgets.choose; the measurement in sensitivity.py);
     energy: per-layer ranks keeping the most normalized latent energy (methods.allocate_ranks);
@@ -21,61 +22,42 @@ import torch
 from ..io.calibration import track_statistics
 from ..io.layer_stream import BATCH, LayerRunner, Tracks
 from ..methods.budgets import MEASURE_TOKENS, LayerCandidates, allocation_report, budget_values, candidate_grid, choose
-from ..export.stock_rope import stock_frequencies
-from ..methods.mla_plan import LatentPlan, allocate_ranks, ranked_components
 from ..options import ConvertOptions
-from .closed_form import LatentChoice, LayerChoice, mla_plan
+from ..targets import target_of
+from ..targets.base import LatentChoice, LayerChoice, Plan, Target
 from .retrieval import latent_retrieval_plan, retrieval_plan
 from .source import Source
-from .target import Target
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class Plan:
-    """choices: per MLA layer (LatentChoice per latent_kv layer; None for GQA / MQA); budgets: the report's "budgets" section (sensitivity);
-    stride: the deepseek_v3 export's frequency stride s; seconds: the first pass's wall time (0 when none ran)."""
-
-    choices: list[LayerChoice] | None
-    budgets: dict | None = None
-    stride: int | None = None
-    seconds: float = 0.0
-
-
 def plan_layers(source: Source, opts: ConvertOptions, target: Target, windows: torch.Tensor | None) -> Plan:
-    """The per-layer choices; a first pass over the layers when the allocation or the export needs one."""
-    if opts.to == "latent_kv":
-        started = time.perf_counter()
-        uniform = LatentChoice(target.latent_key_rank, target.latent_value_rank)
-        if opts.rank_allocation != "retrieval":
-            return Plan([uniform] * source.shape.layers)
-        plan = Plan(*latent_retrieval_plan(source, opts, uniform, windows))
-        plan.seconds = round(time.perf_counter() - started, 3)
-        return plan
-    if opts.to != "mla":
-        return Plan(None)
-    n = source.shape.layers
-    uniform = [LayerChoice(target.rope_dim, target.kv_lora_rank) for _ in range(n)]
-    started = time.perf_counter()
-    if opts.rank_allocation == "sensitivity":
-        plan = _sensitivity(source, opts, windows)
-    elif opts.rank_allocation == "retrieval":  # copy-head layers exact (retrieval.py)
-        plan = Plan(*retrieval_plan(source, opts, target, windows))
-    elif opts.rank_allocation == "energy":
-        energies = [LatentPlan([], torch.empty(0), torch.empty(0), mla_plan(opts, w, source.shape, stats, c).energy)
-                    for (_, _, w, stats), c in zip(layer_statistics(source, windows), uniform)]  # fmt: skip
-        ranks = allocate_ranks(energies, target.kv_lora_rank * n)
-        plan = Plan([LayerChoice(target.rope_dim, r) for r in ranks])
-    elif opts.format == "deepseek_v3":  # one component per frequency 0, s, 2s, ...: what a stock RoPE key turns at
-        ranked = [ranked_components(opts.method, w, source.shape, stats, opts.rope_context)
-                  for _, _, w, stats in layer_statistics(source, windows)]  # fmt: skip
-        frequencies, stride = stock_frequencies(ranked, source.shape.half, target.rope_dim // 2)
-        plan = Plan([LayerChoice(target.rope_dim, target.kv_lora_rank, frequencies) for _ in range(n)], stride=stride)
-    else:
-        return Plan(uniform)
-    plan.seconds = round(time.perf_counter() - started, 3)
-    return plan
+    """The per-layer choices (the target's plan); a first pass over the layers when the allocation or the export
+    needs one."""
+    return target_of(opts.to).plan(PlanTools(source, opts, target, windows))
+
+
+@dataclass
+class PlanTools:
+    """What a target's plan hook may run: the passes over the source's layers (statistics, the sensitivity
+    measurement, the copy-head scores of the retrieval allocations)."""
+
+    source: Source
+    opts: ConvertOptions
+    target: Target
+    windows: torch.Tensor | None
+
+    def layer_statistics(self) -> Iterator[tuple]:
+        return layer_statistics(self.source, self.windows)
+
+    def sensitivity(self) -> Plan:
+        return _sensitivity(self.source, self.opts, self.windows)
+
+    def retrieval(self) -> tuple:
+        return retrieval_plan(self.source, self.opts, self.target, self.windows)
+
+    def latent_retrieval(self, uniform: LatentChoice) -> tuple:
+        return latent_retrieval_plan(self.source, self.opts, uniform, self.windows)
 
 
 def layer_statistics(source: Source, windows: torch.Tensor, measure=None) -> Iterator[tuple]:

@@ -15,6 +15,7 @@ import torch
 from ...hub import engines
 from ...kv_memory import kv_cache_bytes
 from ..options import ConvertOptions
+from ..targets import target_of
 from ..fitting.reconstruct import summary
 
 logger = logging.getLogger(__name__)
@@ -72,21 +73,7 @@ def build_report(source, opts: ConvertOptions, target, cal, plan, layers, healed
               "model_type": src_config.model_type}  # fmt: skip
     if cal.windows is not None:
         report["calibration"] = cal.section
-    if opts.to == "latent_kv":
-        report["latent_kv"] = {"key_share": opts.key_share, "rope_context": opts.rope_context,
-                               "latent_key_rank_per_layer": [c.key_rank for c in plan.choices],
-                               "latent_value_rank_per_layer": [c.value_rank for c in plan.choices],
-                               "exact_key_heads_per_layer": [list(c.exact_key_heads) for c in plan.choices]}  # fmt: skip
-    elif opts.to != "mla":
-        report["kv_heads"] = {"before": target.source_kv, "after": opts.kv_heads, "groups_per_layer": layers.groups}
-    else:
-        choices = plan.choices
-        rope_dims = [c.rope_dim for c in choices]
-        report["mla"] = {"kv_lora_rank": target.kv_lora_rank, "qk_rope_head_dim": max(rope_dims),
-                         "qk_rope_head_dim_per_layer": rope_dims,
-                         "qk_nope_head_dim": layers.config.qk_nope_head_dim, "rope_pairs_per_layer": layers.pairs,
-                         "kv_lora_rank_per_layer": [c.rank for c in choices],
-                         "retained_energy_per_layer": layers.retained}  # fmt: skip
+    report.update(target_of(opts.to).report(opts, target, plan, layers))  # the target's section
     if plan.budgets is not None:
         report["budgets"] = plan.budgets
     if target.layerwise:

@@ -22,9 +22,8 @@ import torch
 
 from ..methods.budgets import budget_values, exact_plan
 from ..options import ConvertOptions
-from .closed_form import LatentChoice, LayerChoice
+from ..targets.base import LatentChoice, LayerChoice, Target
 from .source import Source
-from .target import Target
 
 logger = logging.getLogger(__name__)
 

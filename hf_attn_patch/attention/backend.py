@@ -138,7 +138,7 @@ def _cache_decode(module, query, key, value, attention_mask, scaling, dropout, c
 
 
 def _kernel_attention(q, key_cache, value_cache, meta: AttentionMetadata, group, scale, window, softcap):
-    from hf_attn_patch.kernels import paged_decode_attention, paged_prefill_attention
+    from hf_attn_patch.kernels.ops import paged_decode_attention, paged_prefill_attention
 
     tables = meta.block_tables[group]
     options = dict(block_size=meta.block_size, scale=scale, softcap=softcap, sliding_window=window, validate=False)
@@ -273,7 +273,7 @@ def latent_kv_attention(module, q, c_k, c_v, context: ForwardContext) -> torch.T
 def mla_kernel_decode(module, q_nope, q_rope, flat, meta: AttentionMetadata) -> torch.Tensor:
     """kernels.mla_decode by block table: q_nope [B, H, d_n], q_rope [B, H, d_r] (one token per sequence), flat
     latent pages [slots, 1, d_c + d_r] -> [B, H, d_v] (W_UK folded into the query, W_UV applied to the output)."""
-    from hf_attn_patch.kernels import mla_decode
+    from hf_attn_patch.kernels.ops import mla_decode
 
     w_uk, w_uv = module._up_weights()
     q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)

@@ -10,9 +10,11 @@ import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..compat import attention_cache
+from ..kv_memory import head_dim
+from .base import VariantAttention
 from .rope import apply_rope
-from .spec import AttentionSpec
+from .spec import AttentionSpec, positive
+from ..variants import Variant, register
 
 
 class RMSNorm(nn.Module):
@@ -52,7 +54,7 @@ def attention_function(config):
     return ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention)
 
 
-class GroupedQueryAttention(nn.Module):
+class GroupedQueryAttention(VariantAttention):
     """Drop-in attention layer for every supported architecture.
 
     x [B, T, D] -> q = x W_q^T [B, H, T, d_h], k = x W_k^T, v = x W_v^T [B, H_kv, T, d_h]
@@ -60,13 +62,10 @@ class GroupedQueryAttention(nn.Module):
     Parameter names are Llama's (q_proj, k_proj, v_proj, o_proj, q_norm, k_norm).
     """
 
+    variant = "gqa"
+
     def __init__(self, config, layer_idx: int, spec: AttentionSpec):
-        super().__init__()
-        if spec.variant != "gqa":
-            raise ValueError(f"GroupedQueryAttention needs attention_variant='gqa', got {spec.variant!r}")
-        self.config = config  # read at call time: set_attn_implementation() may change it after construction
-        self.layer_idx = layer_idx
-        self.spec = spec
+        super().__init__(config, layer_idx, spec)
         h, h_kv, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
         self.head_dim = d
         self.num_key_value_groups = h // h_kv  # read by transformers' sdpa/flash functions for GQA
@@ -79,17 +78,7 @@ class GroupedQueryAttention(nn.Module):
         self.q_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
         self.k_norm = RMSNorm(d, spec.norm_eps) if spec.qk_norm else None
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        past_key_values=None,  # the cache's name before transformers 5.24
-        layer_past=None,  # GPT-NeoX passes the cache under this name
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cache = attention_cache(cache, past_key_values, layer_past)
+    def layer_forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):
         batch, length, _ = hidden_states.shape
         shape = (batch, length, -1, self.head_dim)
         q = self.q_proj(hidden_states).view(shape)
@@ -115,3 +104,28 @@ class GroupedQueryAttention(nn.Module):
             **kwargs,
         )
         return self.o_proj(out.reshape(batch, length, -1)), weights
+
+
+def spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
+    """GQA's AttentionSpec fields from a config: its KV heads and the family's softmax scale."""
+    return dict(num_key_value_heads=getattr(config, "num_key_value_heads", None),
+                scaling=arch.scaling(config, layer_idx, common["head_dim"]))  # fmt: skip
+
+
+def validate(spec: AttentionSpec) -> None:
+    h, h_kv = spec.num_attention_heads, spec.num_key_value_heads
+    positive("num_key_value_heads", h_kv)
+    if h % h_kv:
+        raise ValueError(f"num_key_value_heads={h_kv} must divide num_attention_heads={h} (GQA groups need equal size)")
+
+
+def cached_values(config, layer_idx: int) -> tuple[str, int]:
+    """Keys and values of the KV heads (MHA: every head, MQA: one)."""
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
+    return kind, 2 * kv_heads * head_dim(config)
+
+
+VARIANT = register(Variant("gqa", GroupedQueryAttention, spec_fields, validate, cached_values,
+                           export_formats=("native", "stock")))  # fmt: skip

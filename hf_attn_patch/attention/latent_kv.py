@@ -25,28 +25,27 @@ import torch
 from torch import nn
 
 from ..cache.metadata import get_forward_context
-from ..compat import attention_cache
-from . import backend
+from ..kv_memory import layer_latent_rank
+from . import backend, gqa
+from .base import VariantAttention
 from .gqa import RMSNorm, attention_function
 from .mla import _mask_bias
-from .rope import apply_rope
-from .spec import AttentionSpec
+from .rope import DYNAMIC_ROPE_TYPES, apply_rope, rope_table
+from .spec import AttentionSpec, positive
+from ..variants import Variant, register
 
 KEY_BLOCK = 1024  # cached tokens whose keys a decode step rebuilds at once (memory: KEY_BLOCK * G * d_h per row)
 BLOCKWISE_ROWS = 256  # query rows (heads x new tokens) up to which attention runs blockwise with an online softmax
 
 
-class LatentKVAttention(nn.Module):
+class LatentKVAttention(VariantAttention):
     """Pre-RoPE latent K/V attention (module docstring). Parameter names: q_proj, k_a_proj, k_b_proj, v_a_proj,
     o_proj (+ q_norm, k_norm for models with per-head QK norm)."""
 
+    variant = "latent_kv"
+
     def __init__(self, config, layer_idx: int, spec: AttentionSpec):
-        super().__init__()
-        if spec.variant != "latent_kv":
-            raise ValueError(f"LatentKVAttention needs attention_variant='latent_kv', got {spec.variant!r}")
-        self.config = config
-        self.layer_idx = layer_idx
-        self.spec = spec
+        super().__init__(config, layer_idx, spec)
         h, g, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
         self.key_rank, self.value_rank = spec.latent_key_rank, spec.latent_value_rank
@@ -91,24 +90,13 @@ class LatentKVAttention(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------------------
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        past_key_values=None,  # the cache's name before transformers 5.24
-        layer_past=None,  # GPT-NeoX passes the cache under this name
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        cache = attention_cache(cache, past_key_values, layer_past)
+    def layer_forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):
         batch, length, _ = hidden_states.shape
         q = self._queries(hidden_states)
         c_k = self.k_a_proj(hidden_states).unsqueeze(1)
         c_v = self.v_a_proj(hidden_states).unsqueeze(1)
-        context = get_forward_context()
-        if context is not None and context.route:  # the engine's packed forward: write, attend over latent pages
-            out = backend.latent_kv_attention(self, q, c_k, c_v, context)
+        out = self.engine_forward(q, c_k, c_v)  # an engine step: write, attend over latent pages
+        if out is not None:
             return self.o_proj(out.reshape(batch, length, -1)), None
         if cache is not None:
             c_k, c_v = cache.update(c_k, c_v, self.layer_idx)
@@ -199,3 +187,52 @@ class LatentKVAttention(nn.Module):
             best = new_best
         out = (acc / total).to(q.dtype).view(batch, groups, heads // groups, length, -1)
         return out.permute(0, 3, 1, 2, 4).reshape(batch, length, heads, -1)
+
+
+def spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
+    """latent K/V's AttentionSpec fields: KV heads, the two ranks (per layer) and the model's RoPE frequencies, which
+    it applies to the keys it rebuilds (so only static RoPE types)."""
+    frequencies, attention_scaling = (), 1.0
+    if arch.rotary:
+        rope_type = (config.rope_parameters or {}).get("rope_type", "default")
+        if rope_type in DYNAMIC_ROPE_TYPES:
+            raise ValueError(f"rope_type={rope_type!r} changes its frequencies with the length: attention_variant="
+                             f"'latent_kv' rotates cached keys itself and supports static RoPE types only")  # fmt: skip
+        frequencies, attention_scaling = rope_table(config)
+    return dict(
+        num_key_value_heads=getattr(config, "num_key_value_heads", None) or common["num_attention_heads"],
+        scaling=arch.scaling(config, layer_idx, common["head_dim"]),
+        latent_key_rank=layer_latent_rank(config, layer_idx, "latent_key_rank"),
+        latent_value_rank=layer_latent_rank(config, layer_idx, "latent_value_rank"),
+        rope_frequencies=frequencies,
+        rope_attention_scaling=attention_scaling,
+    )
+
+
+def validate(spec: AttentionSpec) -> None:
+    """latent K/V's fields: the KV heads (as GQA), the two latent ranks and the model's RoPE frequencies."""
+    gqa.validate(spec)
+    kv_width = spec.num_key_value_heads * spec.head_dim
+    for name in ("latent_key_rank", "latent_value_rank"):
+        value = getattr(spec, name)
+        if value is None:
+            raise ValueError(f"attention_variant='latent_kv' needs the config field {name}, which is missing")
+        positive(name, value)
+        limit = min(spec.hidden_size, kv_width)
+        if value > limit:
+            raise ValueError(f"{name}={value} exceeds the rank of the map it factors (min(hidden_size, "
+                             f"num_key_value_heads*head_dim) = {limit})")  # fmt: skip
+    if len(spec.rope_frequencies) != spec.rotary_dim // 2:
+        raise ValueError(f"latent_kv needs the model's {spec.rotary_dim // 2} RoPE frequencies, got "
+                         f"{len(spec.rope_frequencies)}")  # fmt: skip
+
+
+def cached_values(config, layer_idx: int) -> tuple[str, int]:
+    """The key latent and the value latent."""
+    values = layer_latent_rank(config, layer_idx, "latent_key_rank") + layer_latent_rank(
+        config, layer_idx, "latent_value_rank")
+    return "latent_kv", values
+
+
+VARIANT = register(Variant("latent_kv", LatentKVAttention, spec_fields, validate, cached_values,
+                           paged_forward=backend.latent_kv_attention))

@@ -22,25 +22,24 @@ import torch
 from torch import nn
 
 from ..cache.metadata import get_forward_context
-from ..compat import attention_cache
+from ..kv_memory import layer_kv_lora_rank, layer_qk_rope_head_dim
 from . import backend
+from .base import VariantAttention
 from .gqa import RMSNorm, attention_function
 from .rope import apply_rope, deinterleave, select_rope_pairs
-from .spec import AttentionSpec
+from .spec import AttentionSpec, non_negative, positive
+from ..variants import Variant, register
 
 ABSORB_MODES = ("auto", "always", "never")
 
 
-class MultiHeadLatentAttention(nn.Module):
+class MultiHeadLatentAttention(VariantAttention):
     """DeepSeek MLA. `absorb` picks the compute path: "auto" (by FLOP count), "always" or "never"."""
 
+    variant = "mla"
+
     def __init__(self, config, layer_idx: int, spec: AttentionSpec):
-        super().__init__()
-        if spec.variant != "mla":
-            raise ValueError(f"MultiHeadLatentAttention needs attention_variant='mla', got {spec.variant!r}")
-        self.config = config
-        self.layer_idx = layer_idx
-        self.spec = spec
+        super().__init__(config, layer_idx, spec)
         h, d_c = spec.num_attention_heads, spec.kv_lora_rank
         self.num_heads, self.kv_lora_rank = h, d_c
         self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim = (
@@ -125,26 +124,15 @@ class MultiHeadLatentAttention(nn.Module):
 
     # -- forward -----------------------------------------------------------------------------------------------
 
-    def forward(
-        self,
-        hidden_states: torch.Tensor,
-        position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-        attention_mask: torch.Tensor | None = None,
-        cache=None,
-        past_key_values=None,  # the cache's name before transformers 5.24
-        layer_past=None,  # GPT-NeoX passes the cache under this name
-        **kwargs,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def layer_forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs):
         if self.absorb not in ABSORB_MODES:
             raise ValueError(f"absorb={self.absorb!r} is not one of {ABSORB_MODES}")
-        cache = attention_cache(cache, past_key_values, layer_past)
         batch, length, _ = hidden_states.shape
         q_nope, q_rope = self._queries(hidden_states)
         c, k_rope = self._latent(hidden_states)
         q_rope, k_rope = self._rope(q_rope, k_rope, position_embeddings)
-        context = get_forward_context()
-        if context is not None and context.route:  # the engine's packed forward: write, attend over latent pages
-            out = backend.mla_attention(self, q_nope, q_rope, c, k_rope, context)
+        out = self.engine_forward(q_nope, q_rope, c, k_rope)  # an engine step: write, attend over latent pages
+        if out is not None:
             return self.o_proj(out.reshape(batch, length, -1)), None
         if cache is not None:
             c, k_rope = cache.update(c, k_rope, self.layer_idx)
@@ -276,3 +264,85 @@ def _mask_bias(bias, mask, sliding_window, shape, like) -> torch.Tensor | None:
     if bias is None:
         bias = like.new_zeros(batch, heads * length, seq)
     return bias.view(shape).masked_fill(~allowed, torch.finfo(bias.dtype).min).view(batch, -1, seq)
+
+
+def spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
+    """MLA's AttentionSpec fields (DeepSeek's config names), per layer where a conversion chose per-layer sizes."""
+    fields = {name: getattr(config, name, None)
+              for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    if fields["qk_nope_head_dim"] is None or fields["qk_rope_head_dim"] is None:
+        return fields  # validate() names the missing field
+    fields["kv_lora_rank"] = layer_kv_lora_rank(config, layer_idx)
+    fields["qk_rope_head_dim"] = layer_qk_rope_head_dim(config, layer_idx)
+    pairs = getattr(config, "mla_rope_pairs", None)
+    if pairs and isinstance(pairs[0], (list, tuple)):  # one list per layer (converted models choose per layer)
+        if len(pairs) != config.num_hidden_layers:
+            raise ValueError(
+                f"mla_rope_pairs has {len(pairs)} per-layer lists, num_hidden_layers={config.num_hidden_layers}"
+            )
+        pairs = pairs[layer_idx]
+    return dict(
+        **fields,
+        scaling=arch.mla_scaling(config, layer_idx, fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]),
+        mla_latent_norm=bool(getattr(config, "mla_latent_norm", True)),
+        mla_rope_pairs=None if pairs is None else tuple(pairs),
+        rope_interleave=arch.rope_interleave if arch.rope_interleave is not None else bool(
+            getattr(config, "rope_interleave", False)
+        ),
+    )
+
+
+def validate(spec: AttentionSpec) -> None:
+    """MLA's fields: the latent, RoPE and head dims, within the ranks of the maps they factor."""
+    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        if getattr(spec, name) is None:
+            raise ValueError(f"attention_variant='mla' needs the config field {name}, which is missing")
+    positive("kv_lora_rank", spec.kv_lora_rank)
+    positive("v_head_dim", spec.v_head_dim)
+    non_negative("qk_nope_head_dim", spec.qk_nope_head_dim)
+    non_negative("qk_rope_head_dim", spec.qk_rope_head_dim)
+    if spec.qk_nope_head_dim + spec.qk_rope_head_dim == 0:
+        raise ValueError("qk_nope_head_dim=0 and qk_rope_head_dim=0: queries and keys would have no dims")
+    # c_t = W_DKV x factors [W_K_nope; W_V] (hidden -> H*(d_nope+d_v)): its rank is at most the smaller side.
+    kv_limit = min(spec.hidden_size, spec.num_attention_heads * (spec.qk_nope_head_dim + spec.v_head_dim))
+    if spec.kv_lora_rank > kv_limit:
+        raise ValueError(
+            f"kv_lora_rank={spec.kv_lora_rank} exceeds the rank of the K/V map it factors "
+            f"(min(hidden_size, num_attention_heads*(qk_nope_head_dim+v_head_dim)) = {kv_limit})"
+        )
+    if spec.q_lora_rank is not None:
+        positive("q_lora_rank", spec.q_lora_rank)
+        q_limit = min(spec.hidden_size, spec.num_attention_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim))
+        if spec.q_lora_rank > q_limit:
+            raise ValueError(f"q_lora_rank={spec.q_lora_rank} exceeds the rank of the query map ({q_limit})")
+    d_r = spec.qk_rope_head_dim
+    if d_r % 2:
+        raise ValueError(f"qk_rope_head_dim={d_r} must be even (RoPE rotates pairs of dims)")
+    if d_r and not spec.rotary_dim:
+        raise ValueError(
+            f"qk_rope_head_dim={d_r} but this architecture has no rotary embedding (learned positions): use 0"
+        )
+    if spec.mla_rope_pairs is not None:
+        if len(spec.mla_rope_pairs) != d_r // 2:
+            raise ValueError(
+                f"mla_rope_pairs has {len(spec.mla_rope_pairs)} entries, qk_rope_head_dim={d_r} needs {d_r // 2}"
+            )
+        bad = [i for i in spec.mla_rope_pairs if not 0 <= i < spec.rotary_dim // 2]
+        if bad:
+            raise ValueError(
+                f"mla_rope_pairs={bad} out of range: the rotary embedding has {spec.rotary_dim // 2} pairs"
+            )
+    elif d_r > spec.rotary_dim:
+        raise ValueError(
+            f"qk_rope_head_dim={d_r} exceeds the {spec.rotary_dim} rotary dims of the model; "
+            "set mla_rope_pairs to repeat frequencies"
+        )
+
+
+def cached_values(config, layer_idx: int) -> tuple[str, int]:
+    """The latent and the shared RoPE key."""
+    return "mla", layer_kv_lora_rank(config, layer_idx) + layer_qk_rope_head_dim(config, layer_idx)
+
+
+VARIANT = register(Variant("mla", MultiHeadLatentAttention, spec_fields, validate, cached_values,
+                           paged_forward=backend.mla_attention, export_formats=("native", "deepseek_v3")))

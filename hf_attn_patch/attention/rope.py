@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kv_memory import head_dim
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """[..., d] -> [..., d]: (x1, x2) -> (-x2, x1) with x1, x2 the two halves."""
@@ -48,3 +50,26 @@ def deinterleave(x: torch.Tensor) -> torch.Tensor:
     rotate_half formula gives bit-identical results to transformers' interleaved RoPE.
     """
     return torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1)
+
+
+def rotary_dim(config) -> int:
+    """RoPE dims per head of a rotary config (GPT-NeoX rotates only a fraction of each head)."""
+    return int(head_dim(config) * (config.rope_parameters or {}).get("partial_rotary_factor", 1.0))
+
+
+# RoPE types whose frequencies change with the sequence length: a module that rotates cached keys itself
+# (latent_kv) cannot follow them.
+DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
+
+
+def rope_table(config) -> tuple[tuple[float, ...], float]:
+    """(theta_i of each RoPE pair, the cos/sin factor) of a rotary config, as its rotary embedding computes them."""
+    params = config.rope_parameters or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        d_rot = rotary_dim(config)
+        return tuple(params["rope_theta"] ** (-2 * i / d_rot) for i in range(d_rot // 2)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
+    return tuple(inv_freq.tolist()), float(attention_scaling)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-VARIANTS = ("gqa", "mla", "latent_kv")
+from ..variants import variant_of
 
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """Everything GroupedQueryAttention / MultiHeadLatentAttention need to build themselves.
+    """Everything an attention variant's module needs to build itself (each variant validates its own fields).
 
     GQA: q [H, d_h], k/v [H_kv, d_h]; MHA is H_kv = H, MQA is H_kv = 1.
     MLA: latent c_t of kv_lora_rank dims, per-head k_nope [qk_nope_head_dim] and v [v_head_dim] up-projected from
@@ -53,85 +53,10 @@ class AttentionSpec:
     rope_attention_scaling: float = 1.0  # the rotary embedding's cos/sin factor (yarn, longrope; 1 otherwise)
 
     def __post_init__(self) -> None:
-        if self.variant not in VARIANTS:
-            raise ValueError(f"attention_variant={self.variant!r} is not one of {VARIANTS}")
-        _positive("num_attention_heads", self.num_attention_heads)
-        _positive("hidden_size", self.hidden_size)
-        if self.variant == "gqa":
-            self._validate_gqa()
-        elif self.variant == "mla":
-            self._validate_mla()
-        else:
-            self._validate_latent_kv()
-
-    def _validate_gqa(self) -> None:
-        h, h_kv = self.num_attention_heads, self.num_key_value_heads
-        _positive("num_key_value_heads", h_kv)
-        if h % h_kv:
-            raise ValueError(
-                f"num_key_value_heads={h_kv} must divide num_attention_heads={h} (GQA groups need equal size)"
-            )
-
-    def _validate_latent_kv(self) -> None:
-        self._validate_gqa()
-        kv_width = self.num_key_value_heads * self.head_dim
-        for name in ("latent_key_rank", "latent_value_rank"):
-            value = getattr(self, name)
-            if value is None:
-                raise ValueError(f"attention_variant='latent_kv' needs the config field {name}, which is missing")
-            _positive(name, value)
-            limit = min(self.hidden_size, kv_width)
-            if value > limit:
-                raise ValueError(f"{name}={value} exceeds the rank of the map it factors (min(hidden_size, "
-                                 f"num_key_value_heads*head_dim) = {limit})")  # fmt: skip
-        if len(self.rope_frequencies) != self.rotary_dim // 2:
-            raise ValueError(f"latent_kv needs the model's {self.rotary_dim // 2} RoPE frequencies, got "
-                             f"{len(self.rope_frequencies)}")  # fmt: skip
-
-    def _validate_mla(self) -> None:
-        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-            if getattr(self, name) is None:
-                raise ValueError(f"attention_variant='mla' needs the config field {name}, which is missing")
-        _positive("kv_lora_rank", self.kv_lora_rank)
-        _positive("v_head_dim", self.v_head_dim)
-        _non_negative("qk_nope_head_dim", self.qk_nope_head_dim)
-        _non_negative("qk_rope_head_dim", self.qk_rope_head_dim)
-        if self.qk_nope_head_dim + self.qk_rope_head_dim == 0:
-            raise ValueError("qk_nope_head_dim=0 and qk_rope_head_dim=0: queries and keys would have no dims")
-        # c_t = W_DKV x factors [W_K_nope; W_V] (hidden -> H*(d_nope+d_v)): its rank is at most the smaller side.
-        kv_limit = min(self.hidden_size, self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim))
-        if self.kv_lora_rank > kv_limit:
-            raise ValueError(
-                f"kv_lora_rank={self.kv_lora_rank} exceeds the rank of the K/V map it factors "
-                f"(min(hidden_size, num_attention_heads*(qk_nope_head_dim+v_head_dim)) = {kv_limit})"
-            )
-        if self.q_lora_rank is not None:
-            _positive("q_lora_rank", self.q_lora_rank)
-            q_limit = min(self.hidden_size, self.num_attention_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim))
-            if self.q_lora_rank > q_limit:
-                raise ValueError(f"q_lora_rank={self.q_lora_rank} exceeds the rank of the query map ({q_limit})")
-        d_r = self.qk_rope_head_dim
-        if d_r % 2:
-            raise ValueError(f"qk_rope_head_dim={d_r} must be even (RoPE rotates pairs of dims)")
-        if d_r and not self.rotary_dim:
-            raise ValueError(
-                f"qk_rope_head_dim={d_r} but this architecture has no rotary embedding (learned positions): use 0"
-            )
-        if self.mla_rope_pairs is not None:
-            if len(self.mla_rope_pairs) != d_r // 2:
-                raise ValueError(
-                    f"mla_rope_pairs has {len(self.mla_rope_pairs)} entries, qk_rope_head_dim={d_r} needs {d_r // 2}"
-                )
-            bad = [i for i in self.mla_rope_pairs if not 0 <= i < self.rotary_dim // 2]
-            if bad:
-                raise ValueError(
-                    f"mla_rope_pairs={bad} out of range: the rotary embedding has {self.rotary_dim // 2} pairs"
-                )
-        elif d_r > self.rotary_dim:
-            raise ValueError(
-                f"qk_rope_head_dim={d_r} exceeds the {self.rotary_dim} rotary dims of the model; "
-                "set mla_rope_pairs to repeat frequencies"
-            )
+        variant = variant_of(self.variant)  # raises naming an unknown variant
+        positive("num_attention_heads", self.num_attention_heads)
+        positive("hidden_size", self.hidden_size)
+        variant.validate(self)  # the variant's own fields (variants.py)
 
     def rope_pair_index(self) -> tuple[int, ...] | None:
         """Source frequency pairs of MLA's RoPE key; None when it uses the model's rotary dims as they are.
@@ -147,11 +72,11 @@ class AttentionSpec:
         return tuple((i * (d_rot // 2)) // (d_r // 2) for i in range(d_r // 2))
 
 
-def _positive(name: str, value) -> None:
+def positive(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive integer")
 
 
-def _non_negative(name: str, value) -> None:
+def non_negative(name: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"{name}={value!r} must be a non-negative integer")

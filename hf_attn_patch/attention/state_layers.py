@@ -26,6 +26,7 @@ import torch
 from ..cache.manager import STATE
 from ..cache.metadata import get_forward_context
 from ..cache.state_pool import stack_layer_states, unstack_layer_states
+from ..compat import CACHE_ARGUMENTS
 
 __all__ = ["STATE_MIXERS", "check_state_layers", "mixer_classes", "per_sequence_forward"]
 
@@ -50,7 +51,6 @@ STATE_MIXERS = {  # model_type -> mixer
     # Mamba1: its sequence scan starts from a zero state ("initial state not supported"), so whole prefills only
     "jamba": Mixer(_MODELING.format("jamba"), "JambaMambaMixer", continues_chunks=False),
 }
-_CACHE_ARGUMENTS = ("cache", "past_key_values", "cache_params")  # the first since transformers 5.24
 
 
 def mixer_classes() -> list[type]:
@@ -62,7 +62,7 @@ def per_sequence_forward(original):
     """Wrap a mixer's forward: per sequence of the forward context's `states`, its slice with its own Cache."""
     parameters = list(inspect.signature(original).parameters)
     hidden_name = parameters[1]
-    (cache_name,) = [p for p in parameters if p in _CACHE_ARGUMENTS]
+    (cache_name,) = [p for p in parameters if p in CACHE_ARGUMENTS]
 
     def forward(self, *args, **kwargs):
         context = get_forward_context()

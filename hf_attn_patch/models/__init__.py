@@ -3,7 +3,7 @@ name, local folders, Hub ids)."""
 
 from __future__ import annotations
 
-from ..attention import GroupedQueryAttention, LatentKVAttention, MultiHeadLatentAttention
+from ..variants import variant_of
 from .architectures import ARCHITECTURES, Architecture, AttentionWeights, architecture_of, attention_spec
 from .pretrained import load_default, load_smollm2, load_source
 
@@ -11,8 +11,7 @@ from .pretrained import load_default, load_smollm2, load_source
 def build_attention(config, layer_idx: int):
     """The attention layer a config with `attention_variant` asks for (validates the config first)."""
     spec = attention_spec(config, layer_idx)
-    classes = {"gqa": GroupedQueryAttention, "mla": MultiHeadLatentAttention, "latent_kv": LatentKVAttention}
-    return classes[spec.variant](config, layer_idx, spec)
+    return variant_of(spec.variant).module(config, layer_idx, spec)
 
 
 def validate_variant_config(config) -> None:

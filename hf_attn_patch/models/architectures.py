@@ -11,7 +11,9 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ..attention.rope import DYNAMIC_ROPE_TYPES, rope_table, rotary_dim  # noqa: F401  (re-exported here)
 from ..attention.spec import AttentionSpec
+from ..variants import is_variant, variant_of
 from ..kv_memory import head_dim, layer_kv_lora_rank, layer_latent_rank, layer_qk_rope_head_dim  # noqa: F401  (config sizes; re-exported here)
 
 
@@ -116,11 +118,6 @@ def _layer_sliding_window(config, layer_idx: int) -> int | None:
     return window
 
 
-def rotary_dim(config) -> int:
-    """RoPE dims per head of a rotary config (GPT-NeoX rotates only a fraction of each head)."""
-    return int(head_dim(config) * (config.rope_parameters or {}).get("partial_rotary_factor", 1.0))
-
-
 @dataclass(frozen=True)
 class Architecture:
     """How one transformers model family is wired. Callables take the model's config."""
@@ -137,7 +134,7 @@ class Architecture:
     mla_scaling: Callable[[object, int, int], float] = lambda c, layer_idx, d: d**-0.5
     sliding_window: Callable[[object, int], int | None] = lambda c, layer_idx: None
     dropout: Callable[[object], float] = lambda c: float(getattr(c, "attention_dropout", 0.0) or 0.0)
-    variants: tuple[str, ...] = ("gqa", "mla", "latent_kv")
+    variants: tuple[str, ...] | None = None  # the attention variants it takes (None: every registered one)
     # Build ours even without `attention_variant` (same weights, same cache layout): DeepSeek-V3 gains absorbed
     # decoding over its latent cache, which transformers' own module lacks.
     replaces_stock: bool = False
@@ -204,8 +201,9 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
     variant = getattr(config, "attention_variant", None) or ("mla" if arch.replaces_stock else None)
     if variant is None:
         raise ValueError(f"config of model_type={config.model_type!r} has no attention_variant")
-    if variant in ("gqa", "mla", "latent_kv") and variant not in arch.variants:
+    if is_variant(variant) and arch.variants is not None and variant not in arch.variants:
         raise ValueError(f"attention_variant={variant!r} is not available for model_type={arch.model_type!r}")
+    kind = variant_of(variant)  # raises naming an unknown variant
     heads, d_h = config.num_attention_heads, head_dim(config)
     q_bias, k_bias, v_bias, o_bias = arch.biases(config)
     common = dict(
@@ -223,50 +221,7 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
         sliding_window=arch.sliding_window(config, layer_idx),
         dropout=arch.dropout(config),
     )
-    if variant == "gqa":
-        return AttentionSpec(
-            **common,
-            num_key_value_heads=getattr(config, "num_key_value_heads", None),
-            scaling=arch.scaling(config, layer_idx, d_h),
-        )
-    if variant == "latent_kv":
-        frequencies, attention_scaling = rope_table(config) if arch.rotary else ((), 1.0)
-        return AttentionSpec(
-            **common,
-            num_key_value_heads=getattr(config, "num_key_value_heads", None) or heads,
-            scaling=arch.scaling(config, layer_idx, d_h),
-            latent_key_rank=layer_latent_rank(config, layer_idx, "latent_key_rank"),
-            latent_value_rank=layer_latent_rank(config, layer_idx, "latent_value_rank"),
-            rope_frequencies=frequencies,
-            rope_attention_scaling=attention_scaling,
-        )
-    if variant != "mla":
-        return AttentionSpec(**common)  # raises: unknown variant, naming it
-    fields = {
-        name: getattr(config, name, None)
-        for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-    }
-    if fields["qk_nope_head_dim"] is None or fields["qk_rope_head_dim"] is None:
-        return AttentionSpec(**common, **fields)  # raises, naming the missing field
-    fields["kv_lora_rank"] = layer_kv_lora_rank(config, layer_idx)
-    fields["qk_rope_head_dim"] = layer_qk_rope_head_dim(config, layer_idx)
-    pairs = getattr(config, "mla_rope_pairs", None)
-    if pairs and isinstance(pairs[0], (list, tuple)):  # one list per layer (converted models choose per layer)
-        if len(pairs) != config.num_hidden_layers:
-            raise ValueError(
-                f"mla_rope_pairs has {len(pairs)} per-layer lists, num_hidden_layers={config.num_hidden_layers}"
-            )
-        pairs = pairs[layer_idx]
-    return AttentionSpec(
-        **common,
-        **fields,
-        scaling=arch.mla_scaling(config, layer_idx, fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]),
-        mla_latent_norm=bool(getattr(config, "mla_latent_norm", True)),
-        mla_rope_pairs=None if pairs is None else tuple(pairs),
-        rope_interleave=arch.rope_interleave if arch.rope_interleave is not None else bool(
-            getattr(config, "rope_interleave", False)
-        ),
-    )
+    return AttentionSpec(**common, **kind.spec_fields(config, layer_idx, arch, common))
 
 
 def rope_frequencies(config) -> tuple[float, ...]:
@@ -277,25 +232,6 @@ def rope_frequencies(config) -> tuple[float, ...]:
     return rope_table(config)[0]
 
 
-# RoPE types whose frequencies change with the sequence length: a module that rotates cached keys itself
-# (latent_kv) cannot follow them.
-DYNAMIC_ROPE_TYPES = ("dynamic", "longrope")
-
-
-def rope_table(config) -> tuple[tuple[float, ...], float]:
-    """(theta_i of each RoPE pair, the cos/sin factor) of a rotary config, as its rotary embedding computes them."""
-    params = config.rope_parameters or {}
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        d_rot = rotary_dim(config)
-        return tuple(params["rope_theta"] ** (-2 * i / d_rot) for i in range(d_rot // 2)), 1.0
-    if getattr(config, "attention_variant", None) == "latent_kv" and rope_type in DYNAMIC_ROPE_TYPES:
-        raise ValueError(f"rope_type={rope_type!r} changes its frequencies with the length: attention_variant="
-                         f"'latent_kv' rotates cached keys itself and supports static RoPE types only")  # fmt: skip
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
-    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config)
-    return tuple(inv_freq.tolist()), float(attention_scaling)
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from transformers.modeling_outputs import ModelOutput
 from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaPreTrainedModel, LlamaRMSNorm,
                                                       LlamaRotaryEmbedding)  # fmt: skip
 
-from ..compat import cache_kwarg
+from ..compat import attention_cache, cache_kwarg
 from .drafters import Draft, Drafter, draft_chain
 from .ragged import RaggedModel
 from .sequences import Sequences
@@ -88,7 +88,7 @@ class FeatureDrafterForCausalLM(LlamaPreTrainedModel):
             raise ValueError("the feature drafter is not bound to its target: call drafter.bind(target) first")
         embed = self._target["embed"](input_ids).to(self.fc.weight.dtype)
         x = self.fc(torch.cat([self.feature_norm(target_hidden.to(embed.dtype)), self.embed_norm(embed)], dim=-1))
-        cache = cache if cache is not None else past_key_values  # the cache's name before transformers 5.24
+        cache = attention_cache(cache, past_key_values)  # under either name (compat.py)
         if use_cache and cache is None:
             cache = DynamicCache(config=self.config)
         if position_ids is None:

@@ -1,5 +1,5 @@
-"""The options of `convert()`: ConvertOptions and its sections (calibration, reconstruction, healing, output:
-option_sections.py), frozen dataclasses, each validated on construction.
+"""ConvertOptions, the parsed options of `convert()`: what to convert to, and its sections (calibration,
+reconstruction, healing, output: sections.py), frozen dataclasses, each validated on construction.
 
 Each option is declared once, as its field: the default, and in `option(...)` metadata its flat name, help text,
 choices and command-line type; FLAT_NAMES, the CLI's --flags (cli.py) and the applied defaults of healing are read
@@ -15,25 +15,20 @@ import copy
 import logging
 from dataclasses import dataclass, field, fields
 
-from .option_sections import (HEAL_DATA, SECTIONS, CalibrationOptions, HealingOptions, OutputOptions,  # noqa: F401
-                              ReconstructionOptions, _fill, _one_of, _positive_int, option)
-
-
-from ..devices import resolve_device
-from ..kv_memory import dtype_of
-from .export.constants import ENGINES
-from .methods.gqa_merge import GQA_METHODS
-from .methods.mla_plan import MLA_METHODS
+from ...devices import resolve_device
+from ...kv_memory import dtype_of
+from ..export.constants import ENGINES
+from .fields import fill, one_of, positive_int, option
+from .sections import SECTIONS, CalibrationOptions, HealingOptions, OutputOptions, ReconstructionOptions
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("gqa", "mqa", "mla", "latent_kv")
-LATENT_KV_METHODS = ("calibrated",)  # the metric-weighted closed form (methods/latent_kv.py)
-# latent_kv defaults, chosen on the held-in criteria (docs/conversion.md, "Latent K/V"): the share of the KV budget
-# spent on keys, and the distances the key metric averages over
-LATENT_KEY_SHARE = 1 / 3
-LATENT_ROPE_CONTEXT = 4096
+TARGETS = ("gqa", "mqa", "mla", "latent_kv")  # the names of converters/targets/'s table, in its order
+_TARGETS: dict = {}  # name -> the target (register_targets)
 FORMATS = ("auto", "native", "stock", "deepseek_v3")
+# a format the target cannot write: what it is, and which targets have it
+FORMAT_REFUSALS = {"stock": "format='stock' exists for GQA/MQA only, not to={to!r} (native; MLA also 'deepseek_v3')",
+                   "deepseek_v3": "format='deepseek_v3' is an MLA export, not one for to={to!r}"}  # fmt: skip
 RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity", "retrieval")
 
 
@@ -44,12 +39,12 @@ def resolved(opts: "ConvertOptions", **changes) -> "ConvertOptions":
     for name, value in changes.items():
         place = FLAT_NAMES[name]
         if place is None:
-            _fill(out, name, value)
+            fill(out, name, value)
         else:
             section = sections.setdefault(place[0], copy.copy(getattr(opts, place[0])))
-            _fill(section, place[1], value)
+            fill(section, place[1], value)
     for section, value in sections.items():
-        _fill(out, section, value)
+        fill(out, section, value)
     return out
 
 def option_fields() -> list[tuple[str, tuple | None, dict]]:
@@ -66,18 +61,21 @@ class ConvertOptions:
     sections run here (errors name the option and its value)."""
 
     to: str = option(None, "the target attention (required)", choices=TARGETS)
-    kv_heads: int | None = option(None, "gqa: KV heads after conversion (mqa: 1)", parse=int)
-    kv_lora_rank: int | None = option(None, "mla: latent dims d_c", parse=int)
+    kv_heads: int | None = option(None, "gqa: KV heads after conversion (mqa: 1)", parse=int, targets=("gqa", "mqa"))
+    kv_lora_rank: int | None = option(None, "mla: latent dims d_c", parse=int, targets=("mla",))
     rope_dim: int | None = option(None, "mla: dims of the shared RoPE key (even; default: one head's d_h, at most a "
-                                  "third of --kv-budget)", parse=int)  # fmt: skip
+                                  "third of --kv-budget)", parse=int, targets=("mla",))  # fmt: skip
     kv_budget: float | None = option(None, "mla: fraction of the source's KV bytes (instead of --kv-lora-rank); "
-                                     "latent_kv: the same, required", parse=float)  # fmt: skip
+                                     "latent_kv: the same, required", parse=float,
+                                     targets=("mla", "latent_kv"))  # fmt: skip
     key_share: float | None = option(None, "latent_kv: share of the budget spent on key latents, the rest on values "
-                                     "(default 1/3: values need more rank than keys)", parse=float)  # fmt: skip
+                                     "(default 1/3: values need more rank than keys)", parse=float,
+                                     targets=("latent_kv",))  # fmt: skip
     method: str | None = option(None, "gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla "
                                 "(defaults: the best measured, docs/conversion.md)")  # fmt: skip
     regroup: bool | None = option(None, "gqa aligned/pca: merge KV heads by index instead of grouping them by "
-                                  "similarity (default: grouped)", flag="--no-regroup")  # fmt: skip
+                                  "similarity (default: grouped)", flag="--no-regroup",
+                                  targets=("gqa", "mqa"))  # fmt: skip
     rank_allocation: str | None = option(None, "mla with --kv-budget: per layer RoPE dims + rank (or exact) by each "
                                          "choice's measured KL (default; uniform for deepseek_v3), one rank for all "
                                          "layers, by retained energy, or copy layers exact; latent_kv: uniform (default), or "
@@ -86,7 +84,7 @@ class ConvertOptions:
     rope_context: int | None = option(None, "mla: the distances the RoPE split keeps scores right over (default: "
                                       "--calib-len; the served context keeps far retrieval at some short-range cost); "
                                       "latent_kv: the distances the key fit weighs (default 4096)",
-                                      parse=int, metavar="TOKENS")  # fmt: skip
+                                      parse=int, metavar="TOKENS", targets=("mla", "latent_kv"))  # fmt: skip
     format: str = option("auto", "auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock "
                          "DeepseekV3ForCausalLM (MLA)", choices=FORMATS)  # fmt: skip
     engine: str | None = option(None, "--format deepseek_v3: the engine whose MLA kernels the shapes fit (default "
@@ -128,45 +126,27 @@ class ConvertOptions:
         for section, kind in SECTIONS.items():
             if not isinstance(getattr(self, section), kind):
                 raise TypeError(f"{section}={getattr(self, section)!r} is not a {kind.__name__}")
-        _one_of("to", self.to, TARGETS)
+        one_of("to", self.to, TARGETS)
         self._refuse_inapplicable()
-        _one_of("format", self.format, FORMATS)
-        methods = _methods(self.to)
-        _fill(self, "method", self.method or methods[0])
+        one_of("format", self.format, FORMATS)
+        target = _target(self.to)  # its own checks and defaults: converters/targets/
+        methods = target.methods
+        fill(self, "method", self.method or methods[0])
         if self.method not in methods:
             raise ValueError(f"method={self.method!r} is not one of {methods} for to={self.to!r}")
-        if self.to in ("gqa", "mqa") and self.method != "mean" and self.regroup is None:
-            _fill(self, "regroup", True)
-        if self.to == "mqa":
-            if self.kv_heads not in (None, 1):
-                raise ValueError(f"kv_heads={self.kv_heads!r}: MQA has exactly one KV head")
-            _fill(self, "kv_heads", 1)
-        if self.to == "gqa" and self.kv_heads is None:
-            raise ValueError("to='gqa' needs kv_heads")
-        self._check_rank_allocation()
-        if self.format == "stock" and self.to in ("mla", "latent_kv"):
-            raise ValueError(f"format='stock' exists for GQA/MQA only, not to={self.to!r} (native; MLA also "
-                             "'deepseek_v3')")  # fmt: skip
-        if self.format == "deepseek_v3" and self.to != "mla":
-            raise ValueError(f"format='deepseek_v3' is an MLA export, not one for to={self.to!r}")
+        target.check_options(self)
+        self._check_rank_allocation(target)
+        if self.format not in target.formats:  # what the format is, and who has it
+            raise ValueError(FORMAT_REFUSALS[self.format].format(to=self.to))
         if self.engine is not None and self.format != "deepseek_v3":
             raise ValueError(f"engine={self.engine!r} applies to format='deepseek_v3' only, not format={self.format!r}")
         if self.format == "deepseek_v3":
-            _fill(self, "engine", self.engine or "llama.cpp")
-            _one_of("engine", self.engine, ENGINES)
-        if self.to == "mla":
-            if (self.kv_lora_rank is None) == (self.kv_budget is None):
-                raise ValueError(f"to='mla' needs exactly one of kv_lora_rank={self.kv_lora_rank!r} and "
-                                 f"kv_budget={self.kv_budget!r}")  # fmt: skip
-            if self.kv_budget is not None and not 0 < self.kv_budget <= 1:
-                raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
-        if self.to == "latent_kv":
-            self._check_latent_kv()
-        _positive_int("kv_heads", self.kv_heads)
-        _positive_int("kv_lora_rank", self.kv_lora_rank)
-        if self.to == "mla" and self.rope_context is None:  # the calibration window (the source's context costs
-            _fill(self, "rope_context", self.calibration.length)  # short-range quality: docs/conversion-methods.md)
-        _positive_int("rope_context", self.rope_context)
+            fill(self, "engine", self.engine or "llama.cpp")
+            one_of("engine", self.engine, ENGINES)
+        target.check_budget(self)
+        positive_int("kv_heads", self.kv_heads)
+        positive_int("kv_lora_rank", self.kv_lora_rank)
+        positive_int("rope_context", self.rope_context)
         if self.rope_dim is not None and (not isinstance(self.rope_dim, int) or self.rope_dim < 0 or self.rope_dim % 2):
             raise ValueError(f"rope_dim={self.rope_dim!r} must be an even non-negative integer")
         if self.dtype is not None:
@@ -176,65 +156,52 @@ class ConvertOptions:
         if heal.steps and self.calibration.lengths:  # healing's whole-model passes read plain windows
             raise ValueError(f"calib_lengths={self.calibration.lengths!r} does not apply with heal_steps")
         if heal.steps and heal.length is None:
-            _fill(heal, "length", self.calibration.length)
+            fill(heal, "length", self.calibration.length)
         if (self.calibration.propagate or self.reconstruction.steps or heal.steps and heal.layerwise_steps) \
                 and self.calibration.samples < 2:  # fmt: skip
             raise ValueError(f"calib_samples={self.calibration.samples!r}: propagate / reconstruct_steps / "
                              "heal_layerwise_steps hold one window in, so they need at least 2")  # fmt: skip
 
-    def _check_latent_kv(self) -> None:
-        if self.kv_budget is None:
-            raise ValueError("to='latent_kv' needs kv_budget (the fraction of the source's KV bytes to keep)")
-        if not 0 < self.kv_budget <= 1:
-            raise ValueError(f"kv_budget={self.kv_budget!r} must be a fraction in (0, 1]")
-        _fill(self, "key_share", LATENT_KEY_SHARE if self.key_share is None else self.key_share)
-        if not isinstance(self.key_share, (int, float)) or not 0 < self.key_share < 1:
-            raise ValueError(f"key_share={self.key_share!r} must be a fraction in (0, 1)")
-        _fill(self, "rope_context", self.rope_context or LATENT_ROPE_CONTEXT)
-
     def _refuse_inapplicable(self) -> None:
-        """An option the chosen target or method would ignore is an error (it was given for a reason)."""
-        allowed = {"mla": ("kv_lora_rank", "rope_dim", "kv_budget", "rope_context"),
-                   "latent_kv": ("kv_budget", "rope_context", "key_share")}.get(self.to, ())  # fmt: skip
-        for name, owners in (("kv_lora_rank", "'mla'"), ("rope_dim", "'mla'"), ("kv_budget", "'mla' / 'latent_kv'"),
-                             ("rope_context", "'mla' / 'latent_kv'"), ("key_share", "'latent_kv'")):  # fmt: skip
-            if getattr(self, name) is not None and name not in allowed:
-                raise ValueError(f"{name}={getattr(self, name)!r} applies to to={owners} only, not to={self.to!r}")
-        if self.to in ("mla", "latent_kv") and self.kv_heads is not None:
-            raise ValueError(f"kv_heads={self.kv_heads!r} applies to to='gqa' / 'mqa' only, not to={self.to!r}")
+        """An option the chosen target or method would ignore is an error (it was given for a reason): each option
+        declares the targets it belongs to (`option(targets=...)`), and one check refuses it for any other."""
+        for name, _, metadata in option_fields():
+            owners = metadata.get("targets")
+            if owners is not None and self.to not in owners and getattr(self, name) is not None:
+                if name == "regroup":  # its own message below names the methods too
+                    continue
+                raise ValueError(f"{name}={getattr(self, name)!r} applies to to={' / '.join(map(repr, owners))} only, "
+                                 f"not to={self.to!r}")  # fmt: skip
         rec = self.reconstruction
         if rec.attention_kl and rec.steps == 0 and not self.calibration.propagate:
             raise ValueError(f"reconstruct_attention_kl={rec.attention_kl!r} needs reconstruct_steps > 0 or propagate")
-        method = self.method or _methods(self.to)[0]
-        if self.regroup is not None and (self.to in ("mla", "latent_kv") or method == "mean"):
+        method = self.method or _target(self.to).methods[0]
+        if self.regroup is not None and (self.to not in targets_of("regroup") or method == "mean"):
             raise ValueError(f"regroup={self.regroup!r} applies to to='gqa' / 'mqa' with method 'aligned' or 'pca', "
                              f"not to={self.to!r} with method={method!r}")  # fmt: skip
 
-    def _check_rank_allocation(self) -> None:
-        """Default: sensitivity for MLA by kv_budget in a native format (measured best, BENCHMARKS.md), else uniform
-        (stock DeepSeek has one rank for all layers)."""
+    def _check_rank_allocation(self, target) -> None:
+        """Default: the target's (MLA by kv_budget in a native format: sensitivity, measured best; else uniform),
+        then the target's checks of the choice."""
         if self.rank_allocation is None:
-            sensitivity = self.to == "mla" and self.kv_budget is not None and self.format != "deepseek_v3"
-            _fill(self, "rank_allocation", "sensitivity" if sensitivity else "uniform")
-        _one_of("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
-        if self.to == "latent_kv":
-            if self.rank_allocation not in ("uniform", "retrieval"):
-                raise ValueError(f"rank_allocation={self.rank_allocation!r}: to='latent_kv' takes 'uniform' or "
-                                 "'retrieval' (exact keys for the KV heads that copy from far back)")  # fmt: skip
-            return
-        if self.rank_allocation in ("sensitivity", "retrieval") and (self.to != "mla" or self.kv_budget is None
-                                                                    or self.format == "deepseek_v3"):  # fmt: skip
-            raise ValueError(f"rank_allocation={self.rank_allocation!r} needs to='mla', kv_budget and a native format "
-                             "(stock DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)")
-        if self.rank_allocation == "energy" and (self.to != "mla" or self.kv_budget is None or self.method != "calibrated"
-                                                 or self.format == "deepseek_v3"):
-            raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
-                             "format (stock DeepSeek has one kv_lora_rank)")
+            fill(self, "rank_allocation", target.default_rank_allocation(self))
+        one_of("rank_allocation", self.rank_allocation, RANK_ALLOCATIONS)
+        target.check_rank_allocation(self)
 
 
-def _methods(to: str) -> tuple[str, ...]:
-    """The methods of a target, the default first."""
-    return {"mla": MLA_METHODS, "latent_kv": LATENT_KV_METHODS}.get(to, GQA_METHODS)
+def targets_of(name: str) -> tuple[str, ...]:
+    """The targets a top-level option belongs to (every target when it declares none)."""
+    return next(f.metadata["targets"] for f in fields(ConvertOptions) if f.name == name) or TARGETS
+
+
+def register_targets(table: dict) -> None:
+    """The conversion targets' option hooks, by name (converters/targets/ registers its table when it loads, which
+    the converters package does first: this layer stays below the targets)."""
+    _TARGETS.update(table)
+
+
+def _target(to: str):
+    return _TARGETS[to]
 
 
 # Every flat option name (convert()'s keywords, the CLI's --flags, the report's "options") -> (section, field), or

@@ -1,65 +1,24 @@
-"""The sections of the conversion options (calibration, reconstruction, healing, output), the `option()` field
-declaration they share, and the checks that name an option and its value (options.py gathers them into
-ConvertOptions)."""
+"""The sections of the conversion options (calibration, reconstruction, healing, output): frozen dataclasses, each
+validated on construction (convert_options.py gathers them into ConvertOptions)."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 
 from transformers.utils.hub import convert_file_size_to_int
 
-from ..extras import available, require
-from ..hub import check_repo_id
-from .fitting.heal_fsdp import launch_mode
-from .fitting.reconstruct import TARGETS as RECONSTRUCT_TARGETS
-from .io.calibration import CALIB_SOURCES, is_dataset_source
-from .io.packing import parse_lengths
-from .option_values import float_or_auto, int_or_auto
+from ...extras import available, require
+from ...hub import check_repo_id
+from ..fitting.heal_fsdp import launch_mode
+from ..fitting.reconstruct import TARGETS as RECONSTRUCT_TARGETS
+from ..io.calibration import CALIB_SOURCES, is_dataset_source
+from ..io.packing import parse_lengths
+from .fields import fill, flat_name, float_or_auto, int_or_auto, non_negative_int, one_of, option, positive_int
 
 logger = logging.getLogger(__name__)
 
 HEAL_DATA = ("calib", "teacher", "mix")
-
-
-def option(default=None, help: str = "", *, flat: str | None = None, choices: tuple | None = None, parse=None,
-           metavar: str | None = None, flag: str | None = None, applied=None, factory=None):  # noqa: A002
-    """A field declared once: its default and, in its metadata, what the command line and the report need.
-
-    flat: the user-facing name (default: the field's); choices: shown by --help and checked by argparse; parse: the
-    argparse type (text -> value; range checks stay in the dataclass, which names the option); flag: an explicit
-    --flag with a store_true / store_false action for booleans ("--propagate", "--no-regroup"); applied: the default
-    filled in when the option applies (healing options: when healing runs)."""
-    metadata = {"help": help, "flat": flat, "choices": choices, "parse": parse, "metavar": metavar, "flag": flag,
-                "applied": applied}  # fmt: skip
-    if factory is not None:
-        return field(default_factory=factory, metadata=metadata)
-    return field(default=default, metadata=metadata)
-
-
-def _flat(section, name: str) -> str:
-    """The flat (user-facing) name of a section's field, from its metadata."""
-    return next(f.metadata["flat"] or f.name for f in fields(section) if f.name == name)
-
-
-def _fill(options, name: str, value) -> None:
-    """Set a default while validating: the options are frozen from then on."""
-    object.__setattr__(options, name, value)
-
-
-def _positive_int(name: str, value) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-        raise ValueError(f"{name}={value!r} must be a positive integer")
-
-
-def _non_negative_int(name: str, value) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ValueError(f"{name}={value!r} must be a non-negative integer")
-
-
-def _one_of(name: str, value, allowed: tuple) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name}={value!r} is not one of {allowed}")
 
 
 @dataclass(frozen=True)
@@ -83,9 +42,9 @@ class CalibrationOptions:
                              flag="--propagate")  # fmt: skip
 
     def __post_init__(self) -> None:
-        _one_of("calib_source", self.source, CALIB_SOURCES)
-        _positive_int("calib_samples", self.samples)
-        _positive_int("calib_len", self.length)
+        one_of("calib_source", self.source, CALIB_SOURCES)
+        positive_int("calib_samples", self.samples)
+        positive_int("calib_len", self.length)
         if self.lengths is not None:
             parse_lengths(self.lengths, self.length)
         if self.data is not None and is_dataset_source(self.data):
@@ -111,10 +70,10 @@ class ReconstructionOptions:
 
     def __post_init__(self) -> None:
         if self.steps != "auto":
-            _non_negative_int("reconstruct_steps", self.steps)
+            non_negative_int("reconstruct_steps", self.steps)
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or not self.lr > 0:
             raise ValueError(f"reconstruct_lr={self.lr!r} must be a positive number")
-        _one_of("reconstruct_target", self.target, RECONSTRUCT_TARGETS)
+        one_of("reconstruct_target", self.target, RECONSTRUCT_TARGETS)
         if isinstance(self.attention_kl, bool) or not isinstance(self.attention_kl, (int, float)) or self.attention_kl < 0:
             raise ValueError(f"reconstruct_attention_kl={self.attention_kl!r} must be a non-negative number")
 
@@ -153,23 +112,23 @@ class HealingOptions:
         if not self.steps:
             given = [n for n in applied if getattr(self, n) not in (None, False)]
             if given:  # it was given for a reason: healing would have used it
-                raise ValueError(f"{_flat(self, given[0])}={getattr(self, given[0])!r} applies to healing "
+                raise ValueError(f"{flat_name(self, given[0])}={getattr(self, given[0])!r} applies to healing "
                                  f"only: set heal_steps (--heal-steps N)")  # fmt: skip
         else:
             for name, value in applied.items():
                 if getattr(self, name) is None:
-                    _fill(self, name, value)
-            _one_of("heal_train", self.train, ("attention", "all"))
+                    fill(self, name, value)
+            one_of("heal_train", self.train, ("attention", "all"))
             if self.lr != "auto" and (isinstance(self.lr, (str, bool)) or not self.lr > 0):
                 raise ValueError(f"heal_lr={self.lr!r} must be a positive number or 'auto'")
-            _one_of("heal_data", self.data, HEAL_DATA)
-            _positive_int("heal_batch_size", self.batch_size)
-            _positive_int("heal_held_in", self.held_in)
-            _positive_int("heal_len", self.length)
-            _non_negative_int("heal_layerwise_steps", self.layerwise_steps)
+            one_of("heal_data", self.data, HEAL_DATA)
+            positive_int("heal_batch_size", self.batch_size)
+            positive_int("heal_held_in", self.held_in)
+            positive_int("heal_len", self.length)
+            non_negative_int("heal_layerwise_steps", self.layerwise_steps)
         if (self.resume or self.checkpoint_every) and self.checkpoint_dir is None:
             raise ValueError("resume / checkpoint_every need checkpoint_dir")
-        _non_negative_int("checkpoint_every", self.checkpoint_every)
+        non_negative_int("checkpoint_every", self.checkpoint_every)
         if self.steps:
             launch_mode()  # a distributed launch healing cannot use (DeepSpeed, FSDP1) is refused before any work
             if not available("plot"):

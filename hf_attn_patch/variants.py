@@ -1,0 +1,69 @@
+"""The attention variants, one entry each: the door a new variant comes in by.
+
+A variant's module (gqa.py, mla.py, latent_kv.py) declares, in one `register(Variant(...))` at its end:
+
+- `module`: its attention class (a `VariantAttention`: the base owns the forward signature, the cache prologue and
+  the engine route);
+- `spec_fields(config, layer_idx, arch, common)`: the AttentionSpec fields it reads from a config, and
+  `validate(spec)`: their checks (errors name the config field);
+- `cached_values(config, layer_idx)`: (kind, values it caches per token), which KV accounting reads (kv_memory.py);
+- `paged_forward`: the function the engine's packed forward attends with (None: the registered attention function,
+  through transformers' attention interface, as for GQA);
+- `trainable(module)`: the parameters healing trains;
+- `export_formats`: the formats a conversion to it can write.
+
+attention/__init__.py imports each variant module, which registers it; everything else looks variants up here by
+name (`variant_of(config.attention_variant)`) instead of comparing names. This module imports nothing of the package,
+so the layers below attention (kv_memory, cache) may read it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+# A config without attention_variant (a stock model) is read as this variant.
+STOCK_VARIANT = "gqa"
+
+
+def _all_parameters(module) -> list:
+    return list(module.parameters())
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    module: type
+    spec_fields: Callable  # (config, layer_idx, arch, common: dict) -> dict of AttentionSpec fields
+    validate: Callable  # (spec) -> None, raising ValueError naming the config field
+    cached_values: Callable  # (config, layer_idx) -> (kind, values cached per token of one layer)
+    paged_forward: Callable | None = None
+    export_formats: tuple[str, ...] = ("native",)
+    trainable: Callable = _all_parameters  # (module) -> the parameters healing trains
+
+
+_REGISTRY: dict[str, Variant] = {}
+
+
+def register(variant: Variant) -> Variant:
+    if variant.name in _REGISTRY and _REGISTRY[variant.name] is not variant:
+        raise ValueError(f"attention variant {variant.name!r} is registered twice")
+    _REGISTRY[variant.name] = variant
+    return variant
+
+
+def variant_names() -> tuple[str, ...]:
+    """The registered variants, in registration order ("gqa", "mla", "latent_kv")."""
+    return tuple(_REGISTRY)
+
+
+def is_variant(name) -> bool:
+    return name in _REGISTRY
+
+
+def variant_of(name: str) -> Variant:
+    """The registered variant `name`; a ValueError naming it and the choices otherwise."""
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"attention_variant={name!r} is not one of {variant_names()}") from None
