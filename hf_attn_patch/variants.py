@@ -10,6 +10,8 @@ A variant's module (gqa.py, mla.py, latent_kv.py) declares, in one `register(Var
 - `paged_forward`: the function the engine's packed forward attends with (None: the registered attention function,
   through transformers' attention interface, as for GQA);
 - `trainable(module)`: the parameters healing trains;
+- `latent_factors(module)`: its latent factor pairs (down, latent rows of down, up, latent blocks in up's input),
+  which healing rebalances before training (converters/fitting/balance.py; none for GQA);
 - `export_formats`: the formats a conversion to it can write.
 
 attention/__init__.py imports each variant module, which registers it; everything else looks variants up here by
@@ -30,6 +32,10 @@ def _all_parameters(module) -> list:
     return list(module.parameters())
 
 
+def _no_factors(module) -> list:
+    return []
+
+
 @dataclass(frozen=True)
 class Variant:
     name: str
@@ -40,6 +46,7 @@ class Variant:
     paged_forward: Callable | None = None
     export_formats: tuple[str, ...] = ("native",)
     trainable: Callable = _all_parameters  # (module) -> the parameters healing trains
+    latent_factors: Callable = _no_factors  # (module) -> [(down Linear, rows slice, up Linear, blocks)]
 
 
 _REGISTRY: dict[str, Variant] = {}

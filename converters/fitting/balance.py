@@ -10,9 +10,9 @@ by ~6% and healing diverges at once.
     P = A A^T = L L^T,  L^T Q L = W S^2 W^T  with Q = B^T B,  T = S^(1/2) W^T L^-1
     => T P T^T = S = T^-T Q T^-1.
 The latent cached per token changes basis, what attention computes does not (up to rounding: the float32
-products differ in the last bits). Pairs per module (`latent_pairs`): latent K/V's (k_a_proj, k_b_proj) and
-(v_a_proj, o_proj's per-head column blocks); MLA's (kv_a_proj_with_mqa's latent rows, kv_b_proj) when no norm sits
-on the latent, and (q_a_proj, q_b_proj) likewise.
+products differ in the last bits). The pairs are what each attention variant declares (variants.py,
+`latent_factors`): latent K/V's (k_a_proj, k_b_proj) and (v_a_proj, o_proj's per-head column blocks); MLA's
+(kv_a_proj_with_mqa's latent rows, kv_b_proj) where no norm sits on the latent.
 """
 
 from __future__ import annotations
@@ -20,6 +20,9 @@ from __future__ import annotations
 import logging
 
 import torch
+
+from ...attention import VariantAttention
+from ...variants import variant_of
 
 logger = logging.getLogger(__name__)
 
@@ -41,18 +44,11 @@ def balance_transform(down: torch.Tensor, up: torch.Tensor, eps: float = 1e-12) 
     return transform, inverse
 
 
-def latent_pairs(attn) -> list[tuple[torch.nn.Linear, slice, torch.nn.Linear, int]]:
-    """(down, rows of down that are the latent, up, heads) for each latent of an attention module; up's input holds
-    `heads` blocks of the latent (o_proj of latent K/V: one block per query head), else 1."""
-    pairs = []
-    if hasattr(attn, "k_a_proj") and hasattr(attn, "k_b_proj"):
-        pairs.append((attn.k_a_proj, slice(0, attn.key_rank), attn.k_b_proj, 1))
-        pairs.append((attn.v_a_proj, slice(0, attn.value_rank), attn.o_proj, attn.num_heads))
-    if hasattr(attn, "kv_a_proj_with_mqa") and getattr(attn, "kv_a_layernorm", None) is None:
-        pairs.append((attn.kv_a_proj_with_mqa, slice(0, attn.kv_b_proj.in_features), attn.kv_b_proj, 1))
-    if getattr(attn, "q_a_proj", None) is not None and getattr(attn, "q_a_layernorm", None) is None:
-        pairs.append((attn.q_a_proj, slice(0, attn.q_b_proj.in_features), attn.q_b_proj, 1))
-    return pairs
+def latent_pairs(module) -> list[tuple[torch.nn.Linear, slice, torch.nn.Linear, int]]:
+    """(down, rows of down that are the latent, up, blocks) for each latent of an attention module, as its variant
+    declares them (variants.py); up's input holds `blocks` copies of the latent's width (latent K/V's o_proj: one
+    per query head). None for any other module."""
+    return variant_of(module.variant).latent_factors(module) if isinstance(module, VariantAttention) else []
 
 
 @torch.no_grad()

@@ -234,5 +234,11 @@ def cached_values(config, layer_idx: int) -> tuple[str, int]:
     return "latent_kv", values
 
 
+def latent_factors(attn: LatentKVAttention) -> list:
+    """c_k = k_a_proj x read by k_b_proj; c_v = v_a_proj x read by each query head's block of o_proj's input."""
+    return [(attn.k_a_proj, slice(0, attn.key_rank), attn.k_b_proj, 1),
+            (attn.v_a_proj, slice(0, attn.value_rank), attn.o_proj, attn.num_heads)]
+
+
 VARIANT = register(Variant("latent_kv", LatentKVAttention, spec_fields, validate, cached_values,
-                           paged_forward=backend.latent_kv_attention))
+                           paged_forward=backend.latent_kv_attention, latent_factors=latent_factors))

@@ -344,5 +344,14 @@ def cached_values(config, layer_idx: int) -> tuple[str, int]:
     return "mla", layer_kv_lora_rank(config, layer_idx) + layer_qk_rope_head_dim(config, layer_idx)
 
 
+def latent_factors(attn: MultiHeadLatentAttention) -> list:
+    """The KV latent: kv_a_proj_with_mqa's first kv_lora_rank rows, read by kv_b_proj, where no RMSNorm sits between
+    them (the query latent always has one: q_a_layernorm's scale-invariance admits no basis change)."""
+    if attn.kv_a_layernorm is not None:
+        return []
+    return [(attn.kv_a_proj_with_mqa, slice(0, attn.kv_lora_rank), attn.kv_b_proj, 1)]
+
+
 VARIANT = register(Variant("mla", MultiHeadLatentAttention, spec_fields, validate, cached_values,
-                           paged_forward=backend.mla_attention, export_formats=("native", "deepseek_v3")))
+                           paged_forward=backend.mla_attention, export_formats=("native", "deepseek_v3"),
+                           latent_factors=latent_factors))
