@@ -129,3 +129,32 @@ def test_mismatched_weights_are_refused(converted):
     ids = torch.randint(0, 512, (4, 64))
     with pytest.raises(ValueError, match=r"weights has shape \(4, 64\), expected \(4, 63\)"):
         heal(student, source, ids, weights=torch.ones(4, 64), steps=1, progress=False)
+
+
+def test_the_long_context_preset_fills_what_the_user_did_not_give():
+    from hf_attn_patch.converters.options import ConvertOptions
+
+    opts = ConvertOptions.from_flat(to="mla", kv_budget=0.5, context="long", heal_steps=8)
+    assert (opts.healing.steps, opts.healing.data, opts.healing.lr, opts.healing.length) == (8, "retrieval", 2e-5, 1024)
+    assert (opts.calibration.source, opts.reconstruction.steps, opts.rope_context) == ("text", 0, 4096)
+    assert dict(opts.given) == {"to": "mla", "kv_budget": 0.5, "context": "long", "heal_steps": 8}
+    assert ConvertOptions.from_flat(to="gqa", kv_heads=2, context="long").rope_context is None  # MLA's only
+    with pytest.raises(ValueError, match="context='medium'"):
+        ConvertOptions.from_flat(to="mla", kv_budget=0.5, context="medium")
+
+
+@pytest.mark.parametrize("target", [{"to": "latent_kv", "kv_budget": 0.5},
+                                    {"to": "mla", "kv_budget": 0.5, "format": "deepseek_v3"},
+                                    {"to": "gqa", "kv_heads": 2}], ids=["latent_kv", "deepseek_v3", "gqa"])  # fmt: skip
+def test_the_long_context_preset_heals_every_target_and_format(tmp_path, target):
+    """--context long: the whole recipe from one option (text calibration, no reconstruction, retrieval healing);
+    healing beats its start on the held-in retrieval windows, and the written model loads (for the served format a
+    stock DeepSeek-V3, exported from the healed native model: healing never steps the export's scaled factors)."""
+    report = convert("default", tmp_path / "out", context="long", heal_steps=10, heal_len=384, heal_lr=1e-4,
+                     calib_samples=4, **target)  # fmt: skip
+    heal = report["heal"]
+    assert heal["data"] == "retrieval" and heal["length"] == 384 and heal["steps"] == 10
+    assert heal["improved"] and min(kl for _, kl in heal["held_in_kl"]) < heal["held_in_kl"][0][1]
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    if target.get("format") == "deepseek_v3":  # exported after healing, from the healed native model
+        assert model.config.model_type == "deepseek_v3" and report["deepseek_v3"]

@@ -19,6 +19,7 @@ from ...devices import resolve_device
 from ...kv_memory import dtype_of
 from ..export.constants import ENGINES
 from .fields import fill, one_of, positive_int, option
+from .presets import CONTEXTS, with_preset
 from .sections import SECTIONS, CalibrationOptions, HealingOptions, OutputOptions, ReconstructionOptions
 
 logger = logging.getLogger(__name__)
@@ -94,6 +95,9 @@ class ConvertOptions:
     device: str = option("auto", "where the model passes run (teacher samples, statistics, sensitivity, "
                          "reconstruction): auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, cuda:N")
     dtype: str | None = option(None, "dtype of the saved weights (default: the source's)")
+    context: str = option("short", "long: the long-context recipe (text calibration, retrieval-aware healing; "
+                          "docs/conversion.md), filling every option not given; short (default): none",
+                          choices=CONTEXTS)  # fmt: skip
     calibration: CalibrationOptions = option(factory=CalibrationOptions)
     reconstruction: ReconstructionOptions = option(factory=ReconstructionOptions)
     healing: HealingOptions = option(factory=HealingOptions)
@@ -102,10 +106,13 @@ class ConvertOptions:
 
     @classmethod
     def from_flat(cls, **options) -> ConvertOptions:
-        """From convert()'s flat keywords (FLAT_NAMES); an unknown name is a TypeError naming it."""
+        """From convert()'s flat keywords (FLAT_NAMES), a preset's (`context`) filled in under them; an unknown name
+        is a TypeError naming it."""
         unknown = [name for name in options if name not in FLAT_NAMES]
         if unknown:
             raise TypeError(f"unknown conversion option {unknown[0]!r}; the options are {', '.join(FLAT_NAMES)}")
+        given = tuple(options.items())
+        options = with_preset(options)
         top = {name: v for name, v in options.items() if FLAT_NAMES[name] is None}
         sections = {section: {} for section in SECTIONS}
         for name, value in options.items():
@@ -115,7 +122,7 @@ class ConvertOptions:
         if top.get("to") is None:
             raise TypeError(f"the conversion option 'to' is required (one of {', '.join(map(repr, TARGETS))})")
         return cls(**top, **{section: SECTIONS[section](**kw) for section, kw in sections.items()},
-                   given=tuple(options.items()))
+                   given=given)
 
     def flat(self) -> dict:
         """The flat options, by FLAT_NAMES (the report's "options"); ConvertOptions.from_flat(**o.flat()) == o."""
@@ -127,6 +134,7 @@ class ConvertOptions:
             if not isinstance(getattr(self, section), kind):
                 raise TypeError(f"{section}={getattr(self, section)!r} is not a {kind.__name__}")
         one_of("to", self.to, TARGETS)
+        one_of("context", self.context, CONTEXTS)
         self._refuse_inapplicable()
         one_of("format", self.format, FORMATS)
         target = _target(self.to)  # its own checks and defaults: converters/targets/

@@ -18,7 +18,7 @@ from .fields import fill, flat_name, float_or_auto, int_or_auto, non_negative_in
 
 logger = logging.getLogger(__name__)
 
-HEAL_DATA = ("calib", "teacher", "mix")
+HEAL_DATA = ("calib", "teacher", "mix", "retrieval")
 
 
 @dataclass(frozen=True)
@@ -87,8 +87,10 @@ class HealingOptions:
                         parse=int)  # fmt: skip
     lr: float | str | None = option(None, "healing learning rate, or auto (default): a short range test on held-in "
                                     "windows", flat="heal_lr", parse=float_or_auto, applied="auto")  # fmt: skip
-    data: str | None = option(None, "healing text: samples from the source model (default), the calibration text, or "
-                              "both", flat="heal_data", choices=HEAL_DATA, applied="teacher")  # fmt: skip
+    data: str | None = option(None, "healing text: samples from the source model (default), the calibration text, "
+                              "both, or retrieval: calibration text that asks for what it read far back (repeated "
+                              "segments, recalled facts; docs/conversion.md)", flat="heal_data", choices=HEAL_DATA,
+                              applied="teacher")  # fmt: skip
     held_in: int | None = option(None, "windows held out of healing; the best state on them is returned (default 4)",
                                  flat="heal_held_in", parse=int, applied=4)  # fmt: skip
     batch_size: int | None = option(None, "windows per healing step (default 4)", flat="heal_batch_size", parse=int,
