@@ -203,8 +203,8 @@ def report(rows_dir: Path) -> None:
     base = curves(rows[0]) if rows and rows[0]["model"] == "source" else {}
     tasks = sorted({t for r in rows for t in curves(r)})
     dists = sorted({d for r in rows for d in repeat_curve(r)})
-    header = ["model", "held-in KL short / long / all", f"held-in retrieval KL D {' / '.join(map(str, dists))} / long",
-              *tasks]  # fmt: skip
+    header = ["model", "ppl (x source)", "held-in KL short / long / all",
+              f"held-in retrieval KL D {' / '.join(map(str, dists))} / long", *tasks]  # fmt: skip
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for r in rows:
@@ -218,7 +218,9 @@ def report(rows_dir: Path) -> None:
             acc = curves(r).get(t, {})
             cells.append(" ".join(f"{a:.2f}" + (f" ({a / base[t][d]:.0%})" if r is not rows[0] and base.get(t, {}).get(d)
                                                  else "") for d, a in sorted(acc.items())) or "-")  # fmt: skip
-        print("| " + " | ".join([r["model"], kls, rks, *cells]) + " |")
+        ppl = r.get("perplexity")
+        ppls = f"{ppl['model']:.2f} ({ppl['ratio']:.2f}x)" if ppl else "-"
+        print("| " + " | ".join([r["model"], ppls, kls, rks, *cells]) + " |")
     fig, axes = plt.subplots(1, len(tasks) + 2, figsize=(4.2 * (len(tasks) + 2), 3.6), squeeze=False)
     colours = {r["model"]: plt.get_cmap("tab10")(i % 10) for i, r in enumerate(rows)}
     for ax, t in zip(axes[0], tasks):
