@@ -155,6 +155,8 @@ def test_the_long_context_preset_heals_every_target_and_format(tmp_path, target)
     heal = report["heal"]
     assert heal["data"] == "retrieval" and heal["length"] == 384 and heal["steps"] == 10
     assert heal["improved"] and min(kl for _, kl in heal["held_in_kl"]) < heal["held_in_kl"][0][1]
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "long-context recipe" in card and "held-in retrieval windows" in card
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     if target.get("format") == "deepseek_v3":  # exported after healing, from the healed native model
         assert model.config.model_type == "deepseek_v3" and report["deepseek_v3"]
