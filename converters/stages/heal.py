@@ -81,18 +81,13 @@ def distill(student, teacher, tokenizer, opts: ConvertOptions, samples: torch.Te
     window per step and batch row. The last heal_held_in windows (of the same kind; retrieval: drawn from the last
     HELD_SHARE of the calibration tokens, which training never reads) are never trained on: they pick the learning
     rate (lr "auto") and the state returned."""
-    from ..fitting.heal import heal as run_heal
-
     heal, length = opts.healing, opts.healing.length
     text = calibration_text(opts.calibration)
     if heal.data == "retrieval":
         train, held_in = _retrieval_data(text, tokenizer, opts)
-        result = run_heal(student, teacher, train.ids, weights=train.weights, held_in=held_in.ids,
-                          held_in_weights=held_in.weights, steps=heal.steps, lr=heal.lr, batch_size=heal.batch_size,
-                          train=heal.train, checkpoint_dir=heal.checkpoint_dir, checkpoint_every=heal.checkpoint_every,
-                          resume=heal.resume, eval_every=max(1, heal.steps // 5))  # fmt: skip
         # eval_every: held-in windows of ~1,024 tokens cost a teacher and a student pass each: 5 checks, not 10
-        return _summary(result, heal, len(train), len(held_in))
+        weighted = {"weights": train.weights, "held_in_weights": held_in.weights, "eval_every": max(1, heal.steps // 5)}
+        return _run(student, teacher, heal, train.ids, held_in.ids, **weighted)
     tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
     if tokens < 2 * length:
         raise ValueError(f"heal_len={length}: the calibration text has {tokens} tokens, fewer than two windows")
@@ -118,11 +113,22 @@ def distill(student, teacher, tokenizer, opts: ConvertOptions, samples: torch.Te
         else:  # alternate teacher and calibration windows; held in: the same mix
             plain = calib[: len(sampled)]
             windows = torch.stack((sampled, plain), dim=1).flatten(0, 1)
-    train, held_in = windows[:-held], windows[-held:]
+    return _run(student, teacher, heal, windows[:-held], windows[-held:])
+
+
+def _run(student, teacher, heal, train: torch.Tensor, held_in: torch.Tensor, **weighted) -> dict:
+    """heal.py on train / held-in windows with the healing options; the report's "heal" section."""
+    from ..fitting.heal import heal as run_heal
+
     result = run_heal(student, teacher, train, steps=heal.steps, lr=heal.lr, held_in=held_in,
                       batch_size=heal.batch_size, train=heal.train, checkpoint_dir=heal.checkpoint_dir,
-                      checkpoint_every=heal.checkpoint_every, resume=heal.resume)  # fmt: skip
-    return _summary(result, heal, len(train), held)
+                      checkpoint_every=heal.checkpoint_every, resume=heal.resume, **weighted)  # fmt: skip
+    return {"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 2),
+            "first_loss": result.losses[0], "last_loss": result.losses[-1], "train": heal.train,
+            "lr": result.lr, "lr_option": heal.lr, "range_test": result.range_test, "data": heal.data,
+            "length": heal.length, "windows": len(train), "held_in_windows": len(held_in),
+            "held_in_kl": result.held_in, "best_step": result.best_step, "improved": result.improved,
+            "losses": result.losses}  # fmt: skip
 
 
 HELD_SHARE = 0.15  # retrieval data: the share of the calibration tokens kept for the held-in windows
@@ -140,12 +146,3 @@ def _retrieval_data(text: str, tokenizer, opts: ConvertOptions):
     processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
     train = retrieval_windows(stream[:cut], tokenizer, heal.steps * heal.batch_size * processes, length, opts.seed)
     return train, retrieval_windows(stream[cut:], tokenizer, heal.held_in, length, opts.seed + 1)
-
-
-def _summary(result, heal, windows: int, held: int) -> dict:
-    """The report's "heal" section."""
-    return {"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 2),
-            "first_loss": result.losses[0], "last_loss": result.losses[-1], "train": heal.train,
-            "lr": result.lr, "lr_option": heal.lr, "range_test": result.range_test, "data": heal.data,
-            "length": heal.length, "windows": windows, "held_in_windows": held, "held_in_kl": result.held_in,
-            "best_step": result.best_step, "improved": result.improved, "losses": result.losses}  # fmt: skip
