@@ -47,8 +47,13 @@ def balance_transform(down: torch.Tensor, up: torch.Tensor, eps: float = 1e-12) 
 def latent_pairs(module) -> list[tuple[torch.nn.Linear, slice, torch.nn.Linear, int]]:
     """(down, rows of down that are the latent, up, blocks) for each latent of an attention module, as its variant
     declares them (variants.py); up's input holds `blocks` copies of the latent's width (latent K/V's o_proj: one
-    per query head). None for any other module."""
+    per query head); none for any other module."""
     return variant_of(module.variant).latent_factors(module) if isinstance(module, VariantAttention) else []
+
+
+def has_latent_factors(model) -> bool:
+    """Whether any attention layer of `model` declares a latent factor pair (what `balance` would change)."""
+    return any(latent_pairs(m) for m in model.modules())
 
 
 @torch.no_grad()

@@ -44,7 +44,7 @@ from ...attention import VariantAttention
 from ...models import fast_linear
 from ...models.architectures import architecture_of
 from ...variants import variant_of
-from .balance import balance
+from .balance import balance, has_latent_factors
 from .heal_fsdp import FSDP_DIR, Sharded, launch_mode
 from .heal_masters import MasterWeights, load_tensors, save_tensors
 
@@ -65,13 +65,13 @@ class HealResult:
     lr: float = 0.0  # the rate used (lr="auto": the range test's pick)
     held_in: list[tuple[int, float]] = field(default_factory=list)  # (step, mean held-in KL); step 0: the start
     best_step: int = 0  # the step whose weights were returned (0: the start)
+    range_test: dict[float, float] = field(default_factory=dict)  # lr="auto": held-in KL after each probe
 
     @property
     def improved(self) -> bool | None:
         """Whether a step beat the start on the held-in windows (None: no held-in windows were measured); False
         means the run diverged or stalled, and the start was returned."""
         return None if not self.held_in else self.best_step > 0
-    range_test: dict[float, float] = field(default_factory=dict)  # lr="auto": held-in KL after each probe
 
 
 @fast_linear.disabled()  # the teacher's and held-in passes run F.linear, as in convert() (models/fast_linear.py)
@@ -121,9 +121,10 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
     params = _trainable(student, train)
     if not params:
         raise ValueError("the student has no attention layers to train (train='attention')")
-    unbalanced = [p.detach().clone() for p in params]  # returned, bit for bit, if no step beats the start
-    if not balance(student):
-        unbalanced = None
+    # a model with latents is rebalanced; its weights as given are kept to return, bit for bit, if no step beats them
+    unbalanced = [p.detach().clone() for p in params] if has_latent_factors(student) else None
+    if unbalanced is not None:
+        balance(student)
     model = student  # the caller's model; `student` below: what trains (the DDP wrapper, or the sharded copy)
     for p in model.parameters():
         p.requires_grad_(False)
