@@ -141,6 +141,9 @@ def test_the_long_context_preset_fills_what_the_user_did_not_give():
     assert ConvertOptions.from_flat(to="gqa", kv_heads=2, context="long").rope_context is None  # MLA's only
     with pytest.raises(ValueError, match="context='medium'"):
         ConvertOptions.from_flat(to="mla", kv_budget=0.5, context="medium")
+    # retrieval windows shorter than their kinds need are refused with the options, before any work (calib_len 256)
+    with pytest.raises(ValueError, match="heal_len=256: heal_data='retrieval' needs windows of at least 384"):
+        ConvertOptions.from_flat(to="mla", kv_budget=0.5, heal_steps=4, heal_data="retrieval")
 
 
 @pytest.mark.parametrize("target", [{"to": "latent_kv", "kv_budget": 0.5},

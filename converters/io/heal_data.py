@@ -28,6 +28,7 @@ KINDS = ("repeat", "facts", "plain")
 MIX = {"repeat": 0.5, "facts": 0.25, "plain": 0.25}  # shares of the windows of each kind (module docstring)
 SEGMENT = (32, 128)  # tokens of a repeated segment, drawn uniformly
 MIN_GAP = 64  # the shortest gap between the copies: nearer ones need no long-range retrieval
+MIN_LENGTH = 2 * SEGMENT[1] + 2 * MIN_GAP  # the shortest window every kind fits in
 FACTS = 4  # fact sentences per facts window
 NAMES = ("Amara", "Bruno", "Chen", "Dalia", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kofi", "Lena", "Mateo",
          "Nadia", "Oskar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wren", "Yusuf", "Zoe")  # fmt: skip
@@ -54,9 +55,8 @@ def retrieval_windows(stream: torch.Tensor, tokenizer, count: int, length: int, 
         raise ValueError(f"count={count!r} must be a positive integer")
     if set(mix) - set(KINDS) or not all(v >= 0 for v in mix.values()) or not sum(mix.values()) > 0:
         raise ValueError(f"mix={mix!r} must give non-negative shares of {KINDS}")
-    shortest = 2 * SEGMENT[1] + 2 * MIN_GAP
-    if not isinstance(length, int) or length < shortest:
-        raise ValueError(f"heal_len={length!r}: retrieval windows need at least {shortest} tokens")
+    if not isinstance(length, int) or length < MIN_LENGTH:
+        raise ValueError(f"heal_len={length!r}: retrieval windows need at least {MIN_LENGTH} tokens")
     if len(stream) < length + 1:
         raise ValueError(f"the calibration text has {len(stream)} tokens, fewer than one window of {length}")
     gen = torch.Generator().manual_seed(seed)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, fields
 from ...devices import resolve_device
 from ...kv_memory import dtype_of
 from ..export.constants import ENGINES
+from ..io.heal_data import MIN_LENGTH as RETRIEVAL_MIN_LENGTH
 from .fields import fill, one_of, positive_int, option
 from .presets import CONTEXTS, with_preset
 from .sections import SECTIONS, CalibrationOptions, HealingOptions, OutputOptions, ReconstructionOptions
@@ -165,6 +166,9 @@ class ConvertOptions:
             raise ValueError(f"calib_lengths={self.calibration.lengths!r} does not apply with heal_steps")
         if heal.steps and heal.length is None:
             fill(heal, "length", self.calibration.length)
+        if heal.steps and heal.data == "retrieval" and heal.length < RETRIEVAL_MIN_LENGTH:  # before any work
+            raise ValueError(f"heal_len={heal.length}: heal_data='retrieval' needs windows of at least "
+                             f"{RETRIEVAL_MIN_LENGTH} tokens (--heal-len)")  # fmt: skip
         if (self.calibration.propagate or self.reconstruction.steps or heal.steps and heal.layerwise_steps) \
                 and self.calibration.samples < 2:  # fmt: skip
             raise ValueError(f"calib_samples={self.calibration.samples!r}: propagate / reconstruct_steps / "
