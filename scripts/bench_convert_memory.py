@@ -74,7 +74,9 @@ def child(args) -> None:
 
 def run_child(target: str, folder: Path, warmup: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", "--target", target, "--folder", str(folder), "--warmup", str(warmup)]
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    # a fixed mmap threshold: glibc otherwise raises it after each large free, so freed tensors stay in the heap or
+    # go back to the OS depending on the history, and the RSS floor and peak wander by ~10 MB from run to run
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "MALLOC_MMAP_THRESHOLD_": "131072"}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
         raise RuntimeError(f"{target} conversion failed:\n{done.stderr[-3000:]}")

@@ -20,7 +20,7 @@ def test_peak_memory_is_flat_in_depth_and_within_the_bound():
     rise = {row["layers"]: row["peak_rss_mb"] - row["floor_mb"] for row in (shallow, deep)}
     # the bound: the resident parts, the source and the converted layer with the closed form's temporaries (3
     # layers' worth), the carried activations (2 tracks x 2 buffers), and 16 MB for the allocator's and the
-    # tokenizer's working memory (measured rise 11-12 MB at both depths)
+    # tokenizer's working memory (measured rise 18.5-21 MB at both depths)
     activations_mb = deep["activations"]["bytes"] / 2**20
     assert rise[32] < resident_mb + 3 * layer_mb + activations_mb + 16, (rise, layer_mb)
     assert rise[32] < 0.4 * deep["source_bytes"] / 2**20  # the whole source would be 100% (85 MB)
