@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 import hf_attn_patch  # noqa: F401
+from bench_long_context import CALIBRATED_TOKENS, cached
 from hf_attn_patch.converters.io.calibration import (LayerStats, calibration_windows, read_calibration_text,
                                                      stats_of_inputs, teacher_windows)  # fmt: skip
 from hf_attn_patch.converters.methods.exact import rebuild, stock_attention_layers
@@ -42,20 +43,7 @@ from hf_attn_patch.evaluation.held_in import long_context_kl, repeat_items, repe
 from hf_attn_patch.models.architectures import AttentionShape
 from hf_attn_patch.models.pretrained import load_source
 
-CALIBRATED_TOKENS = 8192  # the converter's calibration prompts lie within the corpus's first tokens
 DISTANCES = (256, 512, 1024, 2048, 4096)
-
-
-def cached(path: Path, make) -> torch.Tensor:
-    from safetensors.torch import load_file, save_file
-
-    if path.exists():
-        return load_file(path)["t"]
-    value = make()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"t": value.contiguous()}, str(path) + ".part")
-    Path(str(path) + ".part").rename(path)
-    return value
 
 
 @torch.no_grad()

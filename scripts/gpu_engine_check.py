@@ -127,7 +127,7 @@ def paged_generate_matches(label: str, model, device: str, calls) -> bool:
                                  cache_config={"block_size": 4}, **kw)  # fmt: skip
         finally:
             model.set_attn_implementation("sdpa")
-        views = any(layout is not None for layout in get_cache(out)._strided.values())
+        views = any(layout is not None for layout in get_cache(out).slots.strided.values())
         same = torch.equal(out.sequences, reference)
         ok &= same and (device == "cpu" or attention == "sdpa" or sum(calls.values()) > 0)  # CUDA: kernels ran
         print(f"{label:16s} {device}: paged generate(), {attention} attention: token-identical {same}, rows read as "
