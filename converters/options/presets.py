@@ -12,6 +12,8 @@ healing on a CPU, and the served deepseek_v3 shape needs one rank anyway).
 
 from __future__ import annotations
 
+from .fields import one_of
+
 CONTEXTS = ("short", "long")
 LONG_CONTEXT = {"calib_source": "text", "reconstruct_steps": 0, "heal_steps": 60, "heal_data": "retrieval",
                 "heal_len": 1024, "heal_lr": 2e-5, "heal_batch_size": 1, "heal_held_in": 4,
@@ -22,8 +24,7 @@ LONG_CONTEXT_BY_TARGET = {"mla": {"rope_context": 4096, "rank_allocation": "unif
 def with_preset(options: dict) -> dict:
     """The flat options with the preset named by options["context"] filled in under the user's own."""
     context = options.get("context", "short")
-    if context not in CONTEXTS:
-        raise ValueError(f"context={context!r} is not one of {CONTEXTS}")
+    one_of("context", context, CONTEXTS)
     if context == "short":
         return options
     return {**LONG_CONTEXT, **LONG_CONTEXT_BY_TARGET.get(options.get("to"), {}), **options}

@@ -102,8 +102,7 @@ def distill(student, teacher, tokenizer, opts: ConvertOptions, samples: torch.Te
         windows = samples if heal.data == "teacher" else torch.stack((samples, plain), dim=1).flatten(0, 1)
         held = min(heal.held_in, len(windows) // 2)
     else:  # enough for every process's batches (data parallel: each takes its own windows of a step)
-        processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
-        count = min(64, heal.steps * heal.batch_size * processes) + held
+        count = min(64, heal.steps * heal.batch_size * _processes()) + held
         step = opts.calibration.length  # prompts cut every calib_len tokens (long windows would give fewer)
         starts = calib if step == length else calibration_windows(text, tokenizer, tokens // step, step)
         prompts = starts[torch.randperm(len(starts), generator=torch.Generator().manual_seed(opts.seed))[:count]]
@@ -131,6 +130,11 @@ def _run(student, teacher, heal, train: torch.Tensor, held_in: torch.Tensor, **w
             "losses": result.losses}  # fmt: skip
 
 
+def _processes() -> int:
+    """The data-parallel processes healing runs in (each takes its own windows of a step)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
+
+
 HELD_SHARE = 0.15  # retrieval data: the share of the calibration tokens kept for the held-in windows
 
 
@@ -143,6 +147,5 @@ def _retrieval_data(text: str, tokenizer, opts: ConvertOptions):
     if cut < length + 1:
         raise ValueError(f"heal_len={length}: the calibration text has {len(stream)} tokens; retrieval healing needs "
                          f"at least {2 * (length + 1)} (one window to train on, one held in)")  # fmt: skip
-    processes = int(os.environ.get("WORLD_SIZE", "1"))  # set by torchrun / accelerate launch
-    train = retrieval_windows(stream[:cut], tokenizer, heal.steps * heal.batch_size * processes, length, opts.seed)
+    train = retrieval_windows(stream[:cut], tokenizer, heal.steps * heal.batch_size * _processes(), length, opts.seed)
     return train, retrieval_windows(stream[cut:], tokenizer, heal.held_in, length, opts.seed + 1)
