@@ -9,9 +9,9 @@ from transformers import AutoModelForCausalLM
 
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.fitting.balance import balance, latent_pairs
-from hf_attn_patch.converters.fitting.heal import _held_in_kl, heal
+from hf_attn_patch.converters.fitting.heal import _held_in_kl, heal, logits_at, weighted_positions
 from hf_attn_patch.converters.io.calibration import read_calibration_text
-from hf_attn_patch.converters.io.heal_data import MIN_GAP, SEGMENT, retrieval_windows
+from hf_attn_patch.converters.io.heal_data import MIN_GAP, SEGMENT, held_in_windows, retrieval_windows
 from hf_attn_patch.models import load_default
 
 from .conftest import TINY_ATOL
@@ -53,6 +53,62 @@ def test_windows_ask_for_what_they_weigh(stream):
                 assert text.count(value.strip()) == 2 and key in text[: text.index(value.strip())], (key, value)
     again = retrieval_windows(ids, tokenizer, 16, 512, seed=3)
     assert torch.equal(again.ids, data.ids) and torch.equal(again.weights, data.weights)  # seeded
+
+
+def test_repeat_gaps_spread_over_the_whole_window(stream):
+    """Uniform gaps: at least a third of the repeats ask past half the window (log-uniform gaps gave ~1 in 10)."""
+    ids, tokenizer = stream
+    data = retrieval_windows(ids, tokenizer, 96, 512, seed=5, mix={"repeat": 1.0})
+    distances = [_copy_distance(row, w) for row, w in zip(data.ids, data.weights)]
+    assert sum(d >= 256 for d in distances) >= len(distances) / 3, distances
+
+
+def _copy_distance(row: torch.Tensor, weights: torch.Tensor) -> int:
+    """|S| + G: how far back the weighted run's tokens stand in the window (the nearest earlier copy)."""
+    targets = weights.nonzero()[:, 0] + 1
+    copied = int(targets[0]) - 1  # the copy's first token is not predicted (it follows the gap)
+    for d in range(SEGMENT[0] + MIN_GAP, copied + 1):
+        if torch.equal(row[copied - d : copied - d + len(targets) + 1], row[copied : targets[-1] + 1]):
+            return d
+    raise AssertionError("no earlier copy")
+
+
+def test_held_in_windows_ask_far_and_weigh_each_window_alike(stream):
+    ids, tokenizer = stream
+    held = held_in_windows(ids, tokenizer, 8, 512, seed=2)
+    assert held.ids.shape == (8, 512)
+    torch.testing.assert_close(held.weights.sum(1), torch.ones(8))  # each window counts the same
+    kinds = [_kind(i, (w > 0).float() if not bool((w == w.max()).all()) else torch.ones_like(w))
+             for i, w in zip(held.ids, held.weights)]  # fmt: skip
+    assert kinds == ["repeat", "facts", "repeat", "plain"] * 2
+    for row, w, kind in zip(held.ids, held.weights, kinds):
+        if kind == "repeat":  # the gap lies in the far half of what the window holds: the copies >= ~1/3 apart
+            assert _copy_distance(row, w) >= (MIN_GAP + 512 - 2 * SEGMENT[1]) // 2
+        elif kind == "facts":  # every fact told in the first half of the text before the questions
+            text = tokenizer.decode(row)
+            for value in {tokenizer.decode(row[r]).strip() for r in torch.tensor_split(
+                    w.nonzero()[:, 0] + 1, (torch.diff(w.nonzero()[:, 0]) > 1).nonzero()[:, 0] + 1)}:  # fmt: skip
+                assert text.index(value) < len(text) * 0.6, value
+
+
+def test_healing_computes_logits_only_where_the_kl_counts():
+    """The LM head runs on the weighted positions only, and gives there the logits a full pass gives."""
+    source, _ = load_default()
+    ids = torch.randint(0, 512, (2, 40), generator=torch.Generator().manual_seed(2))
+    weights = torch.zeros(2, 39)
+    weights[0, 3:9], weights[1, 30] = 1.0, 1.0
+    positions = weighted_positions(weights)
+    assert positions.tolist() == [3, 4, 5, 6, 7, 8, 30]
+    assert weighted_positions(torch.ones(2, 39)) is None and weighted_positions(None) is None
+    rows = []
+    hook = source.get_output_embeddings().register_forward_hook(lambda m, a, out: rows.append(a[0].shape[1]))
+    with torch.no_grad():
+        full = source(ids).logits[:, :-1]
+        kept = logits_at(source, ids, positions)
+    hook.remove()
+    assert rows == [40, 7]  # the full pass projects every position; ours only the 7 weighted ones
+    # the same hidden states through the same head: equal up to the matmul's blocking (fp32 rounding of ~1e-6)
+    torch.testing.assert_close(kept, full[:, positions], atol=TINY_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -116,7 +172,7 @@ def test_retrieval_healing_lowers_the_held_in_kl(converted, stream, to, lr):
     student = AutoModelForCausalLM.from_pretrained(converted[to]).eval()
     cut = len(ids) * 3 // 4
     train = retrieval_windows(ids[:cut], tokenizer, 24, 384, seed=0)
-    held = retrieval_windows(ids[cut:], tokenizer, 4, 384, seed=1)
+    held = held_in_windows(ids[cut:], tokenizer, 4, 384, seed=1)
     result = heal(student, source, train.ids, weights=train.weights, held_in=held.ids, held_in_weights=held.weights,
                   steps=24, lr=lr, batch_size=1, eval_every=8, progress=False)  # fmt: skip
     start, best = result.held_in[0][1], min(kl for _, kl in result.held_in)

@@ -30,6 +30,7 @@ result does not depend on the CPU inference fast path.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -162,11 +163,13 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
             saved, best_state = json.loads((ckpt / BEST_META).read_text()), load_tensors(ckpt / BEST_FILE, len(params))
     result = HealResult(steps=0, tokens=0, seconds=0.0)
     started = time.perf_counter()
-    held = None if held_in is None else held_in.to(accelerator.device)
-    held_weights = None if held_in_weights is None else held_in_weights.to(accelerator.device)
+    held = None
+    if held_in is not None:
+        weights_in = None if held_in_weights is None else held_in_weights.to(accelerator.device)
+        held = HeldIn(held_in.to(accelerator.device), weights_in)
 
     def measure() -> float:
-        kl = _held_in_kl(student, teacher, held, held_weights)
+        kl = held.kl(student, teacher)
         if sharded is not None:  # every process measures the same windows; the mean makes their choices one
             kl = accelerator.reduce(torch.tensor(kl, dtype=torch.float64, device=accelerator.device), "mean").item()
         return kl
@@ -257,18 +260,43 @@ def _weighted_mean(values: torch.Tensor, weights: torch.Tensor | None) -> torch.
 
 def _step(student, teacher, optimizer, masters, ids, weights, lm_weight, accelerator) -> torch.Tensor:
     """One optimizer step of KL(teacher || student) (+ lm_weight x cross-entropy) on ids [b, L], the KL weighted per
-    predicted position by weights [b, L - 1] (None: all alike); the loss."""
+    predicted position by weights [b, L - 1] (None: all alike); the loss. The LM head and the log-softmax run only at
+    the positions some row weighs (`weighted_positions`): a retrieval window weighs ~100 of ~1,000."""
+    positions = weighted_positions(weights)
     with torch.no_grad():
-        target = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
+        target = torch.log_softmax(logits_at(teacher, ids, positions).float(), dim=-1)
     with accelerator.autocast():
-        logits = student(ids).logits[:, :-1].float()
+        logits = logits_at(student, ids, positions).float()
     log_q = torch.log_softmax(logits, dim=-1)
-    loss = _weighted_mean((target.exp() * (target - log_q)).sum(-1), weights)
+    kept = weights if positions is None else weights[:, positions]
+    loss = _weighted_mean((target.exp() * (target - log_q)).sum(-1), kept)
     if lm_weight:
-        loss = loss + lm_weight * torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+        labels = ids[:, 1:] if positions is None else ids[:, positions + 1]
+        loss = loss + lm_weight * torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
     accelerator.backward(loss)
     masters.step(optimizer)
     return loss
+
+
+def weighted_positions(weights: torch.Tensor | None) -> torch.Tensor | None:
+    """The predicted positions [k] that some row of weights [b, L - 1] counts, or None when that is all of them (or
+    weights is None): the only positions whose logits the weighted KL needs."""
+    if weights is None:
+        return None
+    kept = (weights != 0).any(0).nonzero()[:, 0]
+    return None if len(kept) == weights.shape[1] else kept
+
+
+def logits_at(model, ids: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+    """model's logits [b, k, vocab] on ids [b, L] at the predicting positions [k] (None: [b, L - 1], every one but the
+    last). The LM head runs on those positions only where the model takes `logits_to_keep` (transformers' causal
+    LMs do; a tensor there selects positions), else the full logits are cut."""
+    if positions is None:
+        return model(ids).logits[:, :-1]
+    base = getattr(model, "module", model)  # a DDP wrapper forwards any keyword; its module's signature tells
+    if "logits_to_keep" in inspect.signature(base.forward).parameters:
+        return model(ids, logits_to_keep=positions.to(ids.device)).logits
+    return model(ids).logits[:, positions.to(ids.device)]
 
 
 def _range_test(student, teacher, optimizer, masters, windows, weights, batch_size, lm_weight, accelerator, probe,
@@ -293,20 +321,40 @@ def _range_test(student, teacher, optimizer, masters, windows, weights, batch_si
     return best
 
 
-@torch.no_grad()
+class HeldIn:
+    """The held-in windows [m, L] (and weights [m, L - 1]) with the teacher's log-probabilities at their weighted
+    positions, computed at the first measurement and kept (on the CPU) for the later ones: the teacher is frozen."""
+
+    CHUNK_TOKENS = 4096  # tokens of windows per forward: bounds the [tokens, vocab] logits held at once
+
+    def __init__(self, ids: torch.Tensor, weights: torch.Tensor | None = None):
+        self.chunk = max(1, self.CHUNK_TOKENS // ids.shape[1])
+        self.ids = ids.split(self.chunk)
+        self.weights = [None] * len(self.ids) if weights is None else list(weights.split(self.chunk))
+        self.targets: list[torch.Tensor] | None = None
+
+    @torch.no_grad()
+    def kl(self, student, teacher) -> float:
+        """Mean KL(teacher || student) per weighted predicted token (student in eval mode)."""
+        student.eval()
+        if self.targets is None:
+            self.targets = [torch.log_softmax(logits_at(teacher, ids, weighted_positions(w)).float(), -1).cpu()
+                            for ids, w in zip(self.ids, self.weights)]  # fmt: skip
+        total, count = 0.0, 0.0
+        for ids, w, log_p in zip(self.ids, self.weights, self.targets):
+            positions = weighted_positions(w)
+            log_q = torch.log_softmax(logits_at(student, ids, positions).float(), dim=-1)
+            log_p = log_p.to(log_q.device)
+            w = torch.ones(log_p.shape[:2]) if w is None else (w if positions is None else w[:, positions])
+            total += float((w.to(log_p.device) * (log_p.exp() * (log_p - log_q)).sum(-1)).sum())
+            count += float(w.sum())
+        return total / max(count, 1e-12)
+
+
 def _held_in_kl(student, teacher, held: torch.Tensor, weights: torch.Tensor | None = None) -> float:
     """Mean KL(teacher || student) per predicted token over the held-in windows [m, L] (student in eval mode),
     weighted per predicted position by weights [m, L - 1] when given."""
-    student.eval()
-    total, count = 0.0, 0.0
-    chunk = max(1, 4096 // held.shape[1])  # <= 4,096 tokens of [tokens, vocab] logits at once
-    for i, ids in enumerate(held.split(chunk)):
-        log_p = torch.log_softmax(teacher(ids).logits[:, :-1].float(), dim=-1)
-        log_q = torch.log_softmax(student(ids).logits[:, :-1].float(), dim=-1)
-        w = torch.ones(log_p.shape[:2]) if weights is None else weights[i * chunk : i * chunk + len(ids)]
-        total += float((w.to(log_p.device) * (log_p.exp() * (log_p - log_q)).sum(-1)).sum())
-        count += float(w.sum())
-    return total / max(count, 1e-12)
+    return HeldIn(held, weights).kl(student, teacher)
 
 
 def plot_curve(losses: list[float], held_in: list[tuple[int, float]], best_step: int, lr: float, path) -> None:

@@ -4,17 +4,24 @@ Natural text rarely needs a token from thousands of positions back, so distillat
 KV cache to keep such tokens. Each window here is `length` tokens cut from the calibration token stream, of one kind:
 
     repeat  ... S G S ...: a segment S of SEGMENT tokens, the G tokens of text that follow it, then S again; the gap
-            G is drawn log-uniformly from MIN_GAP to what the window holds, so distances spread up to `length`.
+            G is drawn uniformly from MIN_GAP to what the window holds, so distances spread evenly up to `length`
+            (about half the repeats ask past half the window: far distances are trained as often as near ones).
             Weighted: the positions that predict S's tokens 2.. of the second copy (each lies |S| + G tokens after
             the token it copies).
     facts   FACTS sentences "<name>'s <thing> number is <6 digits>." spliced into the text at random positions, then
             each asked again at the end in another order ("<name>'s <thing> number is"): names and digits, the
-            shape of a key-value recall. Weighted: the positions that predict the digits and the full stop.
+            shape of a key-value recall; the facts sit uniformly in the text, so their distances spread over the
+            window. Weighted: the positions that predict the digits and the full stop.
     plain   the text as it is, every position weighted: short context must not regress.
 
 The weights [n, length - 1] say which predicted positions the KL counts (position t predicts token t + 1); the loss
 is sum(w KL) / sum(w) over a batch. Everything is drawn from `seed`, and the texts are only the calibration stream's
 own tokens plus the fact sentences: no evaluation text enters.
+
+Held-in windows (`held_in_windows`) select the healed state, so they ask for what is hardest: repeats whose gap lies
+in the far half of what the window holds, facts told in the first half of the text and asked at the end, and plain
+text; each window's weights sum to 1, so every window counts the same in the criterion (a plain window's 1,023
+positions would otherwise outvote a repeat's ~80).
 """
 
 from __future__ import annotations
@@ -51,6 +58,23 @@ def retrieval_windows(stream: torch.Tensor, tokenizer, count: int, length: int, 
     """`count` windows of `length` tokens drawn from the token stream [T] (module docstring), kinds in the shares of
     `mix` (default MIX), in a seeded random order."""
     mix = MIX if mix is None else mix
+    _check(count, mix, length, stream)
+    gen = torch.Generator().manual_seed(seed)
+    return _windows(stream, tokenizer, _kinds(count, mix, gen), length, gen)
+
+
+def held_in_windows(stream: torch.Tensor, tokenizer, count: int, length: int, seed: int = 0) -> WeightedWindows:
+    """`count` held-in windows of `length` tokens from the token stream [T] (module docstring): far repeats, far
+    facts and plain text in turn (two repeats to each of the others), each window's weights summing to 1."""
+    _check(count, MIX, length, stream)
+    cycle = ("repeat", "facts", "repeat", "plain")
+    kinds = [cycle[i % len(cycle)] for i in range(count)]
+    windows = _windows(stream, tokenizer, kinds, length, torch.Generator().manual_seed(seed), far=True)
+    windows.weights /= windows.weights.sum(1, keepdim=True)
+    return windows
+
+
+def _check(count: int, mix: dict[str, float], length: int, stream: torch.Tensor) -> None:
     if not isinstance(count, int) or count < 1:
         raise ValueError(f"count={count!r} must be a positive integer")
     if set(mix) - set(KINDS) or not all(v >= 0 for v in mix.values()) or not sum(mix.values()) > 0:
@@ -59,10 +83,12 @@ def retrieval_windows(stream: torch.Tensor, tokenizer, count: int, length: int, 
         raise ValueError(f"heal_len={length!r}: retrieval windows need at least {MIN_LENGTH} tokens")
     if len(stream) < length + 1:
         raise ValueError(f"the calibration text has {len(stream)} tokens, fewer than one window of {length}")
-    gen = torch.Generator().manual_seed(seed)
-    kinds = _kinds(count, mix, gen)
+
+
+def _windows(stream, tokenizer, kinds: list[str], length: int, gen: torch.Generator, far: bool = False):
+    """WeightedWindows: one window of each kind in `kinds`, in turn, drawn from `gen`; far: the held-in shapes."""
     build = {"repeat": _repeat, "facts": _facts, "plain": _plain}
-    rows = [build[kind](stream, tokenizer, length, gen) for kind in kinds]
+    rows = [build[kind](stream, tokenizer, length, gen, far) for kind in kinds]
     return WeightedWindows(torch.stack([r[0] for r in rows]), torch.stack([r[1] for r in rows]))
 
 
@@ -83,15 +109,17 @@ def _text(stream: torch.Tensor, size: int, gen: torch.Generator) -> torch.Tensor
     return stream[start : start + size]
 
 
-def _plain(stream, tokenizer, length, gen):
+def _plain(stream, tokenizer, length, gen, far):
     return _text(stream, length, gen), torch.ones(length - 1)
 
 
-def _repeat(stream, tokenizer, length, gen):
-    """prefix + S + G + S + tail from one stretch of text (G: the text after S, so nothing but S repeats)."""
+def _repeat(stream, tokenizer, length, gen, far):
+    """prefix + S + G + S + tail from one stretch of text (G: the text after S, so nothing but S repeats); G uniform
+    in MIN_GAP..most, far: in the far half of that range."""
     segment = int(torch.randint(SEGMENT[0], SEGMENT[1] + 1, (1,), generator=gen))
     most = length - 2 * segment
-    gap = int(math.exp(math.log(MIN_GAP) + float(torch.rand((), generator=gen)) * math.log(most / MIN_GAP)))
+    least = (MIN_GAP + most) // 2 if far else MIN_GAP
+    gap = int(torch.randint(least, most + 1, (1,), generator=gen))
     prefix = int(torch.randint(0, most - gap + 1, (1,), generator=gen))
     text = _text(stream, length - segment, gen)  # prefix, S, G and the tail, in reading order
     first = prefix + segment + gap  # where the second copy starts
@@ -101,8 +129,9 @@ def _repeat(stream, tokenizer, length, gen):
     return ids, weights
 
 
-def _facts(stream, tokenizer, length, gen):
-    """FACTS fact sentences spliced into text at random token positions, then each recalled at the end."""
+def _facts(stream, tokenizer, length, gen, far):
+    """FACTS fact sentences spliced into text at random token positions (far: in its first half), then each
+    recalled at the end."""
     names = torch.randperm(len(NAMES), generator=gen)[:FACTS].tolist()
     facts = []
     for n in names:
@@ -114,7 +143,8 @@ def _facts(stream, tokenizer, length, gen):
     asked = sum(len(k) + len(v) for k, v in questions)
     told = sum(len(k) + len(v) for k, v in facts)
     text = _text(stream, length - asked - told, gen)
-    cuts = sorted(torch.randint(0, len(text) + 1, (FACTS,), generator=gen).tolist())  # distances up to the window
+    span = len(text) // 2 if far else len(text)
+    cuts = sorted(torch.randint(0, span + 1, (FACTS,), generator=gen).tolist())  # distances up to the window
     pieces, last = [], 0
     for cut, (key, value) in zip(cuts, facts):
         pieces += [text[last:cut], key, value]

@@ -18,7 +18,7 @@ import torch
 
 from ...kv_memory import dtype_of
 from ..io.calibration import TEACHER_PROMPT, calibration_windows, sample_from_teacher
-from ..io.heal_data import retrieval_windows
+from ..io.heal_data import held_in_windows, retrieval_windows
 from ..export.deepseek_export import to_deepseek_v3
 from ..options import ConvertOptions
 from ..fitting.reconstruct import LAYERWISE_LR, sequential, summary
@@ -140,7 +140,8 @@ HELD_SHARE = 0.15  # retrieval data: the share of the calibration tokens kept fo
 
 def _retrieval_data(text: str, tokenizer, opts: ConvertOptions):
     """(train, held-in) WeightedWindows of heal_len tokens: one training window per step, batch row and process, from
-    the first 1 - HELD_SHARE of the calibration tokens; heal_held_in windows from the rest."""
+    the first 1 - HELD_SHARE of the calibration tokens; heal_held_in windows from the rest, of the far shapes that
+    select the state (held_in_windows: far repeats, far facts, plain text, each window weighing the same)."""
     heal, length = opts.healing, opts.healing.length
     stream = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     cut = len(stream) - max(int(len(stream) * HELD_SHARE), length + 1)
@@ -148,4 +149,4 @@ def _retrieval_data(text: str, tokenizer, opts: ConvertOptions):
         raise ValueError(f"heal_len={length}: the calibration text has {len(stream)} tokens; retrieval healing needs "
                          f"at least {2 * (length + 1)} (one window to train on, one held in)")  # fmt: skip
     train = retrieval_windows(stream[:cut], tokenizer, heal.steps * heal.batch_size * _processes(), length, opts.seed)
-    return train, retrieval_windows(stream[cut:], tokenizer, heal.held_in, length, opts.seed + 1)
+    return train, held_in_windows(stream[cut:], tokenizer, heal.held_in, length, opts.seed + 1)
