@@ -58,6 +58,9 @@ def cmd_eval(args) -> None:
 
     if (args.text is None) == (args.tasks is None):
         raise SystemExit("error: eval needs exactly one of --text FILE (perplexity) and --tasks T[,T...] (lm-eval)")
+    if args.long_context and (args.text is None or args.reference is None):
+        raise SystemExit("error: --long-context needs --text FILE (the text it cuts passages from) and --reference "
+                         "SRC (the shares are of the reference's accuracy)")  # fmt: skip
     if args.update_card and (args.reference is None
                              or not os.path.isfile(os.path.join(args.model, "conversion_report.json"))):  # fmt: skip
         raise SystemExit("error: --update-card needs --reference SRC and MODEL a converted folder "
@@ -70,16 +73,23 @@ def cmd_eval(args) -> None:
         reference = load_source(args.reference)[0] if args.reference else None
         windows = windows_of(text, tokenizer, args.ctx, args.max_tokens)
         result = evaluate(model, windows, reference)
+        extra = {}
+        if args.long_context:  # repeated passages and fact recall 1K-4K back, as shares of the reference's
+            from .evaluation.passage import long_context
+
+            extra["long_context"] = {"text": os.path.basename(args.text),
+                                     **long_context(model, reference, tokenizer, text)}  # fmt: skip
         if args.update_card:  # the source's perplexity on the same windows, recorded beside the model's
             from .hub import update_card
 
             source_ppl = evaluate(reference, windows, progress=False).perplexity
             update_card(args.model, {"text": os.path.basename(args.text), "tokens": result.tokens,
                                      "perplexity": result.perplexity, "source_perplexity": source_ppl,
-                                     "kl_to_reference": result.kl_to_reference})  # fmt: skip
+                                     "kl_to_reference": result.kl_to_reference, **extra})  # fmt: skip
     except ValueError as err:
         raise SystemExit(f"error: {err}")
-    print(json.dumps({"model": args.model, "reference": args.reference, "text": args.text, **result.to_dict()}))
+    print(json.dumps({"model": args.model, "reference": args.reference, "text": args.text, **result.to_dict(),
+                      **extra}))  # fmt: skip
 
 
 def _eval_tasks(args) -> None:
@@ -255,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--update-card", action="store_true", help="with --reference: record the perplexities and KL "
                     "(--text) or the accuracies (--tasks) beside the reference's in MODEL's conversion_report.json and "
                     "model card (a converted folder)")
+    ev.add_argument("--long-context", action="store_true", help="with --text and --reference: also probe retrieval "
+                    "from far back in the text (a passage repeated, and a fact recalled, 1,024 / 2,048 / 4,096 tokens "
+                    "later, 8 items each; the distances that fit the context) and print the model's share of the "
+                    "reference's accuracy; with --update-card, recorded in the model card")
     ev.add_argument("--ctx", type=_positive_int, default=512, help="tokens per window (default 512)")
     ev.add_argument("--max-tokens", type=_positive_int, default=4096, help="tokens evaluated at most (default 4096)")
     ev.add_argument("--reference", metavar="SRC", help="reference model: KL(reference || model) with --text, a "

@@ -95,16 +95,20 @@ def convert_command(report: dict) -> str:
     return " ".join(args)
 
 
-# What the long-context recipe's healing measured on SmolLM2-135M at 50% KV, by attention variant (BENCHMARKS.md,
-# "Retrieval-aware healing": passage repeated 200 / 1,000 / 3,000 tokens later, WikiText-2 perplexity)
-LONG_CONTEXT_FIGURES = {
-    "latent_kv": "it kept 94 / 81 / 68% of the source's accuracy on a passage repeated 200 / 1,000 / 3,000 tokens "
-                 "later (83 / 64 / 47% before healing), at 1.57x the source's WikiText-2 perplexity (1.73x before); a "
-                 "passkey 1,024-4,096 tokens back is not kept",
-    "mla": "its served deepseek_v3 form kept 84 / 69 / 43% of the source's accuracy on a passage repeated 200 / "
-           "1,000 / 3,000 tokens later and a passkey 1,024 tokens back in 3 of 4 items, at 1.92x the source's "
-           "WikiText-2 perplexity; a passkey 2,048-4,096 tokens back is not kept",
-}
+# The corpora shipped in the package, as a card names them (converters/io/calibration.py SHIPPED_CORPORA)
+SHIPPED_TEXTS = {None: "the package's default corpus (a TinyStories sample: children's stories)",
+                 "stories": "the package's TinyStories sample (children's stories)",
+                 "general": "the package's general-domain corpus (WikiText-2 encyclopedic articles)"}  # fmt: skip
+
+
+def _text_line(options: dict) -> str:
+    """Which text calibrated (and healed) the model, and how a user does better in their own domain."""
+    data = options.get("calib_data")
+    text = SHIPPED_TEXTS.get(data, f"`{Path(str(data)).name}`")
+    healed = " and healed" if options.get("heal_steps") else ""
+    samples = " (prompts for the source's own samples)" if options.get("calib_source", "teacher") == "teacher" else ""
+    return (f"Calibrated{healed} on {text}{samples}. Converting again with `--calib-data` pointing at text like "
+            "the traffic the model will serve is the way to keep more in that domain.")
 
 
 def _quality_lines(report: dict) -> list[str]:
@@ -130,11 +134,23 @@ def _quality_lines(report: dict) -> list[str]:
                    "samples")  # fmt: skip
         lines += [f"KL to the source on {windows}: {start:.4f} per token before healing, {best:.4f} after "
                   f"({heal['steps']} steps, {heal['tokens']:,} tokens).", ""]  # fmt: skip
+    if "long_context" in evaluation:  # hf-attn eval --long-context: shares of the source at each distance
+        lc = evaluation["long_context"]
+        gaps = lc["gaps"]
+        lines += [f"Long-context retrieval on `{lc['text']}` ({lc['items']} items per cell, the same for the source; "
+                  "share of the source's accuracy, the model's accuracy in brackets):", "",
+                  "| probe | " + " | ".join(f"{g:,} tokens back" for g in gaps) + " |",
+                  "|---|" + "---:|" * len(gaps)]  # fmt: skip
+        for kind, label in (("passage", "repeated passage"), ("facts", "fact recall")):
+            cells = [lc[kind][str(g)] for g in gaps]
+            lines.append(f"| {label} | " + " | ".join(
+                f"{c['retained']:.0%} ({c['accuracy']:.2f})" if c["retained"] is not None else f"- ({c['accuracy']:.2f})"
+                for c in cells) + " |")  # fmt: skip
+        lines.append("")
     options = report.get("options") or {}
     if options.get("context") == "long":
-        figures = LONG_CONTEXT_FIGURES.get(options.get("to"))
-        lines += ["Converted with the long-context recipe (`--context long`: retrieval-aware healing)"
-                  + (f"; on SmolLM2-135M at 50% KV {figures}." if figures else "."), ""]  # fmt: skip
+        lines += ["Converted with the long-context recipe (`--context long`: retrieval-aware healing).", ""]
+    lines += [_text_line(options), ""]
     layerwise = report.get("layerwise")
     if layerwise and layerwise.get("reconstruct_steps"):
         lines += [f"Layer-by-layer reconstruction ({layerwise['reconstruct_steps']} steps): mean held-in attention "
@@ -143,6 +159,10 @@ def _quality_lines(report: dict) -> list[str]:
         lines += ["Perplexity on held-out text was not measured when this model was written: "
                   "`hf-attn eval OUT --text FILE --reference SRC --update-card` measures it and records it here; "
                   "`--tasks zero_shot_offline` gives zero-shot accuracy.", ""]  # fmt: skip
+    if "long_context" not in evaluation:
+        lines += ["Long-context retrieval was not measured on this model: `hf-attn eval OUT --text FILE --reference "
+                  "SRC --long-context --update-card` probes repeated passages and fact recall 1,024-4,096 tokens "
+                  "back in FILE and records the shares of the source here.", ""]  # fmt: skip
     return lines
 
 
@@ -256,7 +276,8 @@ PERPLEXITY_KEYS = ("text", "tokens", "perplexity", "source_perplexity", "kl_to_r
 
 def update_card(folder: str | Path, evaluation: dict) -> dict:
     """Record a held-out evaluation in a converted folder's report and model card (merged with earlier ones).
-    evaluation: the PERPLEXITY_KEYS, and/or "accuracy": {task: [accuracy, source's accuracy]}."""
+    evaluation: the PERPLEXITY_KEYS, and/or "accuracy": {task: [accuracy, source's accuracy]}, and/or
+    "long_context": evaluation/passage.py long_context's dict with "text" (the file's name)."""
     import json
 
     folder = Path(folder)
@@ -264,8 +285,10 @@ def update_card(folder: str | Path, evaluation: dict) -> dict:
     if not path.is_file():
         raise ValueError(f"{str(folder)!r} is not a converted model folder (no conversion_report.json)")
     given = [k for k in PERPLEXITY_KEYS if k in evaluation]
-    if given and len(given) < len(PERPLEXITY_KEYS) or not (given or "accuracy" in evaluation):
-        raise ValueError(f"evaluation: needs all of {PERPLEXITY_KEYS} and/or 'accuracy', got {sorted(evaluation)}")
+    if given and len(given) < len(PERPLEXITY_KEYS) or not (given or "accuracy" in evaluation
+                                                           or "long_context" in evaluation):  # fmt: skip
+        raise ValueError(f"evaluation: needs all of {PERPLEXITY_KEYS} and/or 'accuracy' and/or 'long_context', got "
+                         f"{sorted(evaluation)}")  # fmt: skip
     report = json.loads(path.read_text())
     report["evaluation"] = {**report.get("evaluation", {}), **evaluation}
     card = model_card(report)  # before writing anything: a bad report leaves the folder as it was

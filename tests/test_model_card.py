@@ -125,3 +125,50 @@ def test_eval_tasks_cli_updates_the_card(mla, tmp_path):
     assert "tiny_stories_cloze acc" in report["evaluation"]["accuracy"] and "| tiny_stories_cloze acc |" in text
     with pytest.raises(SystemExit, match="--update-card needs --reference"):
         main(["eval", str(folder), "--text", "x.txt", "--update-card"])
+
+
+def test_eval_long_context_prints_and_records_the_shares_of_the_source(mla, tmp_path):
+    """--long-context: repeated passages and fact recall 1,024 / 2,048 / 4,096 tokens back in the user's text, for
+    the model and its reference, recorded in the card. stories260k's context (512) is too short for these gaps, so
+    both folders are given a longer one here (RoPE runs at any position): a check of the machinery, not of quality."""
+    from hf_attn_patch.converters.io.calibration import read_calibration_text
+
+    folder, reference = tmp_path / "mla", tmp_path / "reference"
+    shutil.copytree(mla, folder)
+    model, tokenizer = load_default()
+    model.config.max_position_embeddings = 8192
+    model.save_pretrained(reference)
+    tokenizer.save_pretrained(reference)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    text_file = tmp_path / "own.txt"
+    text_file.write_text(read_calibration_text(None)[:40_000])
+    main(["eval", str(folder), "--text", str(text_file), "--reference", str(reference), "--ctx", "64",
+          "--max-tokens", "128", "--long-context", "--update-card"])  # fmt: skip
+    text, report = read(folder)
+    lc = report["evaluation"]["long_context"]
+    assert lc["gaps"] == [1024, 2048, 4096] and lc["text"] == "own.txt" and lc["items"] == 8
+    for kind in ("passage", "facts"):
+        for cell in lc[kind].values():
+            assert 0 <= cell["accuracy"] <= 1 and 0 <= cell["source"] <= 1
+            if cell["source"]:  # the share of the unrounded accuracies, rounded apart
+                assert cell["retained"] == pytest.approx(cell["accuracy"] / cell["source"], abs=2e-3)
+            else:
+                assert cell["retained"] is None
+    assert "Long-context retrieval on `own.txt`" in text and "| fact recall |" in text
+    assert "| probe | 1,024 tokens back | 2,048 tokens back | 4,096 tokens back |" in text
+    with pytest.raises(SystemExit, match="--long-context needs --text FILE"):
+        main(["eval", str(folder), "--text", str(text_file), "--long-context"])
+    with pytest.raises(SystemExit, match="none fits the model's context of 512 tokens"):  # stories260k as it ships
+        main(["eval", str(mla), "--text", str(text_file), "--reference", "default", "--long-context"])
+
+
+def test_the_card_names_the_text_that_calibrated_and_healed_the_model(mla, tmp_path):
+    text, _ = read(mla)
+    assert "Calibrated on the package's default corpus (a TinyStories sample" in text and "--calib-data" in text
+    report = convert("default", tmp_path / "long", to="latent_kv", kv_budget=0.5, context="long", heal_steps=2,
+                     heal_len=384, calib_samples=4)  # fmt: skip
+    card = (tmp_path / "long" / "README.md").read_text()
+    assert report["options"]["calib_data"] == "general"
+    assert "Calibrated and healed on the package's general-domain corpus (WikiText-2" in card
+    assert "kept" not in card.split("## Quality against the source")[1].split("Made by")[0]  # no figure of another model

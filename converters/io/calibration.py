@@ -26,7 +26,12 @@ from ...models.architectures import AttentionShape
 logger = logging.getLogger(__name__)
 
 # converters/ sits at the repository root but installs inside the package: find the assets from the package itself
-DEFAULT_CORPUS = Path(_package_file).resolve().parent / "assets" / "calibration"
+ASSETS = Path(_package_file).resolve().parent / "assets"
+DEFAULT_CORPUS = ASSETS / "calibration"
+# Corpora shipped in the package, by the name --calib-data takes (each folder's LICENSE says what it is):
+#   stories  a TinyStories sample: the default of a closed form on the embedded story models (one narrow domain);
+#   general  WikiText-2 articles (encyclopedic text, ~200K SmolLM2 tokens): the default of --context long.
+SHIPPED_CORPORA = {"stories": DEFAULT_CORPUS, "general": ASSETS / "general"}
 
 
 @dataclass
@@ -45,13 +50,13 @@ MAX_DATASET_CHARS = 50_000_000  # a dataset is read row by row until this much t
 
 def read_calibration_text(source: str | Path | None, split: str = "train", column: str = "text") -> str:
     """Calibration text from `source`:
-    - None: the corpus shipped with the package;
+    - None: the package's default corpus ("stories"); a name of SHIPPED_CORPORA: that corpus;
     - a text file, or a folder of .txt files (sorted, joined by blank lines);
     - a `datasets` dataset: a folder written by save_to_disk, a .json/.jsonl/.parquet/.csv data file, or a dataset
       name on the Hub (reachable, or in the local datasets cache), "name" or "name:config"; rows of `column` in
       `split` joined by blank lines.
     """
-    path = DEFAULT_CORPUS if source is None else Path(source)
+    path = DEFAULT_CORPUS if source is None else SHIPPED_CORPORA.get(str(source), Path(source))
     if is_dataset_source(path):
         text = _dataset_text(str(path), split, column)
     elif path.is_dir():
@@ -70,7 +75,9 @@ def read_calibration_text(source: str | Path | None, split: str = "train", colum
 
 def is_dataset_source(source: str | Path) -> bool:
     """Whether read_calibration_text reads `source` with `datasets`: a save_to_disk folder, a data file
-    (.json/.jsonl/.parquet/.csv) or a name that is no local path."""
+    (.json/.jsonl/.parquet/.csv) or a name that is no local path nor a shipped corpus."""
+    if str(source) in SHIPPED_CORPORA:
+        return False
     path = Path(source)
     if path.is_dir():
         return any((path / marker).exists() for marker in ("state.json", "dataset_dict.json"))

@@ -96,8 +96,9 @@ class ConvertOptions:
     device: str = option("auto", "where the model passes run (teacher samples, statistics, sensitivity, "
                          "reconstruction): auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, cuda:N")
     dtype: str | None = option(None, "dtype of the saved weights (default: the source's)")
-    context: str = option("short", "long: the long-context recipe (text calibration, retrieval-aware healing; "
-                          "docs/conversion.md), filling every option not given; short (default): none",
+    context: str = option("short", "long: the long-context recipe (calibration on the shipped general corpus, "
+                          "retrieval-aware healing; docs/conversion.md), filling every option not given; short "
+                          "(default): none",
                           choices=CONTEXTS)  # fmt: skip
     calibration: CalibrationOptions = option(factory=CalibrationOptions)
     reconstruction: ReconstructionOptions = option(factory=ReconstructionOptions)

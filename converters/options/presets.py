@@ -1,8 +1,10 @@
 """Presets: one flag for a whole recipe. `context="long"` (`--context long`) fills every option of the long-context
 recipe that the user did not give; whatever the user gives wins.
 
-The long-context recipe keeps what the model read far back (docs/conversion.md, "Long context"): a text-calibrated
-closed form without reconstruction, then retrieval-aware healing (io/heal_data.py: repeated segments, recalled
+The long-context recipe keeps what the model read far back (docs/conversion.md, "Long context"): a closed form
+calibrated on general text (the shipped encyclopedic corpus, `calib_data="general"`: the text a general model reads
+carries retrieval to other domains, where children's stories did not; docs/conversion.md gives the measurements)
+without reconstruction, then retrieval-aware healing on the same text (io/heal_data.py: repeated segments, recalled
 facts, plain text; the KL weighted on the positions that retrieve) of HEAL_STEPS single 1,024-token windows at
 lr 2e-5, the rate with which both latent K/V and MLA lowered their held-in KL (a larger one diverged on the
 unbalanced factors; BENCHMARKS.md). MLA also scores its RoPE split over 4,096 tokens (the served distances, not the
@@ -15,8 +17,8 @@ from __future__ import annotations
 from .fields import one_of
 
 CONTEXTS = ("short", "long")
-LONG_CONTEXT = {"calib_source": "text", "reconstruct_steps": 0, "heal_steps": 60, "heal_data": "retrieval",
-                "heal_len": 1024, "heal_lr": 2e-5, "heal_batch_size": 1, "heal_held_in": 4,
+LONG_CONTEXT = {"calib_data": "general", "calib_source": "text", "reconstruct_steps": 0, "heal_steps": 60,
+                "heal_data": "retrieval", "heal_len": 1024, "heal_lr": 2e-5, "heal_batch_size": 1, "heal_held_in": 4,
                 "heal_layerwise_steps": 0}  # fmt: skip
 LONG_CONTEXT_BY_TARGET = {"mla": {"rope_context": 4096, "rank_allocation": "uniform"}}
 

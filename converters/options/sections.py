@@ -25,8 +25,9 @@ HEAL_DATA = ("calib", "teacher", "mix", "retrieval")
 class CalibrationOptions:
     """The activations the closed forms are fitted to: `samples` windows of `length` tokens (flat names calib_*)."""
 
-    data: str | None = option(None, "text file, folder of .txt files, or a datasets dataset (save_to_disk folder, "
-                              ".json/.jsonl/.parquet/.csv, name[:config]; default: the package's)", flat="calib_data")
+    data: str | None = option(None, "text file, folder of .txt files, a datasets dataset (save_to_disk folder, "
+                              ".json/.jsonl/.parquet/.csv, name[:config]), or a shipped corpus: general (encyclopedic; "
+                              "the default of --context long) or stories (the default otherwise)", flat="calib_data")
     split: str = option("train", "datasets: the split to read (default train)", flat="calib_split")
     column: str = option("text", "datasets: the text column (default text)", flat="calib_column")
     # SmolLM2 MLA 50%: 32 vs 16 lowers the held-in teacher KL after reconstruction (BENCHMARKS)
