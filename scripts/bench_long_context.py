@@ -32,10 +32,11 @@ from pathlib import Path
 
 import torch
 
-import benchlib
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text, teacher_windows
 from hf_attn_patch.models.pretrained import load_source
+
+import benchlib
 
 RESULTS = benchlib.RESULTS / "long_context"
 CALIBRATED_TOKENS = 8192  # the calibration windows of every conversion measured here lie within these

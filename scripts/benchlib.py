@@ -12,8 +12,8 @@ import inspect
 import json
 import re
 import subprocess
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = ROOT.parent / "shared"
