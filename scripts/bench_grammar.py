@@ -1227,7 +1227,7 @@ def lark_bytes(schema: dict, adapter, order: str) -> int:
 
 def key_order_options(parser) -> None:
     parser.add_argument("mirror", help="git directory of guidance-ai/jsonschemabench")
-    parser.add_argument("--n", type=int, default=1000, help="sample size, as in bench_schemas.py")
+    parser.add_argument("--n", type=int, default=1000, help="sample size, as in the schemas part")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--schemas", type=int, default=60, help="schemas of the sample measured")
     parser.add_argument("--instances", type=int, default=3, help="valid instances replayed per schema")
@@ -1236,7 +1236,7 @@ def key_order_options(parser) -> None:
 
 def key_order(args):
     """The cost of keys in any order (property_order "any") against declaration order ("schema") on real-world JSON
-    Schemas (JSONSchemaBench / MaskBench, the sample of bench_schemas.py), for a real vocabulary (SmolLM2's, 49k tokens).
+    Schemas (JSONSchemaBench / MaskBench, the sample of the schemas part), for a real vocabulary (SmolLM2's, 49k tokens).
 
         python scripts/bench_grammar.py key-order /path/to/jsonschemabench/git-dir --n 1000 --seed 4638 --schemas 60
 

@@ -296,7 +296,7 @@ def convert_memory(args):
         OMP_NUM_THREADS=1 .venv/bin/python scripts/bench_memory.py convert [--depths 30,60,120] [--width 576]
             [--targets mla,mqa] [--tokenizer smollm2|default] [--json rows.json]
 
-    Per depth, a Llama source of random weights (SmolLM2-135M's shape at --width 576, scripts/bench_stream_memory.py's
+    Per depth, a Llama source of random weights (SmolLM2-135M's shape at --width 576, the stream part's
     synthetic_config; vocab 49152 with SmolLM2's tokenizer, or 512 with the embedded stories260k's) is written layer by
     layer into a temporary folder by a subprocess. Each conversion then runs in a fresh subprocess: first a 2-layer
     source of the same width is converted (imports and allocator pools warmed), the RSS is read (the floor), then the
