@@ -8,7 +8,7 @@
 Why: torch's F.linear runs an fp32 product with a few rows (2-32: speculative verification, chunked prefill, a
 batch of decodes) through MKL's sgemm far below the memory bandwidth that its 1-row gemv reaches; the same product
 by a weight reordered once for oneDNN reads the weight once at about the speed of one row
-(scripts/bench_fast_linear.py --part linear has the curves). In bf16 the packed product uses the CPU's bf16 dot
+(scripts/bench_kernels.py fast-linear --part linear has the curves). In bf16 the packed product uses the CPU's bf16 dot
 products (AVX512-BF16 / AMX) and takes about half the fp32 time.
 
 Numerics: the same products, summed in another order. fp32: each output differs from F.linear's by fp32 rounding,

@@ -1,40 +1,48 @@
-"""Our Engine vs transformers' continuous batching vs static-batched generate(), in one process.
+"""Engine: continuous batching against static batches of generate() and transformers' own manager, hybrid models,
+and the OpenAI server against the in-process engine.
 
-    .venv/bin/python scripts/bench_engine.py [--model stories|smollm2|both] [--requests 64] [--threads 2]
+    .venv/bin/python scripts/bench_engine.py PART [options]     # PART --help: its options
 
-Workload (seeded): N requests, prompts of 16..P tokens cut from real text (TinyStories sample / WikiText-2),
-outputs of 16..O tokens (EOS ignored, so every system produces exactly the same number of tokens). Greedy.
-1. Offline (all requests at t=0): throughput (generated tokens / wall s), time to first token (TTFT) and time per
-   output token (TPOT) p50 / p99 for: ours; transformers' ContinuousBatchingManager (what generate_batch runs, with
-   per-request max_new_tokens and token timestamps); static batches of 8 with generate() (FIFO, left-padded,
-   every batch runs to its longest output).
-2. Online (Poisson arrivals): ours with chunked prefill on vs off: TTFT, TPOT and inter-token latency p50 / p99
-   (a step that prefills a long prompt whole delays every decode in it: that shows in the inter-token p99).
-3. Prefix caching: 16 requests sharing a 512-token system prompt: TTFT with the prefix cache on vs off.
-Plots the TTFT / TPOT distributions to scripts/bench_engine.png.
+Parts:
+    batching  the engine against static generate() batches and transformers' continuous batching: throughput,
+              TTFT / TPOT / inter-token latency, prefix caching, chunked prefill (plot: results/engine/latency.png)
+    hybrid    the engine against static generate() batches on random hybrid models (state layers + attention)
+    server    `hf-attn serve` as a subprocess under bursts of completions against the in-process engine
 """
 
 from __future__ import annotations
 
-import argparse
+import json
+import os
 import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
 import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
+import transformers
 from transformers import GenerationConfig, StoppingCriteria, StoppingCriteriaList
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch.engine import Engine, SamplingParams
 from hf_attn_patch.models.pretrained import load_default, load_smollm2
 
-CORPORA = Path(__file__).resolve().parents[2] / "shared" / "corpora"
+import benchlib
 
 
+# ------------------------------------------------------------------------------------------------------------ batching
 def workload(tokenizer, text_file: str, n: int, max_prompt: int, max_out: int, seed: int = 0):
     """[(prompt ids, output length)] with lengths uniform in [16, max]."""
-    ids = tokenizer(Path(CORPORA / text_file).read_text(encoding="utf-8")[:400_000]).input_ids
+    ids = tokenizer((benchlib.CORPORA / text_file).read_text(encoding="utf-8")[:400_000]).input_ids
     rng = random.Random(seed)
     out = []
     for _ in range(n):
@@ -46,11 +54,23 @@ def workload(tokenizer, text_file: str, n: int, max_prompt: int, max_out: int, s
 
 def summary(name, tokens, seconds, ttft, tpot, itl=None) -> dict:
     ttft, tpot = np.array(ttft) * 1000, np.array(tpot) * 1000
-    extra = {} if itl is None else {"itl50": np.percentile(np.array(itl) * 1000, 50),
-                                    "itl99": np.percentile(np.array(itl) * 1000, 99)}  # fmt: skip
-    return {**extra, "name": name, "tok/s": tokens / seconds, "seconds": seconds, "ttft": ttft, "tpot": tpot,
-            "ttft50": np.percentile(ttft, 50), "ttft99": np.percentile(ttft, 99),
-            "tpot50": np.percentile(tpot, 50), "tpot99": np.percentile(tpot, 99)}  # fmt: skip
+    extra = (
+        {}
+        if itl is None
+        else {"itl50": np.percentile(np.array(itl) * 1000, 50), "itl99": np.percentile(np.array(itl) * 1000, 99)}
+    )
+    return {
+        **extra,
+        "name": name,
+        "tok/s": tokens / seconds,
+        "seconds": seconds,
+        "ttft": ttft,
+        "tpot": tpot,
+        "ttft50": np.percentile(ttft, 50),
+        "ttft99": np.percentile(ttft, 99),
+        "tpot50": np.percentile(tpot, 50),
+        "tpot99": np.percentile(tpot, 99),
+    }
 
 
 def run_ours(model, tok, requests, arrivals=None, **options):
@@ -85,8 +105,9 @@ def run_ours(model, tok, requests, arrivals=None, **options):
 
 
 def run_transformers_cb(model, requests, max_batch_tokens: int):
-    config = GenerationConfig(max_new_tokens=max(n for _, n in requests), do_sample=False, eos_token_id=None,
-                              pad_token_id=0)  # fmt: skip
+    config = GenerationConfig(
+        max_new_tokens=max(n for _, n in requests), do_sample=False, eos_token_id=None, pad_token_id=0
+    )
     manager = model.init_continuous_batching(generation_config=config)
     start = time.perf_counter()
     manager.start()
@@ -122,8 +143,15 @@ def run_static(model, tok, requests, batch_size: int = 8):
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in group])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
         clock = _StepClock()
-        model.generate(ids, attention_mask=mask, max_new_tokens=max(n for _, n in group), do_sample=False,
-                       eos_token_id=None, pad_token_id=0, stopping_criteria=StoppingCriteriaList([clock]))  # fmt: skip
+        model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=max(n for _, n in group),
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            stopping_criteria=StoppingCriteriaList([clock]),
+        )
         for _, n in group:  # request i's tokens are ready at step n (it waits for the batch to finish)
             ttft.append(clock.times[0] - start)
             tpot.append((clock.times[-1] - clock.times[0]) / max(1, len(clock.times) - 1))
@@ -133,13 +161,18 @@ def run_static(model, tok, requests, batch_size: int = 8):
 def table(rows, baseline: str) -> None:
     base = next(r for r in rows if r["name"] == baseline)["tok/s"]
     itl = all("itl99" in r for r in rows)
-    print("| system | tok/s | vs " + baseline + " | TTFT p50 / p99 ms | TPOT p50 / p99 ms |"
-          + (" inter-token p50 / p99 ms |" if itl else ""))  # fmt: skip
+    print(
+        "| system | tok/s | vs "
+        + baseline
+        + " | TTFT p50 / p99 ms | TPOT p50 / p99 ms |"
+        + (" inter-token p50 / p99 ms |" if itl else "")
+    )
     print("|---|---|---|---|---|" + ("---|" if itl else ""))
     for r in rows:
-        print(f"| {r['name']} | {r['tok/s']:.1f} | {r['tok/s'] / base:.2f}x | {r['ttft50']:.0f} / {r['ttft99']:.0f} | "
-              f"{r['tpot50']:.1f} / {r['tpot99']:.1f} |"
-              + (f" {r['itl50']:.1f} / {r['itl99']:.1f} |" if itl else ""))  # fmt: skip
+        print(
+            f"| {r['name']} | {r['tok/s']:.1f} | {r['tok/s'] / base:.2f}x | {r['ttft50']:.0f} / {r['ttft99']:.0f} | "
+            f"{r['tpot50']:.1f} / {r['tpot99']:.1f} |" + (f" {r['itl50']:.1f} / {r['itl99']:.1f} |" if itl else "")
+        )
 
 
 def bench(label, model, tok, text_file, n, max_prompt, max_out, rate, plots):
@@ -147,7 +180,9 @@ def bench(label, model, tok, text_file, n, max_prompt, max_out, rate, plots):
     requests = workload(tok, text_file, n, max_prompt, max_out)
     tokens = sum(k for _, k in requests)
     # max_model_len: stories260k was trained on 512 positions; its RoPE runs on (as generate() lets it) to 1024 + 256
-    options = dict(max_batch_tokens=256, block_size=16, max_memory=256 * 1024 * 1024, max_model_len=max_prompt + max_out)
+    options = dict(
+        max_batch_tokens=256, block_size=16, max_memory=256 * 1024 * 1024, max_model_len=max_prompt + max_out
+    )
     print(f"\n## {label}: {n} requests, prompts 16..{max_prompt}, outputs 16..{max_out} ({tokens} tokens)\n")
     run_ours(model, tok, requests[:2], **options)  # warm-up
     rows = []
@@ -167,10 +202,19 @@ def bench(label, model, tok, text_file, n, max_prompt, max_out, rate, plots):
     arrivals = list(np.cumsum(np.random.default_rng(1).exponential(1 / rate, n)))
     online = []
     for chunked in (True, False):
-        seconds, ttft, tpot, engine = run_ours(model, tok, requests, arrivals, chunked_prefill=chunked,
-                                               prefill_chunk=64, **options)  # fmt: skip
-        online.append(summary(f"ours, chunked prefill {'on (64)' if chunked else 'off'}", tokens, seconds, ttft, tpot,
-                              engine.inter_token_gaps))  # fmt: skip
+        seconds, ttft, tpot, engine = run_ours(
+            model, tok, requests, arrivals, chunked_prefill=chunked, prefill_chunk=64, **options
+        )
+        online.append(
+            summary(
+                f"ours, chunked prefill {'on (64)' if chunked else 'off'}",
+                tokens,
+                seconds,
+                ttft,
+                tpot,
+                engine.inter_token_gaps,
+            )
+        )
     print(f"\nOnline (Poisson arrivals, {rate} requests/s):\n")
     table(online, online[1]["name"])
     plots.append((f"{label}, online {rate} req/s", online))
@@ -205,12 +249,28 @@ def plot(plots, path: Path) -> None:
     print(f"\nwrote {path}")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def batching_options(parser) -> None:
     parser.add_argument("--model", choices=["stories", "smollm2", "both"], default="both")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--threads", type=int, default=2)
-    args = parser.parse_args()
+
+
+def batching(args):
+    """Our Engine vs transformers' continuous batching vs static-batched generate(), in one process.
+
+        .venv/bin/python scripts/bench_engine.py batching [--model stories|smollm2|both] [--requests 64] [--threads 2]
+
+    Workload (seeded): N requests, prompts of 16..P tokens cut from real text (TinyStories sample / WikiText-2),
+    outputs of 16..O tokens (EOS ignored, so every system produces exactly the same number of tokens). Greedy.
+    1. Offline (all requests at t=0): throughput (generated tokens / wall s), time to first token (TTFT) and time per
+       output token (TPOT) p50 / p99 for: ours; transformers' ContinuousBatchingManager (what generate_batch runs, with
+       per-request max_new_tokens and token timestamps); static batches of 8 with generate() (FIFO, left-padded,
+       every batch runs to its longest output).
+    2. Online (Poisson arrivals): ours with chunked prefill on vs off: TTFT, TPOT and inter-token latency p50 / p99
+       (a step that prefills a long prompt whole delays every decode in it: that shows in the inter-token p99).
+    3. Prefix caching: 16 requests sharing a 512-token system prompt: TTFT with the prefix cache on vs off.
+    Plots the TTFT / TPOT distributions to scripts/bench_engine.png.
+    """
     torch.set_num_threads(args.threads)
     plots = []
     if args.model in ("stories", "both"):
@@ -219,8 +279,306 @@ def main() -> None:
     if args.model in ("smollm2", "both"):
         model, tok = load_smollm2()
         bench("SmolLM2-135M", model, tok, "wikitext2_test.txt", max(8, args.requests // 2), 512, 128, 1.0, plots)
-    plot(plots, Path(__file__).with_suffix(".png"))
+    plot(plots, benchlib.RESULTS / "engine" / "latency.png")
 
+
+# -------------------------------------------------------------------------------------------------------------- hybrid
+HYBRID_COMMON = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+CONFIGS = {
+    "lfm2": dict(layer_types=["conv", "conv", "full_attention", "conv"], conv_L_cache=3),
+    "qwen3_next": dict(
+        layer_types=["linear_attention"] * 2 + ["full_attention", "linear_attention"],
+        head_dim=32,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+    ),
+    "bamba": dict(
+        attn_layer_indices=[2],
+        mamba_n_heads=4,
+        mamba_d_head=32,
+        mamba_n_groups=1,
+        mamba_d_state=32,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_chunk_size=16,
+    ),
+}
+
+
+def hybrid_workload(n: int, seed: int = 0):
+    rng = random.Random(seed)
+    return [([rng.randrange(3, 512) for _ in range(rng.randint(16, 64))], rng.randint(16, 48)) for _ in range(n)]
+
+
+def run_engine(model, tokenizer, requests) -> tuple[float, int]:
+    engine = Engine(model, tokenizer, max_batch_tokens=256, block_size=16)
+    params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in requests]
+    start = time.perf_counter()
+    outputs = engine.generate([p for p, _ in requests], params)
+    return time.perf_counter() - start, sum(len(o.token_ids) for o in outputs)
+
+
+def hybrid_static(model, requests, batch: int = 8) -> tuple[float, int]:
+    start, tokens = time.perf_counter(), 0
+    for i in range(0, len(requests), batch):
+        chunk = requests[i : i + batch]
+        longest, new = max(len(p) for p, _ in chunk), max(m for _, m in chunk)
+        ids = torch.tensor([[0] * (longest - len(p)) + p for p, _ in chunk])
+        mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p, _ in chunk])
+        model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        tokens += sum(m for _, m in chunk)  # the tokens the requests asked for (the rest of each row is waste)
+    return time.perf_counter() - start, tokens
+
+
+def hybrid_options(parser) -> None:
+    parser.add_argument("--requests", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=1)
+
+
+def hybrid(args):
+    """Our Engine vs static batches of generate() on hybrid models (constant-state layers), in one process.
+
+        .venv/bin/python scripts/bench_engine.py hybrid [--requests 32] [--threads 1]
+
+    Models: small random-init LFM2 (short conv), Qwen3-Next (gated delta net) and Bamba (Mamba2), seeded, fp32, 4
+    layers (3 state layers + 1 attention), hidden 128 (no hybrid checkpoint is available offline; speed does not depend
+    on the weights). Workload (seeded): N requests, prompts of 16..64 random tokens, outputs of 16..48 tokens (EOS
+    ignored, so both sides produce exactly the same number of tokens). Greedy. Baseline: static batches of 8 with
+    generate() (FIFO, left-padded, each batch runs to its longest output). Prints tokens/s of each and the ratio.
+    """
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    tokenizer = load_default()[1]
+    requests = hybrid_workload(args.requests)
+    print(f"hf_attn_patch {hf_attn_patch.__version__}, {args.requests} requests, {args.threads} thread(s)")
+    print("| model | engine tok/s | static generate() tok/s | ratio |")
+    print("|---|---|---|---|")
+    for model_type, overrides in CONFIGS.items():
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(model_type, **{**HYBRID_COMMON, **overrides})
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        run_engine(model, tokenizer, requests[:4])  # warm-up (first-call allocations)
+        ours, ours_tokens = run_engine(model, tokenizer, requests)
+        base, base_tokens = hybrid_static(model, requests)
+        ratio = (ours_tokens / ours) / (base_tokens / base)
+        print(f"| {model_type} | {ours_tokens / ours:.1f} | {base_tokens / base:.1f} | {ratio:.2f}x |")
+
+
+# -------------------------------------------------------------------------------------------------------------- server
+PROMPTS = [
+    "Once upon a time",
+    "The little dog",
+    "One day, Lily went to the park",
+    "Tom had a red ball",
+    "The sun was hot and",
+    "Mom said to Ben",
+    "In the forest there was",
+    "A big fish swam",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(port: int, path: str, body: dict, timeout: float = 300) -> tuple[int, float]:
+    """(status, seconds) of one request."""
+    start = time.perf_counter()
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as reply:
+            reply.read()
+            status = reply.status
+    except urllib.error.HTTPError as error:
+        status = error.code
+    return status, time.perf_counter() - start
+
+
+def get(port: int, path: str) -> float:
+    start = time.perf_counter()
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60) as reply:
+        reply.read()
+    return time.perf_counter() - start
+
+
+def start_server(model: str, drain: float) -> tuple[subprocess.Popen, int]:
+    port = free_port()
+    command = [
+        sys.executable,
+        "-m",
+        "hf_attn_patch.cli",
+        "serve",
+        model,
+        "--port",
+        str(port),
+        "--drain-timeout",
+        str(drain),
+    ]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            get(port, "/health")
+            return process, port
+        except OSError:
+            time.sleep(0.2)
+    process.kill()
+    raise SystemExit("the server did not start within 120 s")
+
+
+def percentile(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))]
+
+
+def burst(port: int, size: int, max_tokens: int) -> tuple[list[float], float, int]:
+    """`size` concurrent completions -> (latencies, wall seconds, non-200 count)."""
+    bodies = [
+        {"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": max_tokens, "temperature": 0, "seed": i}
+        for i in range(size)
+    ]
+    start = time.perf_counter()
+    with ThreadPoolExecutor(size) as pool:
+        results = list(pool.map(lambda b: post(port, "/v1/completions", b), bodies))
+    return [t for _, t in results], time.perf_counter() - start, sum(s != 200 for s, _ in results)
+
+
+def offline(model_name: str, size: int, max_tokens: int) -> float:
+    """The same requests through Engine.generate in this process -> wall seconds."""
+    from hf_attn_patch.engine import Engine, SamplingParams
+    from hf_attn_patch.models.pretrained import load_source
+
+    model, tokenizer = load_source(model_name)
+    engine = Engine(model, tokenizer)
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(size)]
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0, seed=i) for i in range(size)]
+    engine.generate(prompts[:2], params[:2])  # warm-up
+    start = time.perf_counter()
+    engine.generate(prompts, params)
+    return time.perf_counter() - start
+
+
+def health_under_big_body(port: int) -> tuple[float, float, float]:
+    """(/health p50 idle, /health max while a ~2 MB prompt is parsed and tokenized, that request's seconds)."""
+    idle = [get(port, "/health") for _ in range(20)]
+    done, busy, took = threading.Event(), [], []
+
+    def big():
+        took.append(post(port, "/v1/completions", {"prompt": "Once upon a time there was a cat. " * 60_000})[1])
+        done.set()
+
+    threading.Thread(target=big).start()
+    while not done.is_set():
+        busy.append(get(port, "/health"))
+    return statistics.median(idle), max(busy) if busy else float("nan"), took[0]
+
+
+def drain(model: str, seconds: float) -> tuple[float, list[str]]:
+    """Start long streams, SIGTERM, -> (seconds from the signal to the exit, finish reasons the streams got)."""
+    process, port = start_server(model, seconds)
+    reasons: list[str] = []
+
+    def stream():
+        body = {"prompt": "Once upon a time", "max_tokens": 480, "n": 16, "stream": True, "temperature": 1.0}
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        with urllib.request.urlopen(request, timeout=120) as reply:
+            for line in reply:
+                line = line.decode().strip()
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        if choice["finish_reason"]:
+                            reasons.append(choice["finish_reason"])
+
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    start = time.perf_counter()
+    process.send_signal(signal.SIGTERM)
+    process.wait(timeout=seconds + 60)
+    elapsed = time.perf_counter() - start
+    for t in threads:
+        t.join(timeout=10)
+    return elapsed, reasons
+
+
+def server_options(parser) -> None:
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--bursts", default="8,32")
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--drain-timeout", type=float, default=2.0)
+
+
+def server(args):
+    """The OpenAI server under bounded load on 127.0.0.1: latency p50/p99 of bursts, the server's wall time against the
+    offline engine on the same requests (the ratio is the HTTP + JSON + threadpool overhead), /health latency while a
+    large body is tokenized, and the SIGTERM drain (time to exit with requests still running).
+
+        .venv/bin/python scripts/bench_engine.py server [--model default] [--bursts 8,32] [--max-tokens 32] [--drain-timeout 2]
+
+    Starts `hf-attn serve` as a subprocess (so SIGTERM is real); the offline baseline runs the same Engine in this
+    process. Prints one table; figures go to BENCHMARKS.md with this command.
+    """
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sizes = [int(s) for s in args.bursts.split(",")]
+    process, port = start_server(args.model, 10.0)
+    rows = []
+    try:
+        burst(port, 2, args.max_tokens)  # warm-up
+        for size in sizes:
+            latencies, wall, errors = burst(port, size, args.max_tokens)
+            rows.append((size, percentile(latencies, 0.5), percentile(latencies, 0.99), wall, errors))
+        idle, busy, took = health_under_big_body(port)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+    print(f"model {args.model}, {args.max_tokens} tokens per request, greedy, 127.0.0.1, default server settings")
+    print("burst | p50 s | p99 s | wall s | offline engine s | server/offline | non-200")
+    for size, p50, p99, wall, errors in rows:
+        base = offline(args.model, size, args.max_tokens)
+        print(f"{size:5d} | {p50:.3f} | {p99:.3f} | {wall:.3f} | {base:.3f} | {wall / base:.2f}x | {errors}")
+    print(
+        f"/health p50 idle {idle * 1000:.1f} ms; max while a 2 MB prompt was parsed+tokenized ({took:.2f} s) "
+        f"{busy * 1000:.1f} ms"
+    )
+    elapsed, reasons = drain(args.model, args.drain_timeout)
+    counts = {r: reasons.count(r) for r in sorted(set(reasons))}
+    print(
+        f"SIGTERM with --drain-timeout {args.drain_timeout:g}: exited after {elapsed:.2f} s; streamed choices "
+        f"ended with {counts}"
+    )
+
+
+PARTS: dict[str, benchlib.Part] = {
+    "batching": (batching_options, batching),
+    "hybrid": (hybrid_options, hybrid),
+    "server": (server_options, server),
+}
 
 if __name__ == "__main__":
-    main()
+    benchlib.run_parts(__doc__, PARTS)

@@ -32,8 +32,8 @@ from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401  (registers the drafter class, our speculative loop)
 from hf_attn_patch.compat import cache_kwarg, get_cache
-from hf_attn_patch.converters.io.calibration import DEFAULT_CORPUS, read_calibration_text
 from hf_attn_patch.converters.drafting.samples import HELD_IN
+from hf_attn_patch.converters.io.calibration import DEFAULT_CORPUS, read_calibration_text
 from hf_attn_patch.models.pretrained import load_smollm2
 from hf_attn_patch.speculative import SpeculativeStats
 
@@ -53,11 +53,15 @@ PASSAGE = [
 GROUNDED = [
     f"{task}\n\n{text}"
     for task, text in zip(
-        ["Rewrite this paragraph so it is easier to read:", "Fix any grammar mistakes in this text and return it:",
-         "Repeat this text, then add one sentence that summarizes it:", "Rewrite this notice in a friendly tone:"],
+        [
+            "Rewrite this paragraph so it is easier to read:",
+            "Fix any grammar mistakes in this text and return it:",
+            "Repeat this text, then add one sentence that summarizes it:",
+            "Rewrite this notice in a friendly tone:",
+        ],
         PASSAGE,
     )
-]  # fmt: skip
+]
 FREE = [
     "Write a short story about a robot who learns to paint.",
     "Write a story about a girl who finds a secret door in her school.",
@@ -75,8 +79,10 @@ def held_out_openings(count: int) -> list[str]:
 
 def encode(tokenizer, prompts, chat: bool):
     if chat:
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                 add_generation_prompt=True) for p in prompts]  # fmt: skip
+        prompts = [
+            tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            for p in prompts
+        ]
     return tokenizer(prompts, return_tensors="pt", padding=True)
 
 
@@ -114,8 +120,11 @@ def step_costs(model, drafter, batches, clock, context: int = 200, repeats: int 
         target = [timed(lambda n: model(ids[:, :n], **cache_kwarg(cache)), cache, n) for n in (1, 3, 5)]
         hidden = torch.zeros(batch, 1, drafter.config.hidden_size)
         draft = timed(lambda n: drafter(ids[:, :n], hidden, **cache_kwarg(mine), logits_to_keep=1), mine, 1)
-        print(f"| {batch} | {target[0]:.1f} | {target[1]:.1f} ({target[1] / target[0]:.2f}x) | {target[2]:.1f} "
-              f"({target[2] / target[0]:.2f}x) | {draft:.1f} ({draft / target[0]:.1%}) |", flush=True)  # fmt: skip
+        print(
+            f"| {batch} | {target[0]:.1f} | {target[1]:.1f} ({target[1] / target[0]:.2f}x) | {target[2]:.1f} "
+            f"({target[2] / target[0]:.2f}x) | {draft:.1f} ({draft / target[0]:.1%}) |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -133,19 +142,44 @@ def main() -> None:
     tok.padding_side = "left"
     drafter = AutoModelForCausalLM.from_pretrained(args.drafter).eval()
     openings = held_out_openings(8)
-    sets = {"open-ended chat": ([f"Continue this story: {s}" for s in openings], True),
-            "open-ended plain": (openings, False), "free writing": (FREE, True), "input-grounded": (GROUNDED, True)}
-    methods = {"n-gram": dict(prompt_lookup_num_tokens=8), "drafter": dict(assistant_model=drafter),
-               "drafter k=4": dict(assistant_model=drafter, draft_length=4),
-               "n-gram + drafter": dict(assistant_model=drafter, prompt_lookup_num_tokens=8)}  # fmt: skip
+    sets = {
+        "open-ended chat": ([f"Continue this story: {s}" for s in openings], True),
+        "open-ended plain": (openings, False),
+        "free writing": (FREE, True),
+        "input-grounded": (GROUNDED, True),
+    }
+    methods = {
+        "n-gram": dict(prompt_lookup_num_tokens=8),
+        "drafter": dict(assistant_model=drafter),
+        "drafter k=4": dict(assistant_model=drafter, draft_length=4),
+        "n-gram + drafter": dict(assistant_model=drafter, prompt_lookup_num_tokens=8),
+    }
     report = json.loads((Path(args.drafter) / "drafter_report.json").read_text())
-    print("drafter:", json.dumps({k: report.get(k) for k in ("build_s", "sampling_s", "training_s", "peak_rss_mb",
-                                                              "size_mb", "sample_tokens", "draft_vocab", "steps",
-                                                              "held_in_top1_agreement_by_depth")}))  # fmt: skip
+    print(
+        "drafter:",
+        json.dumps(
+            {
+                k: report.get(k)
+                for k in (
+                    "build_s",
+                    "sampling_s",
+                    "training_s",
+                    "peak_rss_mb",
+                    "size_mb",
+                    "sample_tokens",
+                    "draft_vocab",
+                    "steps",
+                    "held_in_top1_agreement_by_depth",
+                )
+            }
+        ),
+    )
     run(model, encode(tok, FREE[:1], True), 8, clock)  # warm-up
     step_costs(model, drafter, [int(b) for b in args.batches.split(",")], clock)
-    print(f"SmolLM2-135M-Instruct fp32, CPU threads={args.threads}, greedy, max_new_tokens={args.new_tokens}, "
-          f"{args.clock} clock")  # fmt: skip
+    print(
+        f"SmolLM2-135M-Instruct fp32, CPU threads={args.threads}, greedy, max_new_tokens={args.new_tokens}, "
+        f"{args.clock} clock"
+    )
     print("| prompts | batch | method | tokens/s | speed-up | identical | accepted/step | tokens/step | draft time |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name in args.sets.split(","):
@@ -158,10 +192,12 @@ def main() -> None:
             for method, kw in methods.items():
                 t, out, stats = run(model, enc, args.new_tokens, clock, **kw)
                 summary = stats.summary()
-                print(f"| {name} | {batch} | {method} | {generated / t:.1f} | {seconds / t:.2f}x | "
-                      f"{torch.equal(out, reference)} | {summary['mean_accepted_per_step']:.2f} | "
-                      f"{summary['tokens_per_step']:.2f} | {summary['drafter_time_share']:.0%} |",
-                      flush=True)  # fmt: skip
+                print(
+                    f"| {name} | {batch} | {method} | {generated / t:.1f} | {seconds / t:.2f}x | "
+                    f"{torch.equal(out, reference)} | {summary['mean_accepted_per_step']:.2f} | "
+                    f"{summary['tokens_per_step']:.2f} | {summary['drafter_time_share']:.0%} |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

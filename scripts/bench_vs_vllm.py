@@ -37,14 +37,14 @@ from hf_attn_patch.engine import Engine, SamplingParams
 from hf_attn_patch.models import fast_linear
 from hf_attn_patch.models.pretrained import smollm2_dir
 
-ROOT = Path(__file__).resolve().parents[1]
-SHARED = ROOT.parent / "shared"
-VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", ROOT / "build" / "vllm-venv" / "bin" / "python"))
+import benchlib
+
+VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", benchlib.ROOT / "build" / "vllm-venv" / "bin" / "python"))
 KV_SPACE_GIB = 1  # vLLM's KV pool (VLLM_CPU_KVCACHE_SPACE); ours gets the same bytes
 
 
 def corpus_ids(tokenizer) -> list[int]:
-    return tokenizer((SHARED / "corpora" / "tinystories_sample.txt").read_text(encoding="utf-8")[:200_000]).input_ids
+    return tokenizer(benchlib.corpus("tinystories_sample")[:200_000]).input_ids
 
 
 def prompts(ids: list[int], n: int, length: int, seed: int = 0) -> list[list[int]]:
@@ -65,21 +65,44 @@ def run_ours(engine: Engine, batch: list[list[int]], tokens: int) -> dict:
             first.setdefault(out.request_id, t)
             last[out.request_id] = t
     wall = time.perf_counter() - start
-    return {"wall_s": wall, "tokens": tokens * len(batch), "ttft_s": list(first.values()),
-            "itl_s": [(last[r] - first[r]) / max(1, tokens - 1) for r in first]}  # fmt: skip
+    return {
+        "wall_s": wall,
+        "tokens": tokens * len(batch),
+        "ttft_s": list(first.values()),
+        "itl_s": [(last[r] - first[r]) / max(1, tokens - 1) for r in first],
+    }
 
 
 class VLLMChild:
     """scripts/vllm_run.py --bench in vLLM's venv: one load, then one batch per line."""
 
     def __init__(self, model_dir: Path, threads: int, max_seqs: int, max_len: int, dtype: str = "float32"):
-        engine = {"dtype": dtype, "skip_tokenizer_init": True, "max_model_len": max_len, "seed": 0,
-                  "max_num_seqs": max_seqs}  # fmt: skip
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB), "OMP_NUM_THREADS": str(threads),
-               "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}"}  # fmt: skip
-        self.proc = subprocess.Popen([str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_run.py"), "--bench",
-                                      str(model_dir), json.dumps(engine)], env=env, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True)  # fmt: skip
+        engine = {
+            "dtype": dtype,
+            "skip_tokenizer_init": True,
+            "max_model_len": max_len,
+            "seed": 0,
+            "max_num_seqs": max_seqs,
+        }
+        env = {
+            **os.environ,
+            "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB),
+            "OMP_NUM_THREADS": str(threads),
+            "VLLM_CPU_OMP_THREADS_BIND": f"0-{threads - 1}",
+        }
+        self.proc = subprocess.Popen(
+            [
+                str(VLLM_PYTHON),
+                str(benchlib.ROOT / "scripts" / "vllm_run.py"),
+                "--bench",
+                str(model_dir),
+                json.dumps(engine),
+            ],
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.pool = json.loads(self._read("READY "))
 
     def _read(self, prefix: str) -> str:
@@ -100,8 +123,11 @@ class VLLMChild:
 
 def best(runs: list[dict]) -> dict:
     r = min(runs, key=lambda r: r["wall_s"])
-    return {"tok/s": r["tokens"] / r["wall_s"], "ttft_ms": 1000 * statistics.median(r["ttft_s"]),
-            "itl_ms": 1000 * statistics.median(r["itl_s"])}  # fmt: skip
+    return {
+        "tok/s": r["tokens"] / r["wall_s"],
+        "ttft_ms": 1000 * statistics.median(r["ttft_s"]),
+        "itl_ms": 1000 * statistics.median(r["itl_s"]),
+    }
 
 
 def bench(label: str, model_dir: Path, args, dtype: str, threads: int) -> list[dict]:
@@ -113,8 +139,14 @@ def bench(label: str, model_dir: Path, args, dtype: str, threads: int) -> list[d
     label = f"{label} {dtype} {threads}t"
     print(f"{label}: starting vLLM (one load, about a minute)", flush=True)
     vllm = VLLMChild(model_dir, threads, max(args.batches), max_len, dtype)
-    engine = Engine(model, tokenizer, max_memory=KV_SPACE_GIB << 30, max_num_seqs=max(args.batches),
-                    max_batch_tokens=vllm.pool["max_num_batched_tokens"], max_model_len=max_len)  # vLLM's step budget
+    engine = Engine(
+        model,
+        tokenizer,
+        max_memory=KV_SPACE_GIB << 30,
+        max_num_seqs=max(args.batches),
+        max_batch_tokens=vllm.pool["max_num_batched_tokens"],
+        max_model_len=max_len,
+    )  # vLLM's step budget
     ours_kv = engine.block_bytes / engine.kv.block_size
     vllm_kv = (KV_SPACE_GIB << 30) / (vllm.pool["num_blocks"] * vllm.pool["block_size"])
     try:
@@ -133,9 +165,12 @@ def bench(label: str, model_dir: Path, args, dtype: str, threads: int) -> list[d
                     runs.append(run_ours(engine, batch, args.tokens) if runs is ours else vllm.run(batch, args.tokens))
             o, v = best(ours), best(theirs)
             rows.append({"model": label, "batch": b, "ours": o, "vllm": v, "kv_bytes_per_token": (ours_kv, vllm_kv)})
-            print(f"{label} batch {b:>2}: ours {o['tok/s']:7.1f} tok/s  vLLM {v['tok/s']:7.1f} tok/s  "
-                  f"ratio {o['tok/s'] / v['tok/s']:.2f}x | TTFT ms {o['ttft_ms']:.0f} vs {v['ttft_ms']:.0f} | "
-                  f"ITL ms {o['itl_ms']:.1f} vs {v['itl_ms']:.1f}", flush=True)  # fmt: skip
+            print(
+                f"{label} batch {b:>2}: ours {o['tok/s']:7.1f} tok/s  vLLM {v['tok/s']:7.1f} tok/s  "
+                f"ratio {o['tok/s'] / v['tok/s']:.2f}x | TTFT ms {o['ttft_ms']:.0f} vs {v['ttft_ms']:.0f} | "
+                f"ITL ms {o['itl_ms']:.1f} vs {v['itl_ms']:.1f}",
+                flush=True,
+            )
     finally:
         vllm.close()
     print(f"{label}: KV bytes per token ours {ours_kv:.0f}, vLLM {vllm_kv:.0f}")
@@ -155,21 +190,24 @@ def main() -> None:
     args = parser.parse_args()
     if not VLLM_PYTHON.is_file():
         raise SystemExit(f"{VLLM_PYTHON} is missing: bash scripts/vllm_env.sh builds vLLM's venv")
-    models = {"stories15m": SHARED / "models" / "stories15m", "smollm2": None}
+    models = {"stories15m": benchlib.model_dir("stories15m"), "smollm2": None}
     names = ["stories15m", "smollm2"] if args.model == "both" else [args.model]
     rows = []
     for name in names:
         for dtype in args.dtypes:
             for threads in args.threads:
                 rows += bench(name, models[name] or smollm2_dir(), args, dtype, threads)
-    print("\n| model | batch | ours tok/s | vLLM tok/s | ratio | TTFT ms ours / vLLM | ITL ms ours / vLLM "
-          "| KV B/token |")
+    print(
+        "\n| model | batch | ours tok/s | vLLM tok/s | ratio | TTFT ms ours / vLLM | ITL ms ours / vLLM | KV B/token |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         o, v, (ok, vk) = r["ours"], r["vllm"], r["kv_bytes_per_token"]
-        print(f"| {r['model']} | {r['batch']} | {o['tok/s']:.1f} | {v['tok/s']:.1f} | {o['tok/s'] / v['tok/s']:.2f}x "
-              f"| {o['ttft_ms']:.0f} / {v['ttft_ms']:.0f} | {o['itl_ms']:.1f} / {v['itl_ms']:.1f} "
-              f"| {ok:.0f} / {vk:.0f} |")  # fmt: skip
+        print(
+            f"| {r['model']} | {r['batch']} | {o['tok/s']:.1f} | {v['tok/s']:.1f} | {o['tok/s'] / v['tok/s']:.2f}x "
+            f"| {o['ttft_ms']:.0f} / {v['ttft_ms']:.0f} | {o['itl_ms']:.1f} / {v['itl_ms']:.1f} "
+            f"| {ok:.0f} / {vk:.0f} |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

@@ -1,6 +1,6 @@
 """Bit-identical conversions: closed-form conversions of real models, hashed tensor by tensor, against a stored record.
 
-    python scripts/check_conversion_identity.py                 # compare with scripts/conversion_identity.json
+    python scripts/check_conversion_identity.py                 # compare with scripts/results/conversion/identity.json
     python scripts/check_conversion_identity.py --record        # write that file (from code known to be right)
     python scripts/check_conversion_identity.py --only stories15m   # the cheap half (about a minute on 2 cores)
 
@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-RECORD = Path(__file__).with_name("conversion_identity.json")
+RECORD = Path(__file__).parent / "results" / "conversion" / "identity.json"
 COMMON = dict(calib_source="text", calib_samples=4, calib_len=64, reconstruct_steps=0, seed=0, device="cpu")
 # name -> (model, options); small budgets so each case keeps several layers' allocation decisions in play
 CASES = {
@@ -56,8 +56,11 @@ def fingerprint(folder: Path) -> dict:
             for name in f.keys():
                 t = f.get_tensor(name).contiguous()
                 raw = t.view(torch.uint8) if t.numel() else t
-                tensors[name] = [hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:32], list(t.shape),
-                                 str(t.dtype).removeprefix("torch.")]
+                tensors[name] = [
+                    hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:32],
+                    list(t.shape),
+                    str(t.dtype).removeprefix("torch."),
+                ]
     config = json.loads((folder / "config.json").read_text())
     fields = {k: config[k] for k in sorted(config) if k not in VOLATILE_CONFIG}
     return {"tensors": dict(sorted(tensors.items())), "config": fields}
@@ -117,8 +120,7 @@ def main(argv=None) -> int:
         for line in problems[:20]:
             print("   ", line)
     if args.record:
-        record = {"torch": torch.__version__, "common": COMMON,
-                  "cases": {**record.get("cases", {}), **results}}  # fmt: skip
+        record = {"torch": torch.__version__, "common": COMMON, "cases": {**record.get("cases", {}), **results}}
         RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         print(f"wrote {RECORD}")
         return 0

@@ -97,7 +97,7 @@ fi >>"$RESULTS" 2>&1
 echo '```' >>"$RESULTS"
 echo >>"$RESULTS"
 
-timeout 120 "$PYTHON" scripts/bench_kernels.py --out "$TREE/bench.md" >"$TREE/bench.log" 2>&1
+timeout 120 "$PYTHON" scripts/bench_kernels.py gpu gpu --out "$TREE/bench.md" >"$TREE/bench.log" 2>&1
 STATUS=$?
 if [ -s "$TREE/bench.md" ]; then
     cat "$TREE/bench.md" >>"$RESULTS"

@@ -16,19 +16,40 @@ import transformers
 
 import hf_attn_patch
 import hf_attn_patch.kernels.ops as kernels
-from hf_attn_patch.compat import get_cache
 from hf_attn_patch import Engine, SamplingParams
+from hf_attn_patch.compat import get_cache
 from hf_attn_patch.models import load_default
 
 CONFIGS = {
-    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=8,
-                  num_key_value_heads=2, head_dim=8),
-    "mistral-window": dict(model_type="mistral", hidden_size=64, intermediate_size=128, num_attention_heads=8,
-                           num_key_value_heads=2, head_dim=8, sliding_window=7),
-    "llama-mla": dict(model_type="llama", hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                      attention_variant="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
-                      v_head_dim=8),
-}  # fmt: skip
+    "llama": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+    ),
+    "mistral-window": dict(
+        model_type="mistral",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=8,
+        sliding_window=7,
+    ),
+    "llama-mla": dict(
+        model_type="llama",
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        attention_variant="mla",
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+    ),
+}
 
 
 def main() -> int:
@@ -46,8 +67,9 @@ def main() -> int:
     tokenizer = load_default()[1]  # the embedded stories260k tokenizer (token ids below 97 are valid in it)
     for label, fields in CONFIGS.items():
         fields = dict(fields)
-        config = transformers.AutoConfig.for_model(fields.pop("model_type"), vocab_size=97, num_hidden_layers=2,
-                                                   **fields)  # fmt: skip
+        config = transformers.AutoConfig.for_model(
+            fields.pop("model_type"), vocab_size=97, num_hidden_layers=2, **fields
+        )
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config).to(device).eval()
         prompts = [[5, 9, 13, 22, 40, 7, 8, 9, 10, 11, 3, 4], [3, 4, 5], [50, 60, 70, 80, 90, 11, 12]]
@@ -56,13 +78,16 @@ def main() -> int:
         outputs = engine.generate(prompts, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))
         same = 0
         for prompt, out in zip(prompts, outputs):
-            ref = model.generate(torch.tensor([prompt], device=device), max_new_tokens=12, do_sample=False,
-                                 pad_token_id=0)[0, len(prompt) :].tolist()  # fmt: skip
+            ref = model.generate(
+                torch.tensor([prompt], device=device), max_new_tokens=12, do_sample=False, pad_token_id=0
+            )[0, len(prompt) :].tolist()
             same += out.token_ids == ref
         ok = same == len(prompts) and (device == "cpu" or sum(calls.values()) > 0)
         failures += not ok
-        print(f"{label:16s} {device}: {same}/{len(prompts)} token-identical to generate(); kernel calls {dict(calls)}"
-              f" -> {'ok' if ok else 'FAIL'}")
+        print(
+            f"{label:16s} {device}: {same}/{len(prompts)} token-identical to generate(); kernel calls {dict(calls)}"
+            f" -> {'ok' if ok else 'FAIL'}"
+        )
         failures += not paged_generate_matches(label, model, device, calls)
     failures += not serve_check(device)
     return 1 if failures else 0
@@ -77,8 +102,10 @@ def serve_check(device: str) -> bool:
     engine = Engine(model, tokenizer, device=device, dtype="auto", **memory)
     pool = engine.kv_stats()
     weight = next(engine.model.parameters())
-    print(f"serve {device}: weights on {weight.device} in {weight.dtype}; KV pool {pool['blocks_total']} blocks, "
-          f"{pool['bytes_total'] / 2**30:.2f} GiB; sizing {pool['sizing']}")  # fmt: skip
+    print(
+        f"serve {device}: weights on {weight.device} in {weight.dtype}; KV pool {pool['blocks_total']} blocks, "
+        f"{pool['bytes_total'] / 2**30:.2f} GiB; sizing {pool['sizing']}"
+    )
     try:
         import urllib.request
 
@@ -101,8 +128,9 @@ def serve_check(device: str) -> bool:
         while not server.started:
             time.sleep(0.05)
         body = json.dumps({"prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}).encode()
-        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+        )
         with urllib.request.urlopen(request, timeout=60) as reply:
             text = json.loads(reply.read())["choices"][0]["text"]
         server.should_exit = True
@@ -114,8 +142,9 @@ def serve_check(device: str) -> bool:
 
 
 def paged_generate_matches(label: str, model, device: str, calls) -> bool:
-    ids = torch.tensor([[0, 0, 0, 5, 9, 13, 22, 40, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 0, 0, 50, 60, 70, 80]],
-                       device=device)  # fmt: skip
+    ids = torch.tensor(
+        [[0, 0, 0, 5, 9, 13, 22, 40, 7], [3, 4, 5, 6, 7, 8, 9, 10, 11], [0, 0, 0, 0, 0, 50, 60, 70, 80]], device=device
+    )
     kw = dict(attention_mask=(ids != 0).long(), max_new_tokens=12, do_sample=False, pad_token_id=0)
     reference = model.generate(ids, **kw)
     ok = True
@@ -123,15 +152,18 @@ def paged_generate_matches(label: str, model, device: str, calls) -> bool:
         calls.clear()
         model.set_attn_implementation(attention)
         try:
-            out = model.generate(ids, cache_implementation="paged_kv", return_dict_in_generate=True,
-                                 cache_config={"block_size": 4}, **kw)  # fmt: skip
+            out = model.generate(
+                ids, cache_implementation="paged_kv", return_dict_in_generate=True, cache_config={"block_size": 4}, **kw
+            )
         finally:
             model.set_attn_implementation("sdpa")
         views = any(layout is not None for layout in get_cache(out).slots.strided.values())
         same = torch.equal(out.sequences, reference)
         ok &= same and (device == "cpu" or attention == "sdpa" or sum(calls.values()) > 0)  # CUDA: kernels ran
-        print(f"{label:16s} {device}: paged generate(), {attention} attention: token-identical {same}, rows read as "
-              f"views {views}, kernel calls {dict(calls)}")
+        print(
+            f"{label:16s} {device}: paged generate(), {attention} attention: token-identical {same}, rows read as "
+            f"views {views}, kernel calls {dict(calls)}"
+        )
     return ok
 
 

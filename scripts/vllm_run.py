@@ -32,8 +32,14 @@ def score(llm, requests: list[dict]) -> list[dict]:
 
     out = []
     for req in requests:
-        params = SamplingParams(max_tokens=req["max_tokens"], min_tokens=req["max_tokens"], temperature=0.0,
-                                prompt_logprobs=0, detokenize=False, ignore_eos=True)  # fmt: skip
+        params = SamplingParams(
+            max_tokens=req["max_tokens"],
+            min_tokens=req["max_tokens"],
+            temperature=0.0,
+            prompt_logprobs=0,
+            detokenize=False,
+            ignore_eos=True,
+        )
         got = llm.generate([TokensPrompt(prompt_token_ids=req["ids"])], params, use_tqdm=False)[0]
         ids = req["ids"]  # prompt_logprobs[i]: {token id: Logprob} for position i (None at 0)
         logprobs = [got.prompt_logprobs[i][ids[i]].logprob for i in range(1, len(ids))]
@@ -46,8 +52,9 @@ def batch(llm, prompts: list[list[int]], max_tokens: int) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    params = SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True,
-                            detokenize=False)  # fmt: skip
+    params = SamplingParams(
+        max_tokens=max_tokens, min_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+    )
     start = time.perf_counter()
     outs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompts], params, use_tqdm=False)
     wall = time.perf_counter() - start
@@ -64,8 +71,11 @@ def serve_bench(model: str, engine: dict) -> None:
 
     llm = LLM(model=model, disable_log_stats=False, **engine)  # log stats: the per-request metrics
     config = llm.llm_engine.vllm_config
-    ready = {"num_blocks": config.cache_config.num_gpu_blocks, "block_size": config.cache_config.block_size,
-             "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens}  # fmt: skip
+    ready = {
+        "num_blocks": config.cache_config.num_gpu_blocks,
+        "block_size": config.cache_config.block_size,
+        "max_num_batched_tokens": config.scheduler_config.max_num_batched_tokens,
+    }
     print("READY " + json.dumps(ready), flush=True)
     for line in sys.stdin:
         spec = json.loads(line)

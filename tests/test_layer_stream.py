@@ -17,12 +17,14 @@ STORIES15M = Path(__file__).resolve().parents[2] / "shared" / "models" / "storie
 
 
 def _load_bench():
-    """scripts/bench_stream_memory.py: the synthetic deep source and the streamed forward it measures."""
+    """scripts/bench_memory.py (its stream part): the synthetic deep source and the streamed forward it measures."""
     import importlib.util
     import sys
 
-    spec = importlib.util.spec_from_file_location("bench_stream_memory", Path(__file__).resolve().parents[1] /
-                                                  "scripts" / "bench_stream_memory.py")  # fmt: skip
+    scripts = Path(__file__).resolve().parents[1] / "scripts"
+    if str(scripts) not in sys.path:  # the script imports its sibling benchlib, as `python scripts/...` finds it
+        sys.path.insert(0, str(scripts))
+    spec = importlib.util.spec_from_file_location("bench_memory", scripts / "bench_memory.py")
     bench = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # its dataclass looks its module up
     spec.loader.exec_module(bench)
     return bench

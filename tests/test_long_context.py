@@ -1,6 +1,6 @@
 """Long-context measures and healing on long windows: the repeated-passage probe (evaluation/passage.py), the held-in
 long-context criterion (evaluation/held_in.py) and heal_len. Few items on stories260k: checks of the machinery; the
-SmolLM2 figures are in BENCHMARKS.md (scripts/bench_long_context.py)."""
+SmolLM2 figures are in BENCHMARKS.md (scripts/bench_long_context.py probe)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """convert()'s peak memory does not grow with depth: synthetic deep sources of random weights (built layer by layer
 in a temporary folder), converted to MLA 50% in fresh subprocesses (ru_maxrss is per process) by
-scripts/bench_convert_memory.py, which reads the RSS floor after a warm-up conversion and the report's peak_rss_mb."""
+`scripts/bench_memory.py convert`, which reads the RSS floor after a warm-up conversion and the report's peak_rss_mb."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-from bench_convert_memory import measure  # noqa: E402
+from bench_memory import convert_measure as measure  # noqa: E402
 
 
 def test_peak_memory_is_flat_in_depth_and_within_the_bound():

@@ -219,7 +219,7 @@ def _gemm_attention(c: torch.Tensor, rows: int, dropout) -> bool:
     than one thread, for at most GEMM_ATTENTION_ROWS query rows. CPU SDPA splits its work by query block, so a
     decode's few rows run on one thread, while the GEMMs split the cached tokens across threads. With one thread
     SDPA's single pass over the cache wins (the GEMMs read it twice: 8% slower at 4K tokens, 10% at 16K, in
-    scripts/bench_mla_decode.py). Long absorbed prefills keep SDPA's blockwise softmax."""
+    scripts/bench_kernels.py mla-decode). Long absorbed prefills keep SDPA's blockwise softmax."""
     return (c.is_cpu and c.dtype in (torch.float32, torch.float64) and not dropout and rows <= GEMM_ATTENTION_ROWS
             and torch.get_num_threads() > 1)  # fmt: skip
 
