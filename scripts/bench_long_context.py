@@ -11,6 +11,8 @@ Parts (rows under scripts/results/long_context/ unless the part's --out / --rows
     heads             each source head's copy score on a repeated segment, beside a conversion's per-layer ranks
     retrieval-levers  an MLA conversion's stages added one at a time and candidate fixes, on held-in KL and probes
     latent-kv         latent K/V closed-form settings built in memory and scored on the held-in criteria
+    text              the whole `--context long` conversion once per calibration and healing text, each probed on
+                      held-out text of two domains beside the source (which text should a conversion read?)
 
 Every part loads the source by name (--source, default smollm2). Held-in text (what settings are chosen on) is the
 package's TinyStories sample after the CALIBRATED_TOKENS every conversion calibrates on and before the PROBE_CHARS
@@ -1208,6 +1210,136 @@ def latent_kv(args) -> None:
         del model
 
 
+# ---- text: which text a long-context conversion should calibrate and heal on ----
+
+HEAL_TEXTS = ("general", "teacher", "mix", "stories")
+TEACHER_SAMPLES, TEACHER_LEN = 64, 1024  # the teacher text: samples x tokens
+TEXT_REPEAT, TEXT_FACTS, TEXT_SYNTHETIC = (200, 1000, 3000), (1000, 3000), (1024, 2048, 4096)
+
+
+def probe_domains() -> dict[str, str]:
+    """The two held-out domains of the text part: encyclopedic (the first 200,000 characters of WikiText-2 test:
+    other articles than the shipped corpus) and python-docs (CPython's own reference documentation, pydoc_data)."""
+    import pydoc_data.topics
+
+    topics = pydoc_data.topics.topics
+    return {"encyclopedic": benchlib.wikitext(), "python-docs": "\n\n".join(topics[k] for k in sorted(topics))}
+
+
+def text_calibration(name: str, out: Path, source, tokenizer) -> str:
+    """The --calib-data value of a healing text; the teacher's samples are drawn once and kept as a text file."""
+    if name in ("general", "stories"):
+        return name
+    path = out / "teacher_samples.txt"
+    if not path.exists():
+        started = time.perf_counter()
+        prompts = calibration_windows(read_calibration_text("general"), tokenizer, TEACHER_SAMPLES, TEACHER_LEN)
+        samples = teacher_windows(source, prompts, seed=0)
+        path.write_text("\n\n".join(tokenizer.decode(s, skip_special_tokens=True) for s in samples))
+        print(f"teacher samples: {time.perf_counter() - started:.0f} s", flush=True)
+    if name == "teacher":
+        return str(path)
+    mixed = out / "mix.txt"
+    mixed.write_text(read_calibration_text("general") + "\n\n" + path.read_text())
+    return str(mixed)
+
+
+def text_measure(model, tokenizer, vocab, domains: dict[str, str], reference=None) -> dict:
+    """Every probe of the text part on one model: repeated passages and fact recall on both domains, passkey and
+    random-token copy, perplexity (and KL to the reference) on 6 x 512 encyclopedic tokens."""
+    from hf_attn_patch.evaluation.passage import evaluate_passages
+    from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
+    from hf_attn_patch.evaluation.retrieval import make_batch, score
+
+    started = time.perf_counter()
+    found = evaluate_passages(model, tokenizer, domains, TEXT_REPEAT, items=8, facts=TEXT_FACTS)
+    accuracy = found.to_dict()["accuracy"]
+    for index, task in enumerate(("passkey", "copy")):  # evaluate_retrieval's seeds (task index 0, 1)
+        accuracy[task] = {}
+        for d in TEXT_SYNTHETIC:
+            batch = make_batch(task, tokenizer, vocab, d, 4, torch.Generator().manual_seed(index * 100_003 + d))
+            accuracy[task][str(d)] = score(model, batch)
+    ppl = evaluate(model, windows_of(domains["encyclopedic"], tokenizer, 512, 6 * 512), reference, progress=False)
+    return {"accuracy": accuracy, "perplexity": ppl.perplexity, "kl": ppl.kl_to_reference,
+            "probe_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+
+
+def text_table(reference: dict, rows: dict[str, dict]) -> str:
+    """Markdown: each row's share of the source's accuracy per probe and distance, and its perplexity ratio."""
+    columns = [(task, d) for task, acc in reference["accuracy"].items() for d in acc]
+    lines = ["| conversion | " + " | ".join(f"{t} {d}" for t, d in columns) + " | ppl x |",
+             "|---|" + "---:|" * (len(columns) + 1)]  # fmt: skip
+    for name, row in rows.items():
+        cells = []
+        for task, d in columns:
+            src, ours = reference["accuracy"][task][d], row["accuracy"][task][d]
+            cells.append(f"{ours / src:.0%}" if src else f"({ours:.2f})")
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {row['perplexity'] / reference['perplexity']:.2f} |")
+    return "\n".join(lines)
+
+
+def text_options(parser) -> None:
+    parser.add_argument("--out", required=True, help="folder for the conversions and their rows (kept: large)")
+    parser.add_argument("--texts", default="general,teacher,mix", help=f"comma-separated, of {HEAL_TEXTS}")
+    parser.add_argument("--to", default="latent_kv", choices=("latent_kv", "mla"))
+    parser.add_argument("--kv-budget", type=float, default=0.5)
+    parser.add_argument("--format", default=None, help="e.g. deepseek_v3 (with --to mla)")
+    parser.add_argument("--heal-len", type=int, default=None, help="healing windows (default: the preset's)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--table", action="store_true", help="only print the table of the rows in --out")
+
+
+def text(args) -> None:
+    """The whole `--context long` conversion of SmolLM2-135M once per text, each probed beside the source.
+
+    Texts (calibration and healing; never the probes' text): general, the shipped encyclopedic corpus (`--calib-data
+    general`: WikiText-2 articles after the first 200,000 characters of the test split, which the probes read);
+    teacher, the source's own samples (TEACHER_SAMPLES x TEACHER_LEN tokens, temperature 1, top-p 0.95, seed 0,
+    prompted by the first 4 tokens of windows of the general corpus as `--calib-source teacher` prompts), written as
+    a text file for `--calib-data`; mix, the two one after the other in one file; stories, the TinyStories sample.
+    Probes, the same items for the source and every conversion: a passage repeated D = 200 / 1,000 / 3,000 tokens
+    later and a fact recalled D = 1,000 / 3,000 tokens later, 8 items a cell, on two held-out domains (probe_domains);
+    passkey and random-token copy at 1,024 / 2,048 / 4,096 (4 items); perplexity on 6 x 512 encyclopedic tokens.
+    Rows: OUT/source.json and OUT/<to><budget>_<text>.json; the table of shares of the source at the end."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_attn_patch.converters.convert import convert
+    from hf_attn_patch.evaluation.retrieval import known_vocabulary
+
+    out = Path(args.out)
+    if args.table:
+        rows = {p.stem: json.loads(p.read_text()) for p in sorted(out.glob("*.json")) if p.stem != "source"}
+        print(text_table(json.loads((out / "source.json").read_text()), rows))
+        return
+    texts = [t.strip() for t in args.texts.split(",")]
+    if any(t not in HEAL_TEXTS for t in texts):
+        args.parser.error(f"--texts {args.texts!r}: each must be one of {HEAL_TEXTS}")
+    torch.set_num_threads(args.threads)
+    out.mkdir(parents=True, exist_ok=True)
+    source, tokenizer = load_source("smollm2")
+    domains = probe_domains()
+    vocab = known_vocabulary(source, tokenizer)
+    if not (out / "source.json").exists():
+        benchlib.write_rows(out / "source.json", text_measure(source, tokenizer, vocab, domains))
+    reference = json.loads((out / "source.json").read_text())
+    for name in texts:
+        tag = f"{args.to}{round(args.kv_budget * 100)}{'_' + args.format if args.format else ''}_{name}"
+        calib = text_calibration(name, out, source, tokenizer)
+        options = {"format": args.format} if args.format else {}
+        if args.heal_len:
+            options["heal_len"] = args.heal_len
+        started = time.perf_counter()
+        report = convert("smollm2", out / tag, to=args.to, kv_budget=args.kv_budget, context="long",
+                         calib_data=calib, overwrite=True, **options)  # fmt: skip
+        seconds = time.perf_counter() - started
+        model = AutoModelForCausalLM.from_pretrained(out / tag).eval()
+        row = {"text": name, "to": args.to, "kv_budget": args.kv_budget, "format": args.format,
+               "commit": benchlib.commit(), "convert_s": round(seconds, 1), "heal_s": report["heal"]["seconds"],
+               "held_in_kl": report["heal"]["held_in_kl"], **text_measure(model, tokenizer, vocab, domains, source)}  # fmt: skip
+        benchlib.write_rows(out / f"{tag}.json", row)
+        print(text_table(reference, {tag: row}), flush=True)
+
+
 PARTS: dict[str, benchlib.Part] = {
     "probe": (probe_options, probe),
     "heal": (heal_options, heal),
@@ -1216,6 +1348,7 @@ PARTS: dict[str, benchlib.Part] = {
     "heads": (heads_options, heads),
     "retrieval-levers": (retrieval_levers_options, retrieval_levers),
     "latent-kv": (latent_kv_options, latent_kv),
+    "text": (text_options, text),
 }
 
 if __name__ == "__main__":
