@@ -13,6 +13,7 @@ Parts (rows under scripts/results/long_context/ unless the part's --out / --rows
     latent-kv         latent K/V closed-form settings built in memory and scored on the held-in criteria
     text              the whole `--context long` conversion once per calibration and healing text, each probed on
                       held-out text of two domains beside the source (which text should a conversion read?)
+    step-cost         seconds per retrieval healing step with the LM head at every position or only where weighed
 
 Every part loads the source by name (--source, default smollm2). Held-in text (what settings are chosen on) is the
 package's TinyStories sample after the CALIBRATED_TOKENS every conversion calibrates on and before the PROBE_CHARS
@@ -1340,6 +1341,66 @@ def text(args) -> None:
         print(text_table(reference, {tag: row}), flush=True)
 
 
+# ---- step-cost: what one retrieval healing step costs with the LM head at every position or only where weighed ----
+
+
+def step_cost_options(parser) -> None:
+    parser.add_argument("--source", default="smollm2")
+    parser.add_argument("--student", required=True, help="a converted model folder (native format)")
+    parser.add_argument("--length", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of (full, weighted) steps, interleaved")
+    parser.add_argument("--steps", type=int, default=3, help="steps per mode and round")
+    parser.add_argument("--threads", type=int, default=2)
+
+
+def step_cost(args) -> None:
+    """Seconds per retrieval healing step (converters/fitting/heal.py `_step`, lr 2e-5, batch 1) with the teacher's
+    and the student's LM head and log-softmax at every position ("full", as before) or only at the weighted ones
+    ("weighted", `weighted_positions`), in interleaved rounds in one process, the same windows for both; the loss of
+    both modes on the first window, which must agree (the same math at the positions that count)."""
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM
+
+    from hf_attn_patch.converters.fitting import heal as heal_module
+    from hf_attn_patch.converters.fitting.heal_masters import MasterWeights
+    from hf_attn_patch.converters.io.heal_data import retrieval_windows
+
+    torch.set_num_threads(args.threads)
+    source, tokenizer = load_source(args.source)
+    student = AutoModelForCausalLM.from_pretrained(args.student).eval()
+    stream = tokenizer(read_calibration_text("general"), return_tensors="pt", add_special_tokens=False).input_ids[0]
+    data = retrieval_windows(stream, tokenizer, args.steps, args.length, seed=0, mix={"repeat": 1.0})
+    params = heal_module._trainable(student, "attention")
+    for p in student.parameters():
+        p.requires_grad_(p in set(params))
+    masters = MasterWeights(params)
+    optimizer = torch.optim.AdamW(masters.tensors, lr=2e-5)
+    accelerator = Accelerator(cpu=True)
+    weighted_positions = heal_module.weighted_positions
+    modes = {"full": lambda weights: None, "weighted": weighted_positions}
+    seconds = {mode: [] for mode in modes}
+    losses = {}
+    student.train()
+    for _ in range(args.rounds):
+        for mode, positions in modes.items():
+            heal_module.weighted_positions = positions
+            try:
+                for i in range(args.steps):
+                    state = masters.copy()
+                    started = time.perf_counter()
+                    loss = heal_module._step(student, source, optimizer, masters, data.ids[i : i + 1],
+                                             data.weights[i : i + 1], 0.0, accelerator)  # fmt: skip
+                    seconds[mode].append(time.perf_counter() - started)
+                    masters.restore(state)  # every step starts from the same weights
+                    losses.setdefault(mode, loss.item())
+            finally:
+                heal_module.weighted_positions = weighted_positions
+    mean = {mode: sum(v) / len(v) for mode, v in seconds.items()}
+    print(json.dumps({"length": args.length, "threads": args.threads, "steps": len(seconds["full"]),
+                      "s_per_step": {m: round(v, 2) for m, v in mean.items()},
+                      "speedup": round(mean["full"] / mean["weighted"], 3), "first_loss": losses}))  # fmt: skip
+
+
 PARTS: dict[str, benchlib.Part] = {
     "probe": (probe_options, probe),
     "heal": (heal_options, heal),
@@ -1349,6 +1410,7 @@ PARTS: dict[str, benchlib.Part] = {
     "retrieval-levers": (retrieval_levers_options, retrieval_levers),
     "latent-kv": (latent_kv_options, latent_kv),
     "text": (text_options, text),
+    "step-cost": (step_cost_options, step_cost),
 }
 
 if __name__ == "__main__":
