@@ -1215,7 +1215,10 @@ def latent_kv(args) -> None:
 
 HEAL_TEXTS = ("general", "teacher", "mix", "stories")
 TEACHER_SAMPLES, TEACHER_LEN = 64, 1024  # the teacher text: samples x tokens
-TEXT_REPEAT, TEXT_FACTS, TEXT_SYNTHETIC = (200, 1000, 3000), (1000, 3000), (1024, 2048, 4096)
+TEXT_REPEAT, TEXT_FACTS = (200, 1000, 3000), (1000, 3000)
+FACT_ITEMS = 24  # a fact item is right or wrong as a whole: more of them than the passages' 8 (127 tokens each)
+# passkey items hold ~distance tokens, copy items 2 x distance: both reach a 4,096-token context
+TEXT_SYNTHETIC = {"passkey": (1024, 2048, 4096), "copy": (1024, 2048)}
 
 
 def probe_domains() -> dict[str, str]:
@@ -1253,11 +1256,12 @@ def text_measure(model, tokenizer, vocab, domains: dict[str, str], reference=Non
     from hf_attn_patch.evaluation.retrieval import make_batch, score
 
     started = time.perf_counter()
-    found = evaluate_passages(model, tokenizer, domains, TEXT_REPEAT, items=8, facts=TEXT_FACTS)
-    accuracy = found.to_dict()["accuracy"]
+    accuracy = evaluate_passages(model, tokenizer, domains, TEXT_REPEAT, items=8).to_dict()["accuracy"]
+    facts = evaluate_passages(model, tokenizer, domains, (), items=FACT_ITEMS, facts=TEXT_FACTS)
+    accuracy.update(facts.to_dict()["accuracy"])
     for index, task in enumerate(("passkey", "copy")):  # evaluate_retrieval's seeds (task index 0, 1)
         accuracy[task] = {}
-        for d in TEXT_SYNTHETIC:
+        for d in TEXT_SYNTHETIC[task]:
             batch = make_batch(task, tokenizer, vocab, d, 4, torch.Generator().manual_seed(index * 100_003 + d))
             accuracy[task][str(d)] = score(model, batch)
     ppl = evaluate(model, windows_of(domains["encyclopedic"], tokenizer, 512, 6 * 512), reference, progress=False)
@@ -1273,8 +1277,8 @@ def text_table(reference: dict, rows: dict[str, dict]) -> str:
     for name, row in rows.items():
         cells = []
         for task, d in columns:
-            src, ours = reference["accuracy"][task][d], row["accuracy"][task][d]
-            cells.append(f"{ours / src:.0%}" if src else f"({ours:.2f})")
+            src, ours = reference["accuracy"][task][d], row["accuracy"][task].get(d)
+            cells.append("-" if ours is None else f"{ours / src:.0%}" if src else f"({ours:.2f})")
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {row['perplexity'] / reference['perplexity']:.2f} |")
     return "\n".join(lines)
 
@@ -1299,9 +1303,9 @@ def text(args) -> None:
     prompted by the first 4 tokens of windows of the general corpus as `--calib-source teacher` prompts), written as
     a text file for `--calib-data`; mix, the two one after the other in one file; stories, the TinyStories sample.
     Probes, the same items for the source and every conversion: a passage repeated D = 200 / 1,000 / 3,000 tokens
-    later and a fact recalled D = 1,000 / 3,000 tokens later, 8 items a cell, on two held-out domains (probe_domains);
-    passkey and random-token copy at 1,024 / 2,048 / 4,096 (4 items); perplexity on 6 x 512 encyclopedic tokens.
-    Rows: OUT/source.json and OUT/<to><budget>_<text>.json; the table of shares of the source at the end."""
+    later (8 items a cell) and a fact recalled D = 1,000 / 3,000 tokens later (24), on two held-out domains (probe_domains);
+    passkey at 1,024 / 2,048 / 4,096 and random-token copy at 1,024 / 2,048 (items of 2 x D tokens), 4 items;
+    perplexity on 6 x 512 encyclopedic tokens. Rows: OUT/source.json and OUT/<to><budget>_<text>.json; the table of shares of the source at the end."""
     from transformers import AutoModelForCausalLM
 
     from hf_attn_patch.converters.convert import convert

@@ -13,7 +13,7 @@ from hf_attn_patch.converters.io.calibration import read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.options import ConvertOptions
 from hf_attn_patch.evaluation.held_in import SHORT, long_context_kl, position_kl, source_log_probs, token_kl
-from hf_attn_patch.evaluation.passage import evaluate_passages, passage_batch
+from hf_attn_patch.evaluation.passage import LEAD, evaluate_passages, fact_batch, passage_batch
 from hf_attn_patch.evaluation.retrieval import Batch, score
 
 from ._fast import FAST
@@ -35,6 +35,25 @@ def test_passage_items_repeat_the_passage_after_the_text_that_follows_it():
         passage_batch(ids[:60], gap=50, items=1, gen=torch.Generator(), bos=[], passage=20)
 
 
+def test_fact_items_state_a_fact_then_ask_it_after_the_gap(stories):
+    _, tokenizer = stories
+    ids = tokenizer(TEXT, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    batch = fact_batch(ids, tokenizer, gap=120, items=4, gen=torch.Generator().manual_seed(1), bos=[1])
+    assert batch.exact and batch.ids.shape[0] == 4
+    for row, mask in zip(batch.ids, batch.targets):
+        value = tokenizer.decode(row[mask]).strip()
+        assert len(value) == 6 and value[:5].isdigit() and value.endswith(".")  # the 5 digits and the full stop
+        text = tokenizer.decode(row)
+        question = text[text.rindex("The code of the") : text.rindex(value)].strip()
+        told = text.index(question)  # stated once before the gap, asked once at the end
+        assert text.count(question) == 2 and text[told + len(question) :].lstrip().startswith(value)
+        first = [i for i in range(len(row) - 5) if tokenizer.decode(row[i : i + 5]).strip().startswith("The code")]
+        distance = int(mask.nonzero()[0, 0]) - first[0]
+        assert distance > 120  # the value lies the gap (and the question) after its statement
+    with pytest.raises(ValueError, match=f"fewer than {LEAD} \\+ gap"):
+        fact_batch(ids[:50], tokenizer, gap=100, items=1, gen=torch.Generator(), bos=[])
+
+
 def test_passage_score_is_the_greedy_accuracy_and_the_model_copies(stories, one_torch_thread):
     model, tokenizer = stories
     ids = tokenizer(TEXT, return_tensors="pt", add_special_tokens=False).input_ids[0]
@@ -52,6 +71,8 @@ def test_passage_score_is_the_greedy_accuracy_and_the_model_copies(stories, one_
         evaluate_passages(model, tokenizer, {"stories": TEXT}, gaps=(10_000,), items=1)
     with pytest.raises(ValueError, match="items=0"):
         evaluate_passages(model, tokenizer, {"stories": TEXT}, items=0)
+    facts = evaluate_passages(model, tokenizer, {"stories": TEXT}, (), items=2, facts=(30,))
+    assert list(facts.accuracy) == ["facts:stories"] and 0 <= facts.accuracy["facts:stories"][30] <= 1
 
 
 def test_held_in_criterion_splits_short_and_long_positions(stories, one_torch_thread):

@@ -82,13 +82,14 @@ def evaluate_passages(model, tokenizer, texts: dict[str, str], gaps: tuple[int, 
     [gap] for each gap of `facts` (module docstring)."""
     if not isinstance(items, int) or isinstance(items, bool) or items < 1:
         raise ValueError(f"items={items!r} must be a positive integer")
-    if not texts or any(not isinstance(g, int) or g < 1 for g in gaps) or not gaps:
-        raise ValueError(f"texts ({list(texts)}) and gaps ({list(gaps)}) must be non-empty, gaps positive integers")
+    if not texts or any(not isinstance(g, int) or g < 1 for g in gaps) or not (gaps or facts):
+        raise ValueError(f"texts ({list(texts)}) and gaps ({list(gaps)}) or facts ({list(facts)}) must be non-empty, "
+                         "gaps positive integers")  # fmt: skip
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     context = model.config.max_position_embeddings
     if any(not isinstance(g, int) or g < 1 for g in facts):
         raise ValueError(f"facts={list(facts)!r} must be positive integers")
-    longest = len(bos) + 2 * passage + max((*gaps, *facts))
+    longest = len(bos) + 2 * passage + max((*gaps, *facts))  # a fact item is shorter than a passage item
     if longest > context:
         raise ValueError(f"gap {max(gaps)}: an item holds {longest} tokens, over the model's context of {context}")
     was_training = model.training
@@ -98,7 +99,8 @@ def evaluate_passages(model, tokenizer, texts: dict[str, str], gaps: tuple[int, 
         for t, (name, text) in enumerate(texts.items()):
             ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
             task = f"passage:{name}"
-            accuracy[task] = {}
+            if gaps:
+                accuracy[task] = {}
             for gap in gaps:
                 gen = torch.Generator().manual_seed(seed * 1_000_003 + t * 100_003 + gap)
                 accuracy[task][gap] = score(model, passage_batch(ids, gap, items, gen, bos, passage))
