@@ -323,9 +323,11 @@ def _range_test(student, teacher, optimizer, masters, windows, weights, batch_si
 
 class HeldIn:
     """The held-in windows [m, L] (and weights [m, L - 1]) with the teacher's log-probabilities at their weighted
-    positions, computed at the first measurement and kept (on the CPU) for the later ones: the teacher is frozen."""
+    positions, computed at the first measurement and kept on the CPU for the later ones (the teacher is frozen)
+    while they take at most KEEP_BYTES; larger ones (a large vocabulary, long windows) are computed every time."""
 
     CHUNK_TOKENS = 4096  # tokens of windows per forward: bounds the [tokens, vocab] logits held at once
+    KEEP_BYTES = 1 << 30
 
     def __init__(self, ids: torch.Tensor, weights: torch.Tensor | None = None):
         self.chunk = max(1, self.CHUNK_TOKENS // ids.shape[1])
@@ -337,17 +339,21 @@ class HeldIn:
     def kl(self, student, teacher) -> float:
         """Mean KL(teacher || student) per weighted predicted token (student in eval mode)."""
         student.eval()
-        if self.targets is None:
-            self.targets = [torch.log_softmax(logits_at(teacher, ids, weighted_positions(w)).float(), -1).cpu()
-                            for ids, w in zip(self.ids, self.weights)]  # fmt: skip
-        total, count = 0.0, 0.0
-        for ids, w, log_p in zip(self.ids, self.weights, self.targets):
+        targets = self.targets or [None] * len(self.ids)
+        total, count, kept, size = 0.0, 0.0, [], 0
+        for ids, w, log_p in zip(self.ids, self.weights, targets):
             positions = weighted_positions(w)
+            if log_p is None:
+                log_p = torch.log_softmax(logits_at(teacher, ids, positions).float(), dim=-1)
+                size += log_p.numel() * log_p.element_size()
+                kept = kept + [log_p.cpu()] if size <= self.KEEP_BYTES else []
             log_q = torch.log_softmax(logits_at(student, ids, positions).float(), dim=-1)
             log_p = log_p.to(log_q.device)
             w = torch.ones(log_p.shape[:2]) if w is None else (w if positions is None else w[:, positions])
             total += float((w.to(log_p.device) * (log_p.exp() * (log_p - log_q)).sum(-1)).sum())
             count += float(w.sum())
+        if self.targets is None and len(kept) == len(self.ids):
+            self.targets = kept
         return total / max(count, 1e-12)
 
 
