@@ -77,8 +77,8 @@ def cmd_eval(args) -> None:
         if args.long_context:  # repeated passages and fact recall 1K-4K back, as shares of the reference's
             from .evaluation.passage import long_context
 
-            extra["long_context"] = {"text": os.path.basename(args.text),
-                                     **long_context(model, reference, tokenizer, text)}  # fmt: skip
+            found = long_context(model, reference, tokenizer, text, items=args.long_context_items)
+            extra["long_context"] = {"text": os.path.basename(args.text), **found}
         if args.update_card:  # the source's perplexity on the same windows, recorded beside the model's
             from .hub import update_card
 
@@ -267,8 +267,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "model card (a converted folder)")
     ev.add_argument("--long-context", action="store_true", help="with --text and --reference: also probe retrieval "
                     "from far back in the text (a passage repeated, and a fact recalled, 1,024 / 2,048 / 4,096 tokens "
-                    "later, 8 items each; the distances that fit the context) and print the model's share of the "
-                    "reference's accuracy; with --update-card, recorded in the model card")
+                    "later; the distances that fit the context) and print the model's share of the reference's "
+                    "accuracy; with --update-card, recorded in the model card")
+    ev.add_argument("--long-context-items", type=_positive_int, default=8, metavar="N", help="--long-context: items "
+                    "per probe and distance (default 8; more: less noise, longer)")
     ev.add_argument("--ctx", type=_positive_int, default=512, help="tokens per window (default 512)")
     ev.add_argument("--max-tokens", type=_positive_int, default=4096, help="tokens evaluated at most (default 4096)")
     ev.add_argument("--reference", metavar="SRC", help="reference model: KL(reference || model) with --text, a "

@@ -142,10 +142,12 @@ def _quality_lines(report: dict) -> list[str]:
                   "| probe | " + " | ".join(f"{g:,} tokens back" for g in gaps) + " |",
                   "|---|" + "---:|" * len(gaps)]  # fmt: skip
         for kind, label in (("passage", "repeated passage"), ("facts", "fact recall")):
-            cells = [lc[kind][str(g)] for g in gaps]
-            lines.append(f"| {label} | " + " | ".join(
-                f"{c['retained']:.0%} ({c['accuracy']:.2f})" if c["retained"] is not None else f"- ({c['accuracy']:.2f})"
-                for c in cells) + " |")  # fmt: skip
+            cells = []
+            for g in gaps:
+                cell = lc[kind][str(g)]
+                share = "-" if cell["retained"] is None else f"{cell['retained']:.0%}"
+                cells.append(f"{share} ({cell['accuracy']:.2f})")
+            lines.append(f"| {label} | " + " | ".join(cells) + " |")
         lines.append("")
     options = report.get("options") or {}
     if options.get("context") == "long":

@@ -1303,9 +1303,11 @@ def text(args) -> None:
     prompted by the first 4 tokens of windows of the general corpus as `--calib-source teacher` prompts), written as
     a text file for `--calib-data`; mix, the two one after the other in one file; stories, the TinyStories sample.
     Probes, the same items for the source and every conversion: a passage repeated D = 200 / 1,000 / 3,000 tokens
-    later (8 items a cell) and a fact recalled D = 1,000 / 3,000 tokens later (24), on two held-out domains (probe_domains);
+    later (8 items a cell) and a fact recalled D = 1,000 / 3,000 tokens later (24), on two held-out domains
+    (probe_domains);
     passkey at 1,024 / 2,048 / 4,096 and random-token copy at 1,024 / 2,048 (items of 2 x D tokens), 4 items;
-    perplexity on 6 x 512 encyclopedic tokens. Rows: OUT/source.json and OUT/<to><budget>_<text>.json; the table of shares of the source at the end."""
+    perplexity on 6 x 512 encyclopedic tokens. Rows: OUT/source.json and OUT/<to><budget>_<text>.json; the table of
+    shares of the source at the end."""
     from transformers import AutoModelForCausalLM
 
     from hf_attn_patch.converters.convert import convert
@@ -1338,9 +1340,17 @@ def text(args) -> None:
                          calib_data=calib, overwrite=True, **options)  # fmt: skip
         seconds = time.perf_counter() - started
         model = AutoModelForCausalLM.from_pretrained(out / tag).eval()
-        row = {"text": name, "to": args.to, "kv_budget": args.kv_budget, "format": args.format,
-               "commit": benchlib.commit(), "convert_s": round(seconds, 1), "heal_s": report["heal"]["seconds"],
-               "held_in_kl": report["heal"]["held_in_kl"], **text_measure(model, tokenizer, vocab, domains, source)}  # fmt: skip
+        row = {
+            "text": name,
+            "to": args.to,
+            "kv_budget": args.kv_budget,
+            "format": args.format,
+            "commit": benchlib.commit(),
+            "convert_s": round(seconds, 1),
+            "heal_s": report["heal"]["seconds"],
+            "held_in_kl": report["heal"]["held_in_kl"],
+            **text_measure(model, tokenizer, vocab, domains, source),
+        }
         benchlib.write_rows(out / f"{tag}.json", row)
         print(text_table(reference, {tag: row}), flush=True)
 

@@ -130,24 +130,25 @@ def test_eval_tasks_cli_updates_the_card(mla, tmp_path):
 def test_eval_long_context_prints_and_records_the_shares_of_the_source(mla, tmp_path):
     """--long-context: repeated passages and fact recall 1,024 / 2,048 / 4,096 tokens back in the user's text, for
     the model and its reference, recorded in the card. stories260k's context (512) is too short for these gaps, so
-    both folders are given a longer one here (RoPE runs at any position): a check of the machinery, not of quality."""
+    both folders are given one of 2,400 here (RoPE runs at any position), which holds the 1,024 and 2,048 items but
+    not the 4,096 ones: a check of the machinery and of the distances kept, not of quality."""
     from hf_attn_patch.converters.io.calibration import read_calibration_text
 
     folder, reference = tmp_path / "mla", tmp_path / "reference"
     shutil.copytree(mla, folder)
     model, tokenizer = load_default()
-    model.config.max_position_embeddings = 8192
+    model.config.max_position_embeddings = 2400
     model.save_pretrained(reference)
     tokenizer.save_pretrained(reference)
     config = json.loads((folder / "config.json").read_text())
-    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 8192}))
+    (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2400}))
     text_file = tmp_path / "own.txt"
     text_file.write_text(read_calibration_text(None)[:40_000])
     main(["eval", str(folder), "--text", str(text_file), "--reference", str(reference), "--ctx", "64",
-          "--max-tokens", "128", "--long-context", "--update-card"])  # fmt: skip
+          "--max-tokens", "128", "--long-context", "--long-context-items", "2", "--update-card"])  # fmt: skip
     text, report = read(folder)
     lc = report["evaluation"]["long_context"]
-    assert lc["gaps"] == [1024, 2048, 4096] and lc["text"] == "own.txt" and lc["items"] == 8
+    assert lc["gaps"] == [1024, 2048] and lc["text"] == "own.txt" and lc["items"] == 2
     for kind in ("passage", "facts"):
         for cell in lc[kind].values():
             assert 0 <= cell["accuracy"] <= 1 and 0 <= cell["source"] <= 1
@@ -156,7 +157,7 @@ def test_eval_long_context_prints_and_records_the_shares_of_the_source(mla, tmp_
             else:
                 assert cell["retained"] is None
     assert "Long-context retrieval on `own.txt`" in text and "| fact recall |" in text
-    assert "| probe | 1,024 tokens back | 2,048 tokens back | 4,096 tokens back |" in text
+    assert "| probe | 1,024 tokens back | 2,048 tokens back |" in text
     with pytest.raises(SystemExit, match="--long-context needs --text FILE"):
         main(["eval", str(folder), "--text", str(text_file), "--long-context"])
     with pytest.raises(SystemExit, match="none fits the model's context of 512 tokens"):  # stories260k as it ships
@@ -171,4 +172,5 @@ def test_the_card_names_the_text_that_calibrated_and_healed_the_model(mla, tmp_p
     card = (tmp_path / "long" / "README.md").read_text()
     assert report["options"]["calib_data"] == "general"
     assert "Calibrated and healed on the package's general-domain corpus (WikiText-2" in card
-    assert "kept" not in card.split("## Quality against the source")[1].split("Made by")[0]  # no figure of another model
+    quality = card.split("## Quality against the source")[1]
+    assert "SmolLM2" not in quality and "kept" not in quality  # no figure measured on another model

@@ -76,8 +76,16 @@ def _tokens(tokenizer, text: str) -> list[int]:
     return tokenizer(text, add_special_tokens=False).input_ids
 
 
-def evaluate_passages(model, tokenizer, texts: dict[str, str], gaps: tuple[int, ...] = GAPS, items: int = 8,
-                      seed: int = 0, passage: int = PASSAGE, facts: tuple[int, ...] = ()) -> RetrievalResult:  # fmt: skip
+def evaluate_passages(
+    model,
+    tokenizer,
+    texts: dict[str, str],
+    gaps: tuple[int, ...] = GAPS,
+    items: int = 8,
+    seed: int = 0,
+    passage: int = PASSAGE,
+    facts: tuple[int, ...] = (),
+) -> RetrievalResult:
     """accuracy["passage:<name>"][gap] for each evaluation text (name -> text) and gap, and accuracy["facts:<name>"]
     [gap] for each gap of `facts` (module docstring)."""
     if not isinstance(items, int) or isinstance(items, bool) or items < 1:
@@ -141,6 +149,12 @@ def long_context(model, reference, tokenizer, text: str, gaps: tuple[int, ...] =
     out = {"items": items, "gaps": list(fitting)}
     for kind in ("passage", "facts"):
         mine, source = ours.accuracy[f"{kind}:text"], theirs.accuracy[f"{kind}:text"]
-        out[kind] = {str(g): {"accuracy": round(mine[g], 4), "source": round(source[g], 4),
-                              "retained": round(mine[g] / source[g], 4) if source[g] else None} for g in fitting}  # fmt: skip
+        out[kind] = {
+            str(g): {
+                "accuracy": round(mine[g], 4),
+                "source": round(source[g], 4),
+                "retained": round(mine[g] / source[g], 4) if source[g] else None,
+            }
+            for g in fitting
+        }
     return out
