@@ -1214,7 +1214,7 @@ def latent_kv(args) -> None:
 # ---- text: which text a long-context conversion should calibrate and heal on ----
 
 HEAL_TEXTS = ("general", "teacher", "mix", "stories")
-TEACHER_SAMPLES, TEACHER_LEN = 64, 1024  # the teacher text: samples x tokens
+TEACHER_SAMPLES, TEACHER_LEN = 32, 1024  # the teacher text: 4x the tokens of the default calibration samples
 TEXT_REPEAT, TEXT_FACTS = (200, 1000, 3000), (1000, 3000)
 FACT_ITEMS = 24  # a fact item is right or wrong as a whole: more of them than the passages' 8 (127 tokens each)
 # passkey items hold ~distance tokens, copy items 2 x distance: both reach a 4,096-token context
