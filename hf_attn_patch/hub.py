@@ -205,19 +205,8 @@ def model_card(report: dict) -> str:
     data = ModelCardData(base_model=meta.get("base_model"), license=meta.get("license"),
                          license_name=meta.get("license_name"), license_link=meta.get("license_link"),
                          library_name="transformers", pipeline_tag="text-generation", tags=tags)  # fmt: skip
-    shape = ""
-    if "mla" in report:
-        mla = report["mla"]
-        varies = any(len(set(mla.get(k) or [])) > 1 for k in ("kv_lora_rank_per_layer", "qk_rope_head_dim_per_layer"))
-        shape = (f" Latent rank {mla['kv_lora_rank']} + RoPE key {mla['qk_rope_head_dim']} dims per token per layer"
-                 f"{' (the largest; each layer its own, below)' if varies else ''}.")  # fmt: skip
-    elif "latent_kv" in report:
-        lk = report["latent_kv"]
-        ranks = sorted({(k, v) for k, v in zip(lk["latent_key_rank_per_layer"], lk["latent_value_rank_per_layer"])})
-        shape = (f" Key latent + value latent dims per token per layer {', '.join(f'{k} + {v}' for k, v in ranks)}, "
-                 "taken before RoPE: keys are rebuilt per KV head and rotated with the source's exact RoPE.")
-    elif "kv_heads" in report:
-        shape = f" {report['kv_heads']} KV heads."
+    target_card = report.get("card") or {}  # the target's own lines (converters/targets/: card)
+    shape = target_card.get("shape", "")
     lines = ["---", data.to_yaml(), "---", "", f"# {name}, {target.upper()}", "",
              f"{origin}, converted by [hf-attn-patch](https://pypi.org/project/hf-attn-patch/) to {target.upper()} "
              f"attention (method `{report['options'].get('method') or 'default'}`, format `{fmt}`).{shape}", "",
@@ -225,42 +214,7 @@ def model_card(report: dict) -> str:
              f"({report['kv_ratio']:.1%} of the source).", "",
              "Made by:", "", "```bash", convert_command(report), "```", ""]  # fmt: skip
     lines += _quality_lines(report)
-    b = report.get("budgets") or {}
-    if b.get("allocation") == "retrieval" and "exact_key_heads" in b:  # latent_kv: copy KV heads' keys exact
-        lines += [f"Exact keys for the copy heads' KV heads (layer, head) {b['exact_key_heads']}, within the same "
-                  f"{b['values_per_token']} KV values per token.", ""]  # fmt: skip
-    elif b.get("allocation") == "retrieval":  # copy-head layers exact (converters/stages/retrieval.py)
-        other = next((c for c in b["layers"] if c["layer"] not in b["exact_layers"]), None)
-        lines += [f"Layers {b['exact_layers']} (copy heads) kept exact; the others RoPE + latent dims "
-                  f"{other and (other['rope_dim'], other['kv_lora_rank'])}.", ""]
-    elif b:  # rank allocation by measured sensitivity (budgets.py): each layer's choice
-        lines += [f"KV budget by measured sensitivity: {b['values_per_token']} of {b['budget_values_per_token']} "
-                  f"values per token (KL of each layer's choice alone, on {b['windows']} calibration windows).", "",
-                  "| layer | choice | RoPE dims | latent rank | KL |", "|---:|---|---:|---:|---:|"]  # fmt: skip
-        lines += [f"| {c['layer']} | {c['choice']} | {c['rope_dim']} | {c['kv_lora_rank']} | {c['kl']:.2e} |"
-                  for c in b["layers"]] + [""]  # fmt: skip
-    if fmt == "deepseek_v3":
-        ds = report["deepseek_v3"]
-        shape = ds["shape"]
-        exact = ("exact up to rounding: the latent is scaled so that kv_a_layernorm is linear (fp32 / bf16 weights; "
-                 "not fp16, nor GGUF f16 or quantizations with fp16 block scales: use --outtype f32 or bf16)"
-                 if ds["latent_norm"]["mode"] == "linear" else
-                 "approximate: what follows kv_a_layernorm is fitted by least squares (fp16)")  # fmt: skip
-        lines += [
-            f"A stock `DeepseekV3ForCausalLM` (dense layers, no MoE) shaped for {ds['engine']}: kv_lora_rank "
-            f"{shape['kv_lora_rank']} + qk_rope_head_dim {shape['qk_rope_head_dim']}; transformers loads it without "
-            f"custom code. The export of the conversion is {exact}; KL to it: {ds['kl_to_native_per_token']:.2g} per "
-            f"token before healing.",
-            "",
-        ]
-        if not ds["rope"]["exact"]:
-            lines += [f"RoPE ({ds['rope']['rope_type']}): nearest stock frequencies, largest relative error "
-                      f"{ds['rope']['max_relative_frequency_error']:.2g}.", ""]  # fmt: skip
-        if "q_lora" in ds:
-            q = ds["q_lora"]
-            lines += [f"Its query LoRA of rank {q['rank']} (llama.cpp needs one) adds {q['extra_parameters']:,} "
-                      f"parameters ({q['extra_fraction_of_model']:.1%}) at KL {q['kl_to_q_proj_per_token']:.1e} per "
-                      f"token.", ""]  # fmt: skip
+    lines += target_card.get("sections", [])  # how the sizes were chosen, the export
     lines += ["## Loading it", ""] + _load_lines(fmt)
     lines += ["| engine | status |", "|---|---|"]
     lines += [f"| {name} | {status} |" for name, status in report.get("engines", engines(report)).items()]

@@ -11,8 +11,9 @@ A variant's module (gqa.py, mla.py, latent_kv.py) declares, in one `register(Var
   through transformers' attention interface, as for GQA);
 - `trainable(module)`: the parameters healing trains;
 - `latent_factors(module)`: its latent factor pairs (down, latent rows of down, up, latent blocks in up's input),
-  which healing rebalances before training (converters/fitting/balance.py; none for GQA);
-- `export_formats`: the formats a conversion to it can write.
+  which healing rebalances before training (converters/fitting/balance.py; none for GQA).
+
+The formats a conversion can write are its target's (converters/targets/), not the variant's.
 
 attention/__init__.py imports each variant module, which registers it; everything else looks variants up here by
 name (`variant_of(config.attention_variant)`) instead of comparing names. This module imports nothing of the package,
@@ -44,7 +45,6 @@ class Variant:
     validate: Callable  # (spec) -> None, raising ValueError naming the config field
     cached_values: Callable  # (config, layer_idx) -> (kind, values cached per token of one layer)
     paged_forward: Callable | None = None
-    export_formats: tuple[str, ...] = ("native",)
     trainable: Callable = _all_parameters  # (module) -> the parameters healing trains
     latent_factors: Callable = _no_factors  # (module) -> [(down Linear, rows slice, up Linear, blocks)]
 

@@ -129,7 +129,7 @@ def test_report_and_source_untouched(tmp_path):
         (dict(to="mla", kv_lora_rank=8, rope_dim=3), "rope_dim=3 must be an even"),
         (dict(to="mla", kv_lora_rank=500), "kv_lora_rank=500 exceeds the rank"),
         (dict(to="mla", kv_budget=0.5, method="mean"), "method='mean' is not one of"),
-        (dict(to="mla", kv_budget=0.5, format="stock"), "format='stock' exists for GQA/MQA"),
+        (dict(to="mla", kv_budget=0.5, format="stock"), "format='stock' exists for to='gqa' / 'mqa' only"),
         (dict(to="tree"), "to='tree' is not one of"),
         (dict(to="mla", kv_budget=0.5, calib_samples=1000, calib_len=512), "fewer than calib_samples x calib_len"),
         (dict(to="mqa", heal_steps=-1), "heal_steps=-1 must be a non-negative"),

@@ -134,7 +134,7 @@ def test_sources_stock_deepseek_cannot_express_are_refused(tmp_path, model_type,
 
 
 def test_deepseek_format_needs_mla(tmp_path):
-    with pytest.raises(ValueError, match="format='deepseek_v3' is an MLA export"):
+    with pytest.raises(ValueError, match="format='deepseek_v3' exists for to='mla' only"):
         convert("default", tmp_path / "out", to="gqa", kv_heads=2, format="deepseek_v3", **FAST)
 
 

@@ -168,7 +168,7 @@ def test_bad_ranks_are_refused(field, value, message):
     (dict(to="latent_kv", kv_budget=0.5, kv_lora_rank=8), "kv_lora_rank=8 applies to to='mla' only"),
     (dict(to="mla", kv_budget=0.5, key_share=0.5), "key_share=0.5 applies to to='latent_kv' only"),
     (dict(to="latent_kv", kv_budget=0.5, rank_allocation="sensitivity"), "to='latent_kv' takes 'uniform' or"),
-    (dict(to="latent_kv", kv_budget=0.5, format="stock"), "format='stock' exists for GQA/MQA only"),
+    (dict(to="latent_kv", kv_budget=0.5, format="stock"), "format='stock' exists for to='gqa' / 'mqa' only, not to='latent_kv'"),
 ])  # fmt: skip
 def test_conversion_options_are_checked(options, message):
     from hf_attn_patch.converters.options import ConvertOptions

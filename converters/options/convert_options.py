@@ -21,16 +21,11 @@ from ..export.constants import ENGINES
 from ..io.heal_data import MIN_LENGTH as RETRIEVAL_MIN_LENGTH
 from .fields import fill, one_of, positive_int, option
 from .presets import CONTEXTS, with_preset
+from .registry import all_formats, format_refusal, target_names, target_of
 from .sections import SECTIONS, CalibrationOptions, HealingOptions, OutputOptions, ReconstructionOptions
 
 logger = logging.getLogger(__name__)
 
-TARGETS = ("gqa", "mqa", "mla", "latent_kv")  # the names of converters/targets/'s table, in its order
-_TARGETS: dict = {}  # name -> the target (register_targets)
-FORMATS = ("auto", "native", "stock", "deepseek_v3")
-# a format the target cannot write: what it is, and which targets have it
-FORMAT_REFUSALS = {"stock": "format='stock' exists for GQA/MQA only, not to={to!r} (native; MLA also 'deepseek_v3')",
-                   "deepseek_v3": "format='deepseek_v3' is an MLA export, not one for to={to!r}"}  # fmt: skip
 RANK_ALLOCATIONS = ("uniform", "energy", "sensitivity", "retrieval")
 
 
@@ -51,10 +46,13 @@ def resolved(opts: "ConvertOptions", **changes) -> "ConvertOptions":
 
 def option_fields() -> list[tuple[str, tuple | None, dict]]:
     """(flat name, (section, field) or None for a field of ConvertOptions itself, metadata) of every option, in
-    declaration order: ConvertOptions' own fields, then each section's."""
+    declaration order: ConvertOptions' own fields, then each section's. Choices declared as a function (the targets
+    and formats the registry knows) are read now."""
     top = [(f.name, None, f.metadata) for f in fields(ConvertOptions) if f.metadata and f.name not in SECTIONS]
-    return top + [(f.metadata["flat"] or f.name, (section, f.name), f.metadata) for section, kind in SECTIONS.items()
-                  for f in fields(kind)]  # fmt: skip
+    out = top + [(f.metadata["flat"] or f.name, (section, f.name), f.metadata) for section, kind in SECTIONS.items()
+                 for f in fields(kind)]  # fmt: skip
+    return [(name, place, {**meta, "choices": meta["choices"]()} if callable(meta.get("choices")) else meta)
+            for name, place, meta in out]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -62,7 +60,7 @@ class ConvertOptions:
     """What to convert to, and how. Each section validates itself on construction, then the checks that span
     sections run here (errors name the option and its value)."""
 
-    to: str = option(None, "the target attention (required)", choices=TARGETS)
+    to: str = option(None, "the target attention (required)", choices=target_names)
     kv_heads: int | None = option(None, "gqa: KV heads after conversion (mqa: 1)", parse=int, targets=("gqa", "mqa"))
     kv_lora_rank: int | None = option(None, "mla: latent dims d_c", parse=int, targets=("mla",))
     rope_dim: int | None = option(None, "mla: dims of the shared RoPE key (even; default: one head's d_h, at most a "
@@ -88,7 +86,7 @@ class ConvertOptions:
                                       "latent_kv: the distances the key fit weighs (default 4096)",
                                       parse=int, metavar="TOKENS", targets=("mla", "latent_kv"))  # fmt: skip
     format: str = option("auto", "auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock "
-                         "DeepseekV3ForCausalLM (MLA)", choices=FORMATS)  # fmt: skip
+                         "DeepseekV3ForCausalLM (MLA)", choices=all_formats)  # fmt: skip
     engine: str | None = option(None, "--format deepseek_v3: the engine whose MLA kernels the shapes fit (default "
                                 "llama.cpp, any shape, with llama.cpp's query LoRA; vllm: 512+64, or 256+64 GPU-only; "
                                 "sglang: 512+64 or 256+64; flashmla: 512+64)", choices=ENGINES)  # fmt: skip
@@ -122,7 +120,7 @@ class ConvertOptions:
                 section, key = FLAT_NAMES[name]
                 sections[section][key] = value
         if top.get("to") is None:
-            raise TypeError(f"the conversion option 'to' is required (one of {', '.join(map(repr, TARGETS))})")
+            raise TypeError(f"the conversion option 'to' is required (one of {', '.join(map(repr, target_names()))})")
         return cls(**top, **{section: SECTIONS[section](**kw) for section, kw in sections.items()},
                    given=given)
 
@@ -135,19 +133,19 @@ class ConvertOptions:
         for section, kind in SECTIONS.items():
             if not isinstance(getattr(self, section), kind):
                 raise TypeError(f"{section}={getattr(self, section)!r} is not a {kind.__name__}")
-        one_of("to", self.to, TARGETS)
+        one_of("to", self.to, target_names())
         one_of("context", self.context, CONTEXTS)
         self._refuse_inapplicable()
-        one_of("format", self.format, FORMATS)
-        target = _target(self.to)  # its own checks and defaults: converters/targets/
+        one_of("format", self.format, all_formats())
+        target = target_of(self.to)  # its own checks and defaults: converters/targets/
         methods = target.methods
         fill(self, "method", self.method or methods[0])
         if self.method not in methods:
             raise ValueError(f"method={self.method!r} is not one of {methods} for to={self.to!r}")
         target.check_options(self)
         self._check_rank_allocation(target)
-        if self.format not in target.formats:  # what the format is, and who has it
-            raise ValueError(FORMAT_REFUSALS[self.format].format(to=self.to))
+        if self.format not in target.formats:  # which targets write it
+            raise ValueError(format_refusal(self.format, self.to))
         if self.engine is not None and self.format != "deepseek_v3":
             raise ValueError(f"engine={self.engine!r} applies to format='deepseek_v3' only, not format={self.format!r}")
         if self.format == "deepseek_v3":
@@ -181,17 +179,11 @@ class ConvertOptions:
         for name, _, metadata in option_fields():
             owners = metadata.get("targets")
             if owners is not None and self.to not in owners and getattr(self, name) is not None:
-                if name == "regroup":  # its own message below names the methods too
-                    continue
                 raise ValueError(f"{name}={getattr(self, name)!r} applies to to={' / '.join(map(repr, owners))} only, "
                                  f"not to={self.to!r}")  # fmt: skip
         rec = self.reconstruction
         if rec.attention_kl and rec.steps == 0 and not self.calibration.propagate:
             raise ValueError(f"reconstruct_attention_kl={rec.attention_kl!r} needs reconstruct_steps > 0 or propagate")
-        method = self.method or _target(self.to).methods[0]
-        if self.regroup is not None and (self.to not in targets_of("regroup") or method == "mean"):
-            raise ValueError(f"regroup={self.regroup!r} applies to to='gqa' / 'mqa' with method 'aligned' or 'pca', "
-                             f"not to={self.to!r} with method={method!r}")  # fmt: skip
 
     def _check_rank_allocation(self, target) -> None:
         """Default: the target's (MLA by kv_budget in a native format: sensitivity, measured best; else uniform),
@@ -204,17 +196,7 @@ class ConvertOptions:
 
 def targets_of(name: str) -> tuple[str, ...]:
     """The targets a top-level option belongs to (every target when it declares none)."""
-    return next(f.metadata["targets"] for f in fields(ConvertOptions) if f.name == name) or TARGETS
-
-
-def register_targets(table: dict) -> None:
-    """The conversion targets' option hooks, by name (converters/targets/ registers its table when it loads, which
-    the converters package does first: this layer stays below the targets)."""
-    _TARGETS.update(table)
-
-
-def _target(to: str):
-    return _TARGETS[to]
+    return next(f.metadata["targets"] for f in fields(ConvertOptions) if f.name == name) or target_names()
 
 
 # Every flat option name (convert()'s keywords, the CLI's --flags, the report's "options") -> (section, field), or

@@ -15,18 +15,21 @@ healing on a CPU, and the served deepseek_v3 shape needs one rank anyway).
 from __future__ import annotations
 
 from .fields import one_of
+from .registry import target_names, target_of
 
 CONTEXTS = ("short", "long")
 LONG_CONTEXT = {"calib_data": "general", "calib_source": "text", "reconstruct_steps": 0, "heal_steps": 60,
                 "heal_data": "retrieval", "heal_len": 1024, "heal_lr": 2e-5, "heal_batch_size": 1, "heal_held_in": 4,
                 "heal_layerwise_steps": 0}  # fmt: skip
-LONG_CONTEXT_BY_TARGET = {"mla": {"rope_context": 4096, "rank_allocation": "uniform"}}
 
 
 def with_preset(options: dict) -> dict:
-    """The flat options with the preset named by options["context"] filled in under the user's own."""
+    """The flat options with the preset named by options["context"] filled in under the user's own: the recipe's
+    options, then the target's own (its `long_context`)."""
     context = options.get("context", "short")
     one_of("context", context, CONTEXTS)
     if context == "short":
         return options
-    return {**LONG_CONTEXT, **LONG_CONTEXT_BY_TARGET.get(options.get("to"), {}), **options}
+    to = options.get("to")
+    own = target_of(to).long_context if to in target_names() else {}  # an unknown `to` is refused with the options
+    return {**LONG_CONTEXT, **own, **options}

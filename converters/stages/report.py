@@ -89,6 +89,7 @@ def build_report(source, opts: ConvertOptions, target, cal, plan, layers, healed
         report["deepseek_v3"] = healed.export if healed is not None else layers.export
     report["format"] = opts.format if opts.format == "deepseek_v3" else target.format
     report["engines"] = engines(report)  # where the export was run (tested) and where only in theory
+    report["card"] = target_of(opts.to).card(report)  # what the model card says of the target's output
     report["kv_bytes_per_token_fp16"] = {"before": kv_cache_bytes(src_config, 1), "after": kv_cache_bytes(config, 1)}
     report["kv_ratio"] = report["kv_bytes_per_token_fp16"]["after"] / report["kv_bytes_per_token_fp16"]["before"]
     report["wall_time_s"] = round(time.perf_counter() - clock.started, 3)

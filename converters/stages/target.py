@@ -17,9 +17,6 @@ from .source import Source
 
 logger = logging.getLogger(__name__)
 
-STOCK_GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3")  # configs with a native num_key_value_heads
-
-
 def resolve_target(source: Source, opts: ConvertOptions) -> Target:
     """The Target, with the resolved options: method (GQA with per-head q/k norms: 'mean', unless the user named
     another: refused) and reconstruct_steps ("auto": by the KV share kept)."""
@@ -27,8 +24,5 @@ def resolve_target(source: Source, opts: ConvertOptions) -> Target:
     arch = dims.arch
     if arch.replaces_stock:
         raise ValueError(f"model_type={config.model_type!r} is already MLA: there is nothing to convert")
-    stock_format = opts.format == "stock" or (opts.format == "auto" and "stock" in target_of(opts.to).formats
-                                              and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
-    if stock_format and config.model_type not in STOCK_GQA_TYPES:
-        raise ValueError(f"format='stock' exists for GQA/MQA of {STOCK_GQA_TYPES} only, not {config.model_type!r}")
-    return target_of(opts.to).resolve(source, opts, stock_format)
+    target = target_of(opts.to)
+    return target.resolve(source, opts, target.stock_format(config, opts))

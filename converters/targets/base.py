@@ -4,8 +4,12 @@ A target is what `to=` names: the attention each converted layer becomes. Each i
 module of its own (gqa.py: GQA and MQA, mla.py, latent_kv.py) and has one entry in the table (__init__.py); the stages
 look the target up once (`target_of(opts.to)`) and call its hooks, in the order a conversion runs:
 
+    formats, long_context
+                        the output formats it writes ("auto" picks one; a format it lacks is refused, naming the
+                        targets that have it) and the options `--context long` fills in for it
     check_options(opts), default_rank_allocation(opts), check_rank_allocation(opts), check_budget(opts)
                         the target's own option checks and defaults (ConvertOptions calls them on construction)
+    stock_format(config, opts)             whether the output is a stock architecture's config (format "stock")
     resolve(source, opts, stock_format) -> Target
                         sizes from the budget, checked against the source before any weight
     plan(tools) -> Plan                    the per-layer choices (tools: the plan stage's passes over the layers)
@@ -14,9 +18,13 @@ look the target up once (`target_of(opts.to)`) and call its hooks, in the order 
                         the converted config, per layer as the loop goes and at the end (its config fields)
     record(result, first, final, choice)   what the report keeps per layer
     report(opts, target, plan, layers)     the report's section for this target
+    card(report) -> {"shape": sentence, "sections": lines}
+                        what the model card says of this target's output (kept in the report: hf_attn_patch/hub.py
+                        writes the card from the report alone)
     exact(model, shape) -> (layers, fields)
                         the exact full-rank form of a stock model (targets/exact.py: to_variant)
 
+A target's module ends in `register_target(...)` (options/registry.py), which the options read the target list from.
 Options name the targets they belong to (`option(targets=...)`), so a flag given to another target is refused by
 one check in options/convert_options.py.
 """
@@ -29,7 +37,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...variants import variant_of
 from ..methods.mla_plan import LatentPlan
 from ..options import resolved
 
@@ -110,16 +117,14 @@ class Plan:
 
 class ConversionTarget:
     """The protocol (module docstring). `variant`: the attention variant a conversion to it writes; `methods`: its
-    methods, the default first."""
+    methods, the default first; `formats`: the output formats it writes ("auto" picks one); `long_context`: the
+    options the long-context recipe (`--context long`, options/presets.py) fills in for it, under the user's own."""
 
     name: str
     variant: str
     methods: tuple[str, ...]
-
-    @property
-    def formats(self) -> tuple[str, ...]:
-        """The output formats it can write: "auto" (picks one) and its variant's export formats (variants.py)."""
-        return ("auto", *variant_of(self.variant).export_formats)
+    formats: tuple[str, ...] = ("auto", "native")
+    long_context: dict = {}
 
     def check_options(self, opts) -> None:
         pass
@@ -132,6 +137,11 @@ class ConversionTarget:
 
     def check_budget(self, opts) -> None:
         pass
+
+    def stock_format(self, config, opts) -> bool:
+        """Whether the output is written in the source architecture's own config (format "stock", or "auto" where
+        the target picks it); a source the stock format cannot express is refused here."""
+        return False
 
     def resolve(self, source, opts, stock_format: bool) -> Target:
         raise NotImplementedError
@@ -154,10 +164,25 @@ class ConversionTarget:
     def report(self, opts, target: Target, plan: Plan, layers) -> dict:
         return {}
 
+    def card(self, report: dict) -> dict:
+        """What the model card says of this output: "shape", one sentence after the card's first line (what each
+        layer caches), and "sections", lines after the quality section (how sizes were chosen, the export)."""
+        return {"shape": "", "sections": []}
+
     def exact(self, model, shape) -> tuple[dict, dict]:
         """({attention module name: state dict of our module}, config fields): the same function as the stock
         `model`, re-expressed at full rank."""
         raise ValueError(f"to={self.name!r} has no exact form: it keeps less than the source")
+
+
+def refuse_allocation(opts) -> None:
+    """Refuse a per-layer allocation where this target has none to make (the messages say what it needs)."""
+    if opts.rank_allocation in ("sensitivity", "retrieval"):
+        raise ValueError(f"rank_allocation={opts.rank_allocation!r} needs to='mla', kv_budget and a native format "
+                         "(stock DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)")
+    if opts.rank_allocation == "energy":
+        raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
+                         "format (stock DeepSeek has one kv_lora_rank)")
 
 
 class LayerConfigs:

@@ -9,10 +9,14 @@ from torch import nn
 
 from ...models.architectures import AttentionShape
 from ..methods.exact import rebuild
-from . import TABLE
+from ..options.registry import target_names, target_of
 
-# the targets that are an attention variant as it is (MQA is GQA with one KV head: no exact form of an MHA source)
-EXACT = {t.variant: t for t in TABLE.values() if t.name == t.variant}
+
+def exact_targets() -> dict:
+    """variant -> the target that is that attention variant as it is (MQA is GQA with one KV head: no exact form of
+    an MHA source)."""
+    targets = (target_of(name) for name in target_names())
+    return {t.variant: t for t in targets if t.name == t.variant}
 
 
 def to_variant(model: nn.Module, variant: str) -> nn.Module:
@@ -21,7 +25,8 @@ def to_variant(model: nn.Module, variant: str) -> nn.Module:
 
     The source model is not modified. Needs the patch (import hf_attn_patch) so the new config builds our modules.
     """
-    if variant not in EXACT:
-        raise ValueError(f"variant={variant!r} is not one of {tuple(EXACT)}")
-    lifted, fields = EXACT[variant].exact(model, AttentionShape.of(model.config))
+    exact = exact_targets()
+    if variant not in exact:
+        raise ValueError(f"variant={variant!r} is not one of {tuple(exact)}")
+    lifted, fields = exact[variant].exact(model, AttentionShape.of(model.config))
     return rebuild(model, variant, fields, lifted)

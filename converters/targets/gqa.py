@@ -9,8 +9,9 @@ from ..methods.exact import stock_attention_layers
 from ..methods.gqa_merge import GQA_METHODS, gqa_layer
 from ..options import resolved
 from ..options.fields import fill
-from .base import ConversionTarget, LayerConfigs, LayerResult, Target, converted_config, resolve_steps
-from .mla import refuse_allocation
+from ..options.registry import register_target
+from .base import (ConversionTarget, LayerConfigs, LayerResult, Target, converted_config, refuse_allocation,
+                   resolve_steps)
 
 logger = logging.getLogger(__name__)
 
@@ -20,11 +21,16 @@ class GQATarget(ConversionTarget):
 
     variant = "gqa"
     methods = GQA_METHODS
+    formats = ("auto", "native", "stock")
+    # the model types whose stock config has num_key_value_heads: the stock format, and "auto"'s pick for them
+    stock_types = ("llama", "mistral", "qwen2", "qwen3")
 
     def __init__(self, name: str, kv_heads: int | None = None):
         self.name, self.kv_heads = name, kv_heads
 
     def check_options(self, opts) -> None:
+        if opts.method == "mean" and opts.regroup is not None:  # mean merges KV heads by index: nothing to group
+            raise ValueError(f"regroup={opts.regroup!r} applies to method 'aligned' or 'pca', not method='mean'")
         if opts.method != "mean" and opts.regroup is None:
             fill(opts, "regroup", True)
         if self.kv_heads is not None:
@@ -36,6 +42,13 @@ class GQATarget(ConversionTarget):
 
     def check_rank_allocation(self, opts) -> None:
         refuse_allocation(opts)  # one KV head count for every layer: nothing to allocate
+
+    def stock_format(self, config, opts) -> bool:
+        stock = opts.format == "stock" or (opts.format == "auto" and config.model_type in self.stock_types)
+        if stock and config.model_type not in self.stock_types:
+            raise ValueError(f"format='stock' exists for GQA/MQA of {self.stock_types} only, not "
+                             f"{config.model_type!r}")  # fmt: skip
+        return stock
 
     def resolve(self, source, opts, stock_format: bool) -> Target:
         config, dims = source.config, source.shape
@@ -72,9 +85,17 @@ class GQATarget(ConversionTarget):
     def report(self, opts, target, plan, layers) -> dict:
         return {"kv_heads": {"before": target.source_kv, "after": opts.kv_heads, "groups_per_layer": layers.groups}}
 
+    def card(self, report: dict) -> dict:
+        kv = report["kv_heads"]
+        return {"shape": f" {kv['after']} KV heads (the source's {kv['before']}).", "sections": []}
+
     def exact(self, model, shape) -> tuple[dict, dict]:
         """The source's own heads (H_kv = H for MHA sources) in GroupedQueryAttention."""
         if self.kv_heads is not None:
             return super().exact(model, shape)
         lifted = {name: shape.arch.split_heads(m).gqa_state_dict() for name, m in stock_attention_layers(model).items()}
         return lifted, {"num_key_value_heads": next(iter(lifted.values()))["k_proj.weight"].shape[0] // shape.head_dim}
+
+
+register_target(GQATarget("gqa"))
+register_target(GQATarget("mqa", kv_heads=1))  # MQA is GQA with one KV head

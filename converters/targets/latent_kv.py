@@ -12,6 +12,7 @@ import torch
 from ..methods.exact import stock_attention_layers
 from ..methods.latent_kv import latent_kv_layer
 from ..options.fields import fill
+from ..options.registry import register_target
 from .base import ConversionTarget, LatentChoice, LayerConfigs, LayerResult, Plan, Target, converted_config, resolve_steps
 
 LATENT_KV_METHODS = ("calibrated",)  # the metric-weighted closed form (methods/latent_kv.py)
@@ -71,6 +72,18 @@ class LatentKVTarget(ConversionTarget):
                               "latent_value_rank_per_layer": [c.value_rank for c in plan.choices],
                               "exact_key_heads_per_layer": [list(c.exact_key_heads) for c in plan.choices]}}  # fmt: skip
 
+    def card(self, report: dict) -> dict:
+        lk = report["latent_kv"]
+        ranks = sorted({(k, v) for k, v in zip(lk["latent_key_rank_per_layer"], lk["latent_value_rank_per_layer"])})
+        shape = (f" Key latent + value latent dims per token per layer {', '.join(f'{k} + {v}' for k, v in ranks)}, "
+                 "taken before RoPE: keys are rebuilt per KV head and rotated with the source's exact RoPE.")
+        b = report.get("budgets") or {}
+        sections = []
+        if b.get("allocation") == "retrieval" and "exact_key_heads" in b:  # copy KV heads' keys exact
+            sections = [f"Exact keys for the copy heads' KV heads (layer, head) {b['exact_key_heads']}, within the "
+                        f"same {b['values_per_token']} KV values per token.", ""]  # fmt: skip
+        return {"shape": shape, "sections": sections}
+
     def exact(self, model, shape) -> tuple[dict, dict]:
         """Full ranks (G * d_h each, at most the hidden size): A_k = W_k, B_k = I, A_v = W_v, o_proj with the
         identity up-projection of V folded in (latent_kv_layer with every component kept)."""
@@ -106,3 +119,6 @@ def latent_kv_fields(choices: list[LatentChoice]) -> dict:
                          ("latent_value_rank", [c.value_rank for c in choices])):  # fmt: skip
         fields[name] = values[0] if len(set(values)) == 1 else values
     return fields
+
+
+register_target(LatentKVTarget())

@@ -17,22 +17,18 @@ from ..methods.exact import stock_attention_layers
 from ..methods.mla_lift import all_pairs, lift_mla
 from ..methods.mla_plan import MLA_METHODS, LatentPlan, allocate_ranks, lift_plan, plan_layer, ranked_components
 from ..options.fields import fill
-from .base import ConversionTarget, LayerChoice, LayerConfigs, LayerResult, Plan, Target, converted_config, resolve_steps
-
-
-def refuse_allocation(opts) -> None:
-    """Refuse a per-layer allocation where this target has none to make (the messages say what it needs)."""
-    if opts.rank_allocation in ("sensitivity", "retrieval"):
-        raise ValueError(f"rank_allocation={opts.rank_allocation!r} needs to='mla', kv_budget and a native format "
-                         "(stock DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)")
-    if opts.rank_allocation == "energy":
-        raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
-                         "format (stock DeepSeek has one kv_lora_rank)")
+from ..options.registry import register_target
+from .base import (ConversionTarget, LayerChoice, LayerConfigs, LayerResult, Plan, Target, converted_config,
+                   refuse_allocation, resolve_steps)
 
 
 class MLATarget(ConversionTarget):
     name = variant = "mla"
     methods = MLA_METHODS
+    formats = ("auto", "native", "deepseek_v3")
+    # --context long: the RoPE split scored over the served distances, and one rank for every layer (the per-layer
+    # sensitivity search costs more than the healing on a CPU; the served deepseek_v3 shape needs one rank anyway)
+    long_context = {"rope_context": 4096, "rank_allocation": "uniform"}
 
     def default_rank_allocation(self, opts) -> str:
         """sensitivity by kv_budget in a native format (measured best, BENCHMARKS.md), else uniform (stock DeepSeek
@@ -133,6 +129,13 @@ class MLATarget(ConversionTarget):
                         "kv_lora_rank_per_layer": [c.rank for c in choices],
                         "retained_energy_per_layer": layers.retained}}  # fmt: skip
 
+    def card(self, report: dict) -> dict:
+        mla = report["mla"]
+        varies = any(len(set(mla.get(k) or [])) > 1 for k in ("kv_lora_rank_per_layer", "qk_rope_head_dim_per_layer"))
+        shape = (f" Latent rank {mla['kv_lora_rank']} + RoPE key {mla['qk_rope_head_dim']} dims per token per layer"
+                 f"{' (the largest; each layer its own, below)' if varies else ''}.")  # fmt: skip
+        return {"shape": shape, "sections": _budget_lines(report.get("budgets") or {}) + _deepseek_lines(report)}
+
     def exact(self, model, shape) -> tuple[dict, dict]:
         """TransMLA's observation made exact: every RoPE pair of every KV head in the decoupled key, the latent
         spanning the stacked non-RoPE K and V exactly (mla_lift.py). DeepSeek is MLA already: its own weights."""
@@ -207,3 +210,49 @@ def mla_sizes(opts, shape: AttentionShape) -> tuple[int, int]:
     if budget - rope_dim < 1:
         raise ValueError(f"kv_budget={opts.kv_budget} gives {budget} values per token: no room beside rope_dim={rope_dim}")
     return rope_dim, budget - rope_dim
+
+
+def _budget_lines(b: dict) -> list[str]:
+    """The card's account of the per-layer allocation: copy-head layers kept exact, or each layer's measured choice."""
+    if b.get("allocation") == "retrieval":  # copy-head layers exact (converters/stages/retrieval.py)
+        other = next((c for c in b["layers"] if c["layer"] not in b["exact_layers"]), None)
+        return [f"Layers {b['exact_layers']} (copy heads) kept exact; the others RoPE + latent dims "
+                f"{other and (other['rope_dim'], other['kv_lora_rank'])}.", ""]  # fmt: skip
+    if not b:
+        return []
+    lines = [f"KV budget by measured sensitivity: {b['values_per_token']} of {b['budget_values_per_token']} "
+             f"values per token (KL of each layer's choice alone, on {b['windows']} calibration windows).", "",
+             "| layer | choice | RoPE dims | latent rank | KL |", "|---:|---|---:|---:|---:|"]  # fmt: skip
+    return lines + [f"| {c['layer']} | {c['choice']} | {c['rope_dim']} | {c['kv_lora_rank']} | {c['kl']:.2e} |"
+                    for c in b["layers"]] + [""]  # fmt: skip
+
+
+def _deepseek_lines(report: dict) -> list[str]:
+    """The card's account of a deepseek_v3 export: the engine's shape, how exact the export is, RoPE, query LoRA."""
+    if report.get("format") != "deepseek_v3":
+        return []
+    ds = report["deepseek_v3"]
+    shape = ds["shape"]
+    exact = ("exact up to rounding: the latent is scaled so that kv_a_layernorm is linear (fp32 / bf16 weights; "
+             "not fp16, nor GGUF f16 or quantizations with fp16 block scales: use --outtype f32 or bf16)"
+             if ds["latent_norm"]["mode"] == "linear" else
+             "approximate: what follows kv_a_layernorm is fitted by least squares (fp16)")  # fmt: skip
+    lines = [
+        f"A stock `DeepseekV3ForCausalLM` (dense layers, no MoE) shaped for {ds['engine']}: kv_lora_rank "
+        f"{shape['kv_lora_rank']} + qk_rope_head_dim {shape['qk_rope_head_dim']}; transformers loads it without "
+        f"custom code. The export of the conversion is {exact}; KL to it: {ds['kl_to_native_per_token']:.2g} per "
+        f"token before healing.",
+        "",
+    ]
+    if not ds["rope"]["exact"]:
+        lines += [f"RoPE ({ds['rope']['rope_type']}): nearest stock frequencies, largest relative error "
+                  f"{ds['rope']['max_relative_frequency_error']:.2g}.", ""]  # fmt: skip
+    if "q_lora" in ds:
+        q = ds["q_lora"]
+        lines += [f"Its query LoRA of rank {q['rank']} (llama.cpp needs one) adds {q['extra_parameters']:,} "
+                  f"parameters ({q['extra_fraction_of_model']:.1%}) at KL {q['kl_to_q_proj_per_token']:.1e} per "
+                  f"token.", ""]  # fmt: skip
+    return lines
+
+
+register_target(MLATarget())

@@ -127,5 +127,4 @@ def cached_values(config, layer_idx: int) -> tuple[str, int]:
     return kind, 2 * kv_heads * head_dim(config)
 
 
-VARIANT = register(Variant("gqa", GroupedQueryAttention, spec_fields, validate, cached_values,
-                           export_formats=("native", "stock")))  # fmt: skip
+VARIANT = register(Variant("gqa", GroupedQueryAttention, spec_fields, validate, cached_values))

@@ -353,5 +353,5 @@ def latent_factors(attn: MultiHeadLatentAttention) -> list:
 
 
 VARIANT = register(Variant("mla", MultiHeadLatentAttention, spec_fields, validate, cached_values,
-                           paged_forward=backend.mla_attention, export_formats=("native", "deepseek_v3"),
+                           paged_forward=backend.mla_attention,
                            latent_factors=latent_factors))
