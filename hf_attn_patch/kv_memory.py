@@ -17,39 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .variants import STOCK_VARIANT, variant_of
-
-
-def layer_kv_lora_rank(config, layer_idx: int) -> int | None:
-    """MLA latent size of one layer: `mla_kv_lora_ranks[layer_idx]` when a conversion chose ranks per layer, else the
-    config's `kv_lora_rank` (then the largest rank: what DeepSeek-style code sizes by)."""
-    return _per_layer(config, layer_idx, "mla_kv_lora_ranks", "kv_lora_rank")
-
-
-def layer_qk_rope_head_dim(config, layer_idx: int) -> int | None:
-    """MLA shared RoPE key size of one layer: `mla_qk_rope_head_dims[layer_idx]` when a conversion chose it per layer
-    (converters/methods/budgets.py), else the config's `qk_rope_head_dim`."""
-    return _per_layer(config, layer_idx, "mla_qk_rope_head_dims", "qk_rope_head_dim")
-
-
-def layer_latent_rank(config, layer_idx: int, field: str) -> int | None:
-    """A latent_kv rank of one layer: config.<field> is one int for every layer or a list with one per layer."""
-    value = getattr(config, field, None)
-    if isinstance(value, (list, tuple)):
-        if len(value) != config.num_hidden_layers:
-            raise ValueError(f"{field} has {len(value)} entries, num_hidden_layers={config.num_hidden_layers}")
-        return value[layer_idx]
-    return value
-
-
-def _per_layer(config, layer_idx: int, per_layer_field: str, field: str) -> int | None:
-    """config.<per_layer_field>[layer_idx] when the config has that list (one entry per layer), else config.<field>."""
-    values = getattr(config, per_layer_field, None)
-    if values is None:
-        return getattr(config, field, None)
-    if len(values) != config.num_hidden_layers:
-        raise ValueError(f"{per_layer_field} has {len(values)} entries, num_hidden_layers={config.num_hidden_layers}")
-    return values[layer_idx]
+from .variants import STOCK_VARIANT, CacheSpec, variant_of
 
 
 def head_dim(config) -> int:
@@ -79,6 +47,7 @@ class LayerCache:
     window: int | None = None  # at most this many tokens are kept (sliding attention)
     state_values: int = 0  # constant values per sequence (conv + recurrent state)
     mha_values_per_token: int = 0  # what the same layer would cache per token as full MHA
+    spec: CacheSpec | None = None  # attention layers: the variant's cache spec (what it writes, the storage layout)
 
 
 def dtype_of(dtype) -> torch.dtype:
@@ -105,10 +74,11 @@ def layer_caches(config) -> list[LayerCache]:
         elif layer_type in _STATE_TYPES:
             out.append(LayerCache("state", 0, state_values=_state_values(config, layer_type)))
         elif layer_type in _ATTENTION_TYPES or layer_type == "hybrid":
-            kind, per_token, mha = _attention_values(config, layer_idx)
+            spec, mha = _attention_spec(config, layer_idx)
             window = config.sliding_window - 1 if layer_type == "sliding_attention" else None
             state = _state_values(config, "linear_attention") if layer_type == "hybrid" else 0
-            out.append(LayerCache(kind + ("+state" if state else ""), per_token, window, state, mha))
+            out.append(LayerCache(spec.kind + ("+state" if state else ""), spec.values_per_token, window, state, mha,
+                                  spec))  # fmt: skip
         else:
             raise ValueError(f"layer type {layer_type!r} of model_type={config.model_type!r} is not supported")
     return out
@@ -141,15 +111,20 @@ def _check_sizes(seq_len, batch_size) -> None:
         raise ValueError(f"batch_size={batch_size!r} must be a positive integer")
 
 
-def _attention_values(config, layer_idx: int) -> tuple[str, int, int]:
-    """(kind, values per token, values per token as MHA) of attention layer `layer_idx`."""
+def layer_cache_specs(config) -> list[CacheSpec | None]:
+    """Per decoder layer its CacheSpec (None for a layer without a per-token cache)."""
+    return [layer.spec for layer in layer_caches(config)]
+
+
+def _attention_spec(config, layer_idx: int) -> tuple[CacheSpec, int]:
+    """(the CacheSpec, values per token as MHA) of attention layer `layer_idx`."""
     heads = config.num_attention_heads
     if config.model_type in ("deepseek_v2", "deepseek_v3"):  # native MLA; as MHA: DeepSeek's q/k and v head sizes
         mha = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
-        return "mla", config.kv_lora_rank + config.qk_rope_head_dim, mha
-    # the variant's own accounting (variants.py); a converted model's baseline is its source's heads
-    kind, values = variant_of(getattr(config, "attention_variant", None) or STOCK_VARIANT).cached_values(config, layer_idx)
-    return kind, values, 2 * heads * head_dim(config)
+        return CacheSpec("mla", 1, config.kv_lora_rank, config.qk_rope_head_dim, fused=True), mha
+    # the variant's own spec (variants.py); a converted model's baseline is its source's heads
+    variant = variant_of(getattr(config, "attention_variant", None) or STOCK_VARIANT)
+    return variant.cache_spec(config, layer_idx), 2 * heads * head_dim(config)
 
 
 def _state_values(config, layer_type: str) -> int:

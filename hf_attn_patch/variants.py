@@ -6,7 +6,8 @@ A variant's module (gqa.py, mla.py, latent_kv.py) declares, in one `register(Var
   the engine route);
 - `spec_fields(config, layer_idx, arch, common)`: the AttentionSpec fields it reads from a config, and
   `validate(spec)`: their checks (errors name the config field);
-- `cached_values(config, layer_idx)`: (kind, values it caches per token), which KV accounting reads (kv_memory.py);
+- `cache_spec(config, layer_idx)`: a CacheSpec, what one layer caches per token and how the paged storage lays it
+  out, which the KV accounting (kv_memory.py), PagedKVCache and the engine's paged storage read;
 - `paged_forward`: the function the engine's packed forward attends with (None: the registered attention function,
   through transformers' attention interface, as for GQA);
 - `trainable(module)`: the parameters healing trains;
@@ -38,12 +39,32 @@ def _no_factors(module) -> list:
 
 
 @dataclass(frozen=True)
+class CacheSpec:
+    """What one attention layer caches per token, and its paged storage layout.
+
+    kind: the accounting's name ("mha", "gqa", "mqa", "mla", ...); heads: heads stored per token (1 for a latent);
+    key_dim, value_dim: the sizes of the two tensors the layer writes (value_dim 0: the key row is all it caches);
+    fused: both in one row per token, [key | value] (a latent decode kernel reads a token's row at once), else keys
+    and values apart (cache/kv_storage.py)."""
+
+    kind: str
+    heads: int
+    key_dim: int
+    value_dim: int
+    fused: bool = False
+
+    @property
+    def values_per_token(self) -> int:
+        return self.heads * (self.key_dim + self.value_dim)
+
+
+@dataclass(frozen=True)
 class Variant:
     name: str
     module: type
     spec_fields: Callable  # (config, layer_idx, arch, common: dict) -> dict of AttentionSpec fields
     validate: Callable  # (spec) -> None, raising ValueError naming the config field
-    cached_values: Callable  # (config, layer_idx) -> (kind, values cached per token of one layer)
+    cache_spec: Callable  # (config, layer_idx) -> CacheSpec: what one layer caches per token, and its layout
     paged_forward: Callable | None = None
     trainable: Callable = _all_parameters  # (module) -> the parameters healing trains
     latent_factors: Callable = _no_factors  # (module) -> [(down Linear, rows slice, up Linear, blocks)]

@@ -75,8 +75,8 @@ def test_absorbed_decode_without_a_mask_matches_stock(monkeypatch):
     for layer in (m for m in model.modules() if isinstance(m, MultiHeadLatentAttention)):
         layer.absorb = "always"
     seen = []
-    original = mla._mask_bias
-    monkeypatch.setattr(mla, "_mask_bias", lambda bias, mask, *a: seen.append(mask is None) or original(bias, mask, *a))
+    original = mla.mask_bias
+    monkeypatch.setattr(mla, "mask_bias", lambda bias, mask, *a: seen.append(mask is None) or original(bias, mask, *a))
     torch.manual_seed(2)
     ids = torch.randint(3, 97, (1, 9))
     mask = torch.ones_like(ids)

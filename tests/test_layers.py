@@ -5,7 +5,9 @@ a model) and hub (model cards, publishing) may be used by the converters and the
 anything below it. Inside the converters: convert -> stages -> targets -> options -> fitting, export, drafting ->
 methods -> io. Every module sits in one of these maps (a new one must be placed), no two modules import each other,
 directly or around a circle, and no library file grows into a god file (over 600 lines; files hold one concept
-each, whatever their length). docs/architecture.md draws these layers."""
+each, whatever their length). A variant module (one that registers an attention variant) takes nothing private from
+another: what two variants share lives in a module of its own (masks, RoPE, the paged backend's helpers).
+docs/architecture.md draws these layers."""
 
 from __future__ import annotations
 
@@ -30,6 +32,9 @@ ROOT_LEVEL = 6  # the package root loads every layer's public names (and patch()
 # drafter from the source's samples (io) and trains it, beside fitting
 CONVERTER_LEVEL = {"io": 0, "methods": 1, "fitting": 2, "export": 2, "drafting": 2, "options": 3, "targets": 4,
                    "stages": 5, "convert": 6}  # fmt: skip
+# the attention modules that register a variant (attention/gqa.py, mla.py, latent_kv.py)
+VARIANT_MODULES = {path.stem for path in (ROOT / "hf_attn_patch" / "attention").glob("*.py")
+                   if "register(Variant(" in path.read_text()}  # fmt: skip
 MAX_LINES = 600  # a god file: look for the concepts it holds (400 is a prompt to look again, not a reason to cut)
 
 
@@ -61,6 +66,10 @@ def violations(name: list[str], is_package: bool, source: str) -> list[str]:
             if theirs is not None and theirs > mine:
                 found.append(f"line {line} imports {'.'.join(target)}: converters/{target[2]} sits above "
                              f"converters/{name[2]}")  # fmt: skip
+        if (name[:2] == target[:2] == ["hf_attn_patch", "attention"] and len(name) == 3 and len(target) == 4
+                and name[2] in VARIANT_MODULES and target[2] in VARIANT_MODULES - {name[2]}
+                and target[3].startswith("_")):  # fmt: skip
+            found.append(f"line {line} imports {'.'.join(target)}: a private name of another variant")
     return found
 
 
@@ -109,12 +118,17 @@ def test_every_module_is_in_the_map(name, is_package, path):
     ("hf_attn_patch.cache.x", "from ..engine import core", True),
     ("hf_attn_patch.cache.x", "import hf_attn_patch.engine.scheduler", True),
     ("hf_attn_patch.attention.x", "def f():\n    from ..serving.app import App", True),
+    # a variant taking another variant's private helper (shared helpers live in modules of their own)
+    ("hf_attn_patch.attention.latent_kv", "from .mla import _joint_rows", True),
+    ("hf_attn_patch.attention.mla", "def f():\n    from hf_attn_patch.attention.gqa import _private", True),
+    ("hf_attn_patch.attention.latent_kv", "from .masks import mask_bias\nfrom .gqa import RMSNorm", False),
     # downward imports pass
     ("hf_attn_patch.converters.stages.x", "from ..methods import exact\nfrom ..options import ConvertOptions", False),
     ("hf_attn_patch.engine.x", "from ..cache.manager import KVManager\nfrom ..kernels import reference", False),
     ("hf_attn_patch.converters.io.x", "from ...models.pretrained import load_source", False),
 ])  # fmt: skip
 def test_an_upward_import_is_caught(name, source, caught):
+    assert {"gqa", "mla", "latent_kv"} <= VARIANT_MODULES
     assert bool(violations(name.split("."), False, source)) == caught
 
 

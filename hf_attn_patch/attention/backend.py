@@ -27,7 +27,8 @@ from ..cache.kv_storage import KVStorage
 from ..cache.metadata import (PAGED_ATTENTION, AttentionMetadata, ForwardContext, get_forward_context,
                               set_forward_context)  # fmt: skip
 
-__all__ = ["PAGED_ATTENTION", "interface_in_context", "latent_kv_attention", "mla_attention", "paged_attention_forward"]
+__all__ = ["PAGED_ATTENTION", "finish_layer", "interface_in_context", "paged_attention_forward", "read_segment", "segments",
+           "write_new"]
 DECODE_GROUP = 16  # decodes per batched CPU attention call: sorted by context length, padded to the group's longest
 # Keyword arguments the decode kernels do not take: with any set, the reference runs (sliding_window needs none:
 # the window is the layer's group; SDPA raises for softcap as it always did).
@@ -57,13 +58,13 @@ def lookups_routed() -> bool:
 
 
 def layer_storage(context: ForwardContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> KVStorage:
-    """The layer's KVStorage (made, zeroed, at its first write; H = 1, MLA's latent and RoPE key, fused)."""
+    """The layer's KVStorage (made, zeroed, at its first write, in the layout of the layer's CacheSpec)."""
     storage = context.storage[layer]
     if storage is None:
         group = context.metadata.layer_groups[layer]
         storage = context.storage[layer] = KVStorage(context.num_blocks[group], context.metadata.block_size,
                                                      key.shape[1], key.shape[-1], value.shape[-1], key,
-                                                     fused=key.shape[1] == 1)  # fmt: skip
+                                                     fused=context.specs[layer].fused)  # fmt: skip
     return storage
 
 
@@ -218,80 +219,3 @@ def _reference_attention(q, storage: KVStorage, meta, group, scale, window, soft
             o = F.scaled_dot_product_attention(packed, k, v, attn_mask=visible, scale=scale)
             out[selector] = o.reshape(g, heads, -1)
     return out
-
-
-# -- MLA ----------------------------------------------------------------------------------------------------------
-
-
-def mla_attention(module, q_nope, q_rope, latent, k_rope, context: ForwardContext) -> torch.Tensor:
-    """MLA over latent pages: q [1, H, T, *], new latent [1, 1, T, d_c], k_rope [1, 1, T, d_r] -> [1, T, H, d_v].
-
-    The storage holds [c | k_rope] per token (H = 1). CUDA decode: kernels.mla_decode with block tables; otherwise
-    the module's absorbed attention per segment (torch)."""
-    meta, layer = context.metadata, module.layer_idx
-    storage = write_new(context, layer, latent, k_rope)
-    group = meta.layer_groups[layer]
-    window = module.spec.sliding_window
-    if metadata.use_kernels(q_nope) and meta.is_decode and window is None and module.qk_rope_head_dim:
-        return mla_kernel_decode(module, q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), storage.rows,
-                                 meta)[None]  # fmt: skip
-    out = q_nope.new_empty((q_nope.shape[2], q_nope.shape[1], module.v_head_dim))
-    for i, (selector, blocks, visible) in enumerate(segments(meta, group, window)):  # the torch reference
-        c, rope = read_segment(storage, meta, (group, window, i), blocks, visible.shape[-1])  # [b, 1, L, d_c / d_r]
-        if isinstance(selector, slice):
-            qn, qr = q_nope[:, :, selector], q_rope[:, :, selector]
-        else:
-            qn, qr = (x[0][:, selector].transpose(0, 1)[:, :, None] for x in (q_nope, q_rope))
-        o, _ = module._absorbed(qn, qr, c.to(q_nope.dtype), rope.to(q_nope.dtype), visible)
-        out[selector] = o[0] if isinstance(selector, slice) else o[:, 0]
-    return out[None]
-
-
-def latent_kv_attention(module, q, c_k, c_v, context: ForwardContext) -> torch.Tensor:
-    """Latent K/V attention (attention/latent_kv.py) over latent pages: q [1, H, T, d_h] (before RoPE), the new
-    c_k [1, 1, T, r_k], c_v [1, 1, T, r_v] -> [1, T, H, r_v]. The storage holds [c_k | c_v] per token (H = 1).
-    Keys are rotated at their positions 0..L-1; a chunk's n queries sit at L-n..L-1 and a decode at its last
-    visible position (decodes of a group are padded to the longest)."""
-    meta, layer = context.metadata, module.layer_idx
-    storage = write_new(context, layer, c_k, c_v)
-    group, window = meta.layer_groups[layer], module.spec.sliding_window
-    out = q.new_empty((q.shape[2], q.shape[1], module.value_rank))
-    for i, (selector, blocks, visible) in enumerate(segments(meta, group, window)):
-        length = visible.shape[-1]
-        latent_k, latent_v = read_segment(storage, meta, (group, window, i), blocks, length)  # [b, 1, L, r]
-        if isinstance(selector, slice):
-            queries = q[:, :, selector]  # [1, H, n, d_h]
-            positions = torch.arange(length - queries.shape[2], length, device=q.device)[None]
-        else:
-            queries = q[0][:, selector].transpose(0, 1)[:, :, None]  # [g, H, 1, d_h]
-            positions = (length - 1 - visible[:, 0, 0].flip(-1).int().argmax(-1))[:, None]
-        o, _ = module.attend(queries, latent_k.to(q.dtype), latent_v.to(q.dtype), visible, positions)
-        out[selector] = o[0] if isinstance(selector, slice) else o[:, 0]
-    return out[None]
-
-
-def mla_kernel_decode(module, q_nope, q_rope, flat, meta: AttentionMetadata) -> torch.Tensor:
-    """kernels.mla_decode by block table: q_nope [B, H, d_n], q_rope [B, H, d_r] (one token per sequence), flat
-    latent pages [slots, 1, d_c + d_r] -> [B, H, d_v] (W_UK folded into the query, W_UV applied to the output)."""
-    from hf_attn_patch.kernels.ops import mla_decode
-
-    w_uk, w_uv = module._up_weights()
-    q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
-    group = meta.layer_groups[module.layer_idx]
-    out_latent = mla_decode(q_latent, q_rope, flat, meta.block_tables[group], meta.seq_lens,
-                            block_size=meta.block_size, scale=module.scaling, validate=False)  # fmt: skip
-    return torch.einsum("bhc,hvc->bhv", out_latent.to(q_nope.dtype), w_uv)
-
-
-def mla_cache_decode(module, q_nope, q_rope, latent, context: ForwardContext):
-    """MLA decode over PagedKVCache's pages (CUDA, no window): q [B, H, 1, *] -> [B, 1, H, d_v], or None when the
-    module must run its own path on gathered tensors (`context.gather`)."""
-    layer = module.layer_idx
-    try:
-        storage = context.storage[layer]
-        if module.spec.sliding_window is not None or not module.qk_rope_head_dim or latent.dtype != q_nope.dtype:
-            return None
-        return mla_kernel_decode(module, q_nope[:, :, 0], q_rope[:, :, 0], storage.rows, context.metadata)[:, None]
-    finally:
-        finish_layer(context, layer)
-

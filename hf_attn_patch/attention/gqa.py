@@ -14,7 +14,7 @@ from ..kv_memory import head_dim
 from .base import VariantAttention
 from .rope import apply_rope
 from .spec import AttentionSpec, positive
-from ..variants import Variant, register
+from ..variants import CacheSpec, Variant, register
 
 
 class RMSNorm(nn.Module):
@@ -119,12 +119,13 @@ def validate(spec: AttentionSpec) -> None:
         raise ValueError(f"num_key_value_heads={h_kv} must divide num_attention_heads={h} (GQA groups need equal size)")
 
 
-def cached_values(config, layer_idx: int) -> tuple[str, int]:
-    """Keys and values of the KV heads (MHA: every head, MQA: one)."""
+def cache_spec(config, layer_idx: int) -> CacheSpec:
+    """Keys and values of the KV heads (MHA: every head, MQA: one; one head keeps its key and value in one row)."""
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     kind = "mha" if kv_heads == heads else "mqa" if kv_heads == 1 else "gqa"
-    return kind, 2 * kv_heads * head_dim(config)
+    d = head_dim(config)
+    return CacheSpec(kind, kv_heads, d, d, fused=kv_heads == 1)
 
 
-VARIANT = register(Variant("gqa", GroupedQueryAttention, spec_fields, validate, cached_values))
+VARIANT = register(Variant("gqa", GroupedQueryAttention, spec_fields, validate, cache_spec))

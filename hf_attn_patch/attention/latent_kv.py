@@ -24,15 +24,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache.metadata import get_forward_context
-from ..kv_memory import layer_latent_rank
+from ..cache.metadata import ForwardContext, get_forward_context
 from . import backend, gqa
 from .base import VariantAttention
 from .gqa import RMSNorm, attention_function
-from .mla import _mask_bias
+from .masks import mask_bias
 from .rope import DYNAMIC_ROPE_TYPES, apply_rope, rope_table
 from .spec import AttentionSpec, positive
-from ..variants import Variant, register
+from ..variants import CacheSpec, Variant, register
 
 KEY_BLOCK = 1024  # cached tokens whose keys a decode step rebuilds at once (memory: KEY_BLOCK * G * d_h per row)
 BLOCKWISE_ROWS = 256  # query rows (heads x new tokens) up to which attention runs blockwise with an online softmax
@@ -164,7 +163,7 @@ class LatentKVAttention(VariantAttention):
         batch, heads, length, d = q.shape
         groups, seq = self.num_kv_heads, c_k.shape[2]
         rows = heads // groups * length  # query rows per KV head: head h = g * (H/G) + j, row j * T + t
-        bias = _mask_bias(None, attention_mask, self.spec.sliding_window, (batch, heads, length, seq), q)
+        bias = mask_bias(None, attention_mask, self.spec.sliding_window, (batch, heads, length, seq), q)
         if bias is not None:
             bias = bias.view(batch, groups, rows, seq).float()
         qg = q.reshape(batch, groups, rows, d).float() * self.scaling
@@ -227,11 +226,10 @@ def validate(spec: AttentionSpec) -> None:
                          f"{len(spec.rope_frequencies)}")  # fmt: skip
 
 
-def cached_values(config, layer_idx: int) -> tuple[str, int]:
-    """The key latent and the value latent."""
-    values = layer_latent_rank(config, layer_idx, "latent_key_rank") + layer_latent_rank(
-        config, layer_idx, "latent_value_rank")
-    return "latent_kv", values
+def cache_spec(config, layer_idx: int) -> CacheSpec:
+    """The key latent and the value latent (before RoPE), one row [c_k | c_v] per token."""
+    key_rank = layer_latent_rank(config, layer_idx, "latent_key_rank")
+    return CacheSpec("latent_kv", 1, key_rank, layer_latent_rank(config, layer_idx, "latent_value_rank"), fused=True)
 
 
 def latent_factors(attn: LatentKVAttention) -> list:
@@ -240,5 +238,38 @@ def latent_factors(attn: LatentKVAttention) -> list:
             (attn.v_a_proj, slice(0, attn.value_rank), attn.o_proj, attn.num_heads)]
 
 
-VARIANT = register(Variant("latent_kv", LatentKVAttention, spec_fields, validate, cached_values,
-                           paged_forward=backend.latent_kv_attention, latent_factors=latent_factors))
+def layer_latent_rank(config, layer_idx: int, field: str) -> int | None:
+    """A latent_kv rank of one layer: config.<field> is one int for every layer or a list with one per layer."""
+    value = getattr(config, field, None)
+    if isinstance(value, (list, tuple)):
+        if len(value) != config.num_hidden_layers:
+            raise ValueError(f"{field} has {len(value)} entries, num_hidden_layers={config.num_hidden_layers}")
+        return value[layer_idx]
+    return value
+
+
+def paged_forward(module, q, c_k, c_v, context: ForwardContext) -> torch.Tensor:
+    """Latent K/V attention (attention/latent_kv.py) over latent pages: q [1, H, T, d_h] (before RoPE), the new
+    c_k [1, 1, T, r_k], c_v [1, 1, T, r_v] -> [1, T, H, r_v]. The storage holds [c_k | c_v] per token (H = 1).
+    Keys are rotated at their positions 0..L-1; a chunk's n queries sit at L-n..L-1 and a decode at its last
+    visible position (decodes of a group are padded to the longest)."""
+    meta, layer = context.metadata, module.layer_idx
+    storage = backend.write_new(context, layer, c_k, c_v)
+    group, window = meta.layer_groups[layer], module.spec.sliding_window
+    out = q.new_empty((q.shape[2], q.shape[1], module.value_rank))
+    for i, (selector, blocks, visible) in enumerate(backend.segments(meta, group, window)):
+        length = visible.shape[-1]
+        latent_k, latent_v = backend.read_segment(storage, meta, (group, window, i), blocks, length)  # [b, 1, L, r]
+        if isinstance(selector, slice):
+            queries = q[:, :, selector]  # [1, H, n, d_h]
+            positions = torch.arange(length - queries.shape[2], length, device=q.device)[None]
+        else:
+            queries = q[0][:, selector].transpose(0, 1)[:, :, None]  # [g, H, 1, d_h]
+            positions = (length - 1 - visible[:, 0, 0].flip(-1).int().argmax(-1))[:, None]
+        o, _ = module.attend(queries, latent_k.to(q.dtype), latent_v.to(q.dtype), visible, positions)
+        out[selector] = o[0] if isinstance(selector, slice) else o[:, 0]
+    return out[None]
+
+
+VARIANT = register(Variant("latent_kv", LatentKVAttention, spec_fields, validate, cache_spec,
+                           paged_forward=paged_forward, latent_factors=latent_factors))

@@ -21,14 +21,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..cache.metadata import get_forward_context
-from ..kv_memory import layer_kv_lora_rank, layer_qk_rope_head_dim
+from ..cache import metadata
+from ..cache.metadata import AttentionMetadata, ForwardContext, get_forward_context
 from . import backend
 from .base import VariantAttention
 from .gqa import RMSNorm, attention_function
+from .masks import mask_bias
 from .rope import apply_rope, deinterleave, select_rope_pairs
 from .spec import AttentionSpec, non_negative, positive
-from ..variants import Variant, register
+from ..variants import CacheSpec, Variant, register
 
 ABSORB_MODES = ("auto", "always", "never")
 
@@ -138,7 +139,7 @@ class MultiHeadLatentAttention(VariantAttention):
             c, k_rope = cache.update(c, k_rope, self.layer_idx)
             context = get_forward_context()
             if backend.reads_pages(context, self.layer_idx, c):  # PagedKVCache's decode step handed us its pages
-                out = backend.mla_cache_decode(self, q_nope, q_rope, c, context) if length == 1 else None
+                out = cache_decode(self, q_nope, q_rope, c, context) if length == 1 else None
                 if out is not None:
                     return self.o_proj(out.reshape(batch, length, -1)), None
                 c, k_rope = context.gather(self.layer_idx)
@@ -194,13 +195,13 @@ class MultiHeadLatentAttention(VariantAttention):
             else:
                 scores = torch.bmm(q_rope.reshape(batch, rows, -1) * self.scaling, k_rope.squeeze(1).transpose(1, 2))
                 scores = scores.baddbmm_(q_latent, c.squeeze(1).transpose(1, 2), alpha=self.scaling)
-            scores = _mask_bias(scores, attention_mask, self.spec.sliding_window, shape, q_latent)
+            scores = mask_bias(scores, attention_mask, self.spec.sliding_window, shape, q_latent)
             out_latent = torch.bmm(torch.softmax(scores, -1), c.squeeze(1))  # sum_s p_s c_s  [B, H*T, d_c]
         else:
             bias = None
             if self.qk_rope_head_dim:
                 bias = torch.bmm(q_rope.reshape(batch, rows, -1) * self.scaling, k_rope.squeeze(1).transpose(1, 2))
-            bias = _mask_bias(bias, attention_mask, self.spec.sliding_window, shape, q_latent)
+            bias = mask_bias(bias, attention_mask, self.spec.sliding_window, shape, q_latent)
             out_latent = nn.functional.scaled_dot_product_attention(
                 q_latent[:, None], c, c, attn_mask=None if bias is None else bias[:, None], scale=self.scaling,
                 dropout_p=self.spec.dropout if self.training else 0.0,
@@ -235,35 +236,7 @@ def _joint_rows(c: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor | None:
     return c.as_strided((*c.shape[:-1], d_c + d_r), c.stride())
 
 
-def _mask_bias(bias, mask, sliding_window, shape, like) -> torch.Tensor | None:
-    """Add whatever mask the model built for its attention implementation to the additive score bias.
 
-    bias: [B, H*T, S] or None; shape: (B, H, T, S). mask: 4D bool (sdpa: True = attend) or float (eager: additive);
-    2D [B, S] padding mask (flash: 1 = token); None means plain causal, queries aligned to the last T keys (sdpa and
-    flash drop all-ones masks). Returns [B, H*T, S], or None when nothing is added and nothing is masked (a decode
-    step of one query with no padding sees every key). `like` gives the bias's dtype and device.
-    """
-    batch, heads, length, seq = shape
-    if mask is not None and mask.dim() == 4:
-        mask = mask[..., :seq]
-        if mask.dtype != torch.bool:  # additive, [B or 1, 1, T, S]
-            mask = mask.to(like.dtype)
-            return (mask if bias is None else bias.view(shape) + mask).expand(shape).reshape(batch, -1, seq)
-        allowed = mask
-    elif mask is None and length == 1 and (sliding_window is None or seq <= sliding_window):
-        return bias
-    else:
-        query_pos = torch.arange(seq - length, seq, device=like.device)[:, None]
-        key_pos = torch.arange(seq, device=like.device)[None, :]
-        allowed = key_pos <= query_pos
-        if sliding_window is not None:
-            allowed = allowed & (key_pos > query_pos - sliding_window)
-        allowed = allowed[None, None]
-        if mask is not None:  # 2D padding mask
-            allowed = allowed & mask[:, None, None, -seq:].bool()
-    if bias is None:
-        bias = like.new_zeros(batch, heads * length, seq)
-    return bias.view(shape).masked_fill(~allowed, torch.finfo(bias.dtype).min).view(batch, -1, seq)
 
 
 def spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
@@ -339,9 +312,10 @@ def validate(spec: AttentionSpec) -> None:
         )
 
 
-def cached_values(config, layer_idx: int) -> tuple[str, int]:
-    """The latent and the shared RoPE key."""
-    return "mla", layer_kv_lora_rank(config, layer_idx) + layer_qk_rope_head_dim(config, layer_idx)
+def cache_spec(config, layer_idx: int) -> CacheSpec:
+    """The latent and the shared RoPE key, one row [c | k_rope] per token (the latent decode kernel reads it)."""
+    return CacheSpec("mla", 1, layer_kv_lora_rank(config, layer_idx), layer_qk_rope_head_dim(config, layer_idx),
+                     fused=True)
 
 
 def latent_factors(attn: MultiHeadLatentAttention) -> list:
@@ -352,6 +326,84 @@ def latent_factors(attn: MultiHeadLatentAttention) -> list:
     return [(attn.kv_a_proj_with_mqa, slice(0, attn.kv_lora_rank), attn.kv_b_proj, 1)]
 
 
-VARIANT = register(Variant("mla", MultiHeadLatentAttention, spec_fields, validate, cached_values,
-                           paged_forward=backend.mla_attention,
+# -- config readers ------------------------------------------------------------------------------------------
+
+
+def layer_kv_lora_rank(config, layer_idx: int) -> int | None:
+    """MLA latent size of one layer: `mla_kv_lora_ranks[layer_idx]` when a conversion chose ranks per layer, else the
+    config's `kv_lora_rank` (then the largest rank: what DeepSeek-style code sizes by)."""
+    return _per_layer(config, layer_idx, "mla_kv_lora_ranks", "kv_lora_rank")
+
+
+def layer_qk_rope_head_dim(config, layer_idx: int) -> int | None:
+    """MLA shared RoPE key size of one layer: `mla_qk_rope_head_dims[layer_idx]` when a conversion chose it per layer
+    (converters/methods/budgets.py), else the config's `qk_rope_head_dim`."""
+    return _per_layer(config, layer_idx, "mla_qk_rope_head_dims", "qk_rope_head_dim")
+
+
+def _per_layer(config, layer_idx: int, per_layer_field: str, field: str) -> int | None:
+    """config.<per_layer_field>[layer_idx] when the config has that list (one entry per layer), else config.<field>."""
+    values = getattr(config, per_layer_field, None)
+    if values is None:
+        return getattr(config, field, None)
+    if len(values) != config.num_hidden_layers:
+        raise ValueError(f"{per_layer_field} has {len(values)} entries, num_hidden_layers={config.num_hidden_layers}")
+    return values[layer_idx]
+
+
+# -- the paged forward (the engine) and the paged cache decode ---------------------------------------------
+
+
+def paged_forward(module, q_nope, q_rope, latent, k_rope, context: ForwardContext) -> torch.Tensor:
+    """MLA over latent pages: q [1, H, T, *], new latent [1, 1, T, d_c], k_rope [1, 1, T, d_r] -> [1, T, H, d_v].
+
+    The storage holds [c | k_rope] per token (H = 1). CUDA decode: kernels.mla_decode with block tables; otherwise
+    the module's absorbed attention per segment (torch)."""
+    meta, layer = context.metadata, module.layer_idx
+    storage = backend.write_new(context, layer, latent, k_rope)
+    group = meta.layer_groups[layer]
+    window = module.spec.sliding_window
+    if metadata.use_kernels(q_nope) and meta.is_decode and window is None and module.qk_rope_head_dim:
+        return kernel_decode(module, q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), storage.rows,
+                                 meta)[None]  # fmt: skip
+    out = q_nope.new_empty((q_nope.shape[2], q_nope.shape[1], module.v_head_dim))
+    for i, (selector, blocks, visible) in enumerate(backend.segments(meta, group, window)):  # the torch reference
+        c, rope = backend.read_segment(storage, meta, (group, window, i), blocks, visible.shape[-1])  # [b, 1, L, d_c / d_r]
+        if isinstance(selector, slice):
+            qn, qr = q_nope[:, :, selector], q_rope[:, :, selector]
+        else:
+            qn, qr = (x[0][:, selector].transpose(0, 1)[:, :, None] for x in (q_nope, q_rope))
+        o, _ = module._absorbed(qn, qr, c.to(q_nope.dtype), rope.to(q_nope.dtype), visible)
+        out[selector] = o[0] if isinstance(selector, slice) else o[:, 0]
+    return out[None]
+
+
+def kernel_decode(module, q_nope, q_rope, flat, meta: AttentionMetadata) -> torch.Tensor:
+    """kernels.mla_decode by block table: q_nope [B, H, d_n], q_rope [B, H, d_r] (one token per sequence), flat
+    latent pages [slots, 1, d_c + d_r] -> [B, H, d_v] (W_UK folded into the query, W_UV applied to the output)."""
+    from hf_attn_patch.kernels.ops import mla_decode
+
+    w_uk, w_uv = module._up_weights()
+    q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
+    group = meta.layer_groups[module.layer_idx]
+    out_latent = mla_decode(q_latent, q_rope, flat, meta.block_tables[group], meta.seq_lens,
+                            block_size=meta.block_size, scale=module.scaling, validate=False)  # fmt: skip
+    return torch.einsum("bhc,hvc->bhv", out_latent.to(q_nope.dtype), w_uv)
+
+
+def cache_decode(module, q_nope, q_rope, latent, context: ForwardContext):
+    """MLA decode over PagedKVCache's pages (CUDA, no window): q [B, H, 1, *] -> [B, 1, H, d_v], or None when the
+    module must run its own path on gathered tensors (`context.gather`)."""
+    layer = module.layer_idx
+    try:
+        storage = context.storage[layer]
+        if module.spec.sliding_window is not None or not module.qk_rope_head_dim or latent.dtype != q_nope.dtype:
+            return None
+        return kernel_decode(module, q_nope[:, :, 0], q_rope[:, :, 0], storage.rows, context.metadata)[:, None]
+    finally:
+        backend.finish_layer(context, layer)
+
+
+VARIANT = register(Variant("mla", MultiHeadLatentAttention, spec_fields, validate, cache_spec,
+                           paged_forward=paged_forward,
                            latent_factors=latent_factors))

@@ -13,8 +13,9 @@ heads, each head's row strided by H * (d_k + d_v)):
   [H * num_blocks, block_size * d] view (`read_pages`, index from `page_index`);
 - the kernels get flat strided views [slots, H, d] (`key_cache`, `value_cache`): slot stride d, head stride
   slots * d, each head's page contiguous.
-MLA layers (H = 1: the latent c and the RoPE key) keep [c | k_rope] fused in one tensor [1, slots, d_c + d_r]
-(`fused=True`), so the latent decode kernel reads a token's row at once (`rows`); `keys`/`values` are its slices.
+A layer whose CacheSpec (variants.py) says `fused` keeps [key | value] in one tensor [H, slots, d_k + d_v] (MLA:
+H = 1, [c | k_rope]), so a latent decode kernel reads a token's row at once (`rows`); `keys`/`values` are its
+slices (d_v may be 0: a latent cached once, nothing beside it).
 """
 
 from __future__ import annotations

@@ -62,6 +62,7 @@ class ForwardContext:
     gather: object = None  # layer -> (K [B, H, L, d_k], V [B, H, L, d_v]); route=False only
     last_layer: int | None = None  # route=False: the context ends after this layer's attention
     states: list | None = None  # hybrid models in the engine: per sequence (query_start_loc order) its state Cache
+    specs: list | None = None  # per layer its CacheSpec (variants.py): the storage layout a first write makes
 
 
 def use_kernels(query: torch.Tensor) -> bool:

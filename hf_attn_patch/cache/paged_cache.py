@@ -1,7 +1,7 @@
 """PagedKVCache: a transformers `Cache` whose KV lives in fixed-size blocks allocated as tokens arrive.
 
 Layout. Each attention layer owns one KVStorage (kv_storage.py: head-major keys [H, slots, d_k] and values
-[H, slots, d_v]; MLA layers: H = 1, the latent and the RoPE key fused in one tensor). All layers of a *group* (full
+[H, slots, d_v], or both fused in one row per token where the layer's CacheSpec says so). All layers of a *group* (full
 attention, or one sliding window size) share one block table per row and one BlockPool: the k-th block of a row's
 table holds its positions [k*bs, (k+1)*bs) in every layer of the group.
 
@@ -89,7 +89,9 @@ class PagedKVCache(Cache):
         config = config.get_text_config(decoder=True)
         self.config = config  # its _attn_implementation is read at every update (it may change after construction)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
-        self.values_per_token = [c.values_per_token for c in layer_caches(config)]
+        caches = layer_caches(config)
+        self.values_per_token = [c.values_per_token for c in caches]
+        self.specs = [c.spec for c in caches]  # per layer what it caches: the storage's layout
         layers = []
         self._pass_through = {}  # layer index -> (type, kwargs): rebuilt fresh for every new request
         for idx, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
@@ -216,7 +218,8 @@ class PagedKVCache(Cache):
         kinds = [layer.window if isinstance(layer, PagedLayer) else STATE for layer in self.layers]
         meta = build_metadata(tables, starts, [1] * len(self.rows), self.block_size, kinds, device)
         return ForwardContext(meta, [None] * len(self.layers), {g: p.num_blocks for g, p in self.manager.pools.items()},
-                              route=False, gather=self._gather, last_layer=self.paged[-1].layer_idx)  # fmt: skip
+                              route=False, gather=self._gather, last_layer=self.paged[-1].layer_idx,
+                              specs=self.specs)  # fmt: skip
 
     def _gather(self, layer_idx: int):
         """K [B, H, L, d_k], V [B, H, L, d_v] of one paged layer (the reference path of a paged_kv decode)."""
@@ -311,7 +314,7 @@ class PagedKVCache(Cache):
             if keys.shape[1] != values.shape[1]:
                 raise ValueError(f"keys have {keys.shape[1]} heads and values {values.shape[1]}: they must match")
             layer.storage = KVStorage(num_blocks, self.block_size, keys.shape[1], keys.shape[-1], values.shape[-1],
-                                      keys, fused=keys.shape[1] == 1)  # fmt: skip
+                                      keys, fused=self.specs[layer.layer_idx].fused)  # fmt: skip
         else:
             layer.storage.grow(num_blocks)
         self.slots.gather_index.clear()  # the flat indices depend on the storage's size

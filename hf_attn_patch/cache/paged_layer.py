@@ -19,7 +19,7 @@ class PagedLayer(CacheLayerMixin):
         self.cache, self.layer_idx, self.window = cache, layer_idx, window
         self.is_sliding = window is not None
         self.length = 0  # tokens this layer has seen (logical, padding included)
-        self.storage: KVStorage | None = None  # made at the first write (GQA: H = H_kv; MLA: H = 1, fused)
+        self.storage: KVStorage | None = None  # made at the first write, laid out by the layer's CacheSpec
 
     def lazy_initialization(self, key_states, value_states) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device

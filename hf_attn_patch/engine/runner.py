@@ -27,6 +27,7 @@ from ..cache.kv_storage import apply_copies
 from ..cache.manager import STATE, layer_groups
 from ..cache.metadata import ForwardContext, build_metadata, forward_context
 from ..cache.state_pool import StateStorage
+from ..kv_memory import layer_cache_specs
 from ..models import fast_linear
 from .scheduler_output import SchedulerOutput
 
@@ -46,6 +47,7 @@ class ModelRunner:
         self.model = model
         self.device = next(model.parameters()).device
         self.storage: list = [None] * len(self.layer_groups)  # per layer its KVStorage (made at its first write)
+        self.specs = layer_cache_specs(config)  # per layer what it caches: the storage's layout
         self._mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         fast_linear.install(model)  # a model built before the import or unpatched gets the packed layers too
         self._allocate_storage(num_blocks)
@@ -81,7 +83,7 @@ class ModelRunner:
     def _run(self, metadata, states, tokens: list[int], positions: list[int], keep: list[int],
              pool_blocks: dict) -> torch.Tensor:  # fmt: skip
         """One forward of the packed row under the metadata's forward context -> float32 logits [len(keep), V]."""
-        context = ForwardContext(metadata, self.storage, pool_blocks, states=states)
+        context = ForwardContext(metadata, self.storage, pool_blocks, states=states, specs=self.specs)
         device = self.device
         keep = torch.tensor(keep, dtype=torch.long, device=device)
         with torch.no_grad(), forward_context(context):

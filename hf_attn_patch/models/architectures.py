@@ -14,7 +14,7 @@ from torch import nn
 from ..attention.rope import DYNAMIC_ROPE_TYPES, rope_table, rotary_dim  # noqa: F401  (re-exported here)
 from ..attention.spec import AttentionSpec
 from ..variants import is_variant, variant_of
-from ..kv_memory import head_dim, layer_kv_lora_rank, layer_latent_rank, layer_qk_rope_head_dim  # noqa: F401  (config sizes; re-exported here)
+from ..kv_memory import head_dim  # noqa: F401  (config sizes; re-exported here)
 
 
 @dataclass
