@@ -16,7 +16,7 @@ from hf_attn_patch.attention import GroupedQueryAttention, MultiHeadLatentAttent
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.evaluation.perplexity import evaluate, windows_of
 from hf_attn_patch.converters.methods.gqa_merge import mean_pool
-from hf_attn_patch.models import load_default
+from hf_attn_patch.models import fast_linear, load_default
 from hf_attn_patch.models.architectures import AttentionShape, architecture_of
 from hf_attn_patch.models.pretrained import DEFAULT_MODEL_DIR
 
@@ -59,7 +59,11 @@ def test_gqa_stock_format_loads_without_the_patch(stories, tmp_path):
     assert type(stock.model.layers[0].self_attn).__name__ == "LlamaAttention"
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "gqa").eval()
     ids = tokenizer("Once upon a time", return_tensors="pt").input_ids
-    assert torch.equal(logits(stock, ids), logits(ours, ids))
+    # the same weights through the same products: the patched build's packed CPU linears (FastLinear) block their
+    # sums in another order than F.linear, which moves the last bits on some CPUs (AVX-512 ones), so they run
+    # F.linear here; the packed path's own agreement is tests/test_fast_linear.py's
+    with fast_linear.disabled():
+        assert torch.equal(logits(stock, ids), logits(ours, ids))
 
 
 def test_gqa_native_format_for_gpt2(tmp_path):
