@@ -22,7 +22,7 @@ import logging
 
 import torch
 
-from .retrieval import Batch, RetrievalResult, score
+from .retrieval import Batch, RetrievalResult, right_aligned, score
 
 logger = logging.getLogger(__name__)
 
@@ -66,10 +66,7 @@ def fact_batch(ids: torch.Tensor, tokenizer, gap: int, items: int, gen: torch.Ge
         row = bos + text[:LEAD] + question + value + text[LEAD:] + question + value
         rows.append(row)
         masks.append([False] * (len(row) - len(value)) + [True] * len(value))
-    width = max(len(r) for r in rows)
-    rows = [r[:1] * (width - len(r)) + r for r in rows]
-    masks = [[False] * (width - len(m)) + m for m in masks]
-    return Batch(torch.tensor(rows), torch.tensor(masks), exact=True)
+    return right_aligned(rows, masks)
 
 
 def _tokens(tokenizer, text: str) -> list[int]:

@@ -128,10 +128,15 @@ def passkey_batch(tokenizer, distance: int, items: int, gen: torch.Generator) ->
         row = prefix + key + tail + repeat[PREFIX:] + query + key
         rows.append(row)
         masks.append([False] * (len(row) - len(key)) + [True] * len(key))
+    return right_aligned(rows, masks)  # keys of different token counts
+
+
+def right_aligned(rows: list[list[int]], masks: list[list[bool]]) -> Batch:
+    """An exact-match Batch of rows of token ids and their target masks, shorter rows left-filled with their first
+    token (never a target), so every row ends where its answer ends and no padding lies inside a row."""
     width = max(len(r) for r in rows)
-    if any(len(r) != width for r in rows):  # keys of different token counts: right-align (no padding inside a row)
-        rows = [r[:1] * (width - len(r)) + r for r in rows]
-        masks = [[False] * (width - len(m)) + m for m in masks]
+    rows = [r[:1] * (width - len(r)) + r for r in rows]
+    masks = [[False] * (width - len(m)) + m for m in masks]
     return Batch(torch.tensor(rows), torch.tensor(masks), exact=True)
 
 
