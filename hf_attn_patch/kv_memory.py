@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .variants import STOCK_VARIANT, CacheSpec, variant_of
+from .variants import CacheSpec, config_variant
 
 
 def head_dim(config) -> int:
@@ -117,14 +117,11 @@ def layer_cache_specs(config) -> list[CacheSpec | None]:
 
 
 def _attention_spec(config, layer_idx: int) -> tuple[CacheSpec, int]:
-    """(the CacheSpec, values per token as MHA) of attention layer `layer_idx`."""
-    heads = config.num_attention_heads
-    if config.model_type in ("deepseek_v2", "deepseek_v3"):  # native MLA; as MHA: DeepSeek's q/k and v head sizes
-        mha = heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
-        return CacheSpec("mla", 1, config.kv_lora_rank, config.qk_rope_head_dim, fused=True), mha
-    # the variant's own spec (variants.py); a converted model's baseline is its source's heads
-    variant = variant_of(getattr(config, "attention_variant", None) or STOCK_VARIANT)
-    return variant.cache_spec(config, layer_idx), 2 * heads * head_dim(config)
+    """(the CacheSpec, values per token as MHA) of attention layer `layer_idx`: its variant's (variants.py); the
+    baseline of a converted model is its source's heads."""
+    variant = config_variant(config)
+    mha = variant.mha_values(config) if variant.mha_values else 2 * config.num_attention_heads * head_dim(config)
+    return variant.cache_spec(config, layer_idx), mha
 
 
 def _state_values(config, layer_type: str) -> int:

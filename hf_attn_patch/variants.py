@@ -4,15 +4,18 @@ A variant's module (gqa.py, mla.py, latent_kv.py) declares, in one `register(Var
 
 - `module`: its attention class (a `VariantAttention`: the base owns the forward signature, the cache prologue and
   the engine route);
-- `spec_fields(config, layer_idx, arch, common)`: the AttentionSpec fields it reads from a config, and
-  `validate(spec)`: their checks (errors name the config field);
+- `spec`: its AttentionSpec subclass, the fields its module reads beside the common ones, checked in `check()`
+  (errors name the config field), and `spec_fields(config, layer_idx, arch, common)`: those fields from a config;
 - `cache_spec(config, layer_idx)`: a CacheSpec, what one layer caches per token and how the paged storage lays it
   out, which the KV accounting (kv_memory.py), PagedKVCache and the engine's paged storage read;
 - `paged_forward`: the function the engine's packed forward attends with (None: the registered attention function,
   through transformers' attention interface, as for GQA);
 - `trainable(module)`: the parameters healing trains;
 - `latent_factors(module)`: its latent factor pairs (down, latent rows of down, up, latent blocks in up's input),
-  which healing rebalances before training (converters/fitting/balance.py; none for GQA).
+  which healing rebalances before training (converters/fitting/balance.py; none for GQA);
+- `native_model_types`: the transformers model types whose attention is this variant by construction (DeepSeek's
+  is MLA), read so without `attention_variant`; `mha_values(config)`: values per token the same layer would cache
+  as full MHA, the accounting's baseline (None: 2 * H * d_h of the config's heads).
 
 The formats a conversion can write are its target's (converters/targets/), not the variant's.
 
@@ -62,12 +65,14 @@ class CacheSpec:
 class Variant:
     name: str
     module: type
-    spec_fields: Callable  # (config, layer_idx, arch, common: dict) -> dict of AttentionSpec fields
-    validate: Callable  # (spec) -> None, raising ValueError naming the config field
+    spec: type  # its AttentionSpec subclass (attention/spec.py)
+    spec_fields: Callable  # (config, layer_idx, arch, common: dict) -> dict of the spec's own fields
     cache_spec: Callable  # (config, layer_idx) -> CacheSpec: what one layer caches per token, and its layout
     paged_forward: Callable | None = None
     trainable: Callable = _all_parameters  # (module) -> the parameters healing trains
     latent_factors: Callable = _no_factors  # (module) -> [(down Linear, rows slice, up Linear, blocks)]
+    native_model_types: tuple[str, ...] = ()
+    mha_values: Callable | None = None  # (config) -> values per token as MHA; None: 2 * H * d_h
 
 
 _REGISTRY: dict[str, Variant] = {}
@@ -83,6 +88,17 @@ def register(variant: Variant) -> Variant:
 def variant_names() -> tuple[str, ...]:
     """The registered variants, in registration order ("gqa", "mla", "latent_kv")."""
     return tuple(_REGISTRY)
+
+
+def native_variant(model_type: str) -> str | None:
+    """The variant a model type's own attention is (DeepSeek-V2/V3: "mla"), None for the stock kind."""
+    return next((v.name for v in _REGISTRY.values() if model_type in v.native_model_types), None)
+
+
+def config_variant(config) -> Variant:
+    """The variant of a config's attention layers: its attention_variant, its model type's native one, else GQA."""
+    name = getattr(config, "attention_variant", None) or native_variant(config.model_type) or STOCK_VARIANT
+    return variant_of(name)
 
 
 def is_variant(name) -> bool:

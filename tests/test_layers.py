@@ -12,6 +12,7 @@ docs/architecture.md draws these layers."""
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -33,8 +34,11 @@ ROOT_LEVEL = 6  # the package root loads every layer's public names (and patch()
 CONVERTER_LEVEL = {"io": 0, "methods": 1, "fitting": 2, "export": 2, "drafting": 2, "options": 3, "targets": 4,
                    "stages": 5, "convert": 6}  # fmt: skip
 # the attention modules that register a variant (attention/gqa.py, mla.py, latent_kv.py)
-VARIANT_MODULES = {path.stem for path in (ROOT / "hf_attn_patch" / "attention").glob("*.py")
-                   if "register(Variant(" in path.read_text()}  # fmt: skip
+VARIANT_MODULES = {
+    path.stem
+    for path in (ROOT / "hf_attn_patch" / "attention").glob("*.py")
+    if re.search(r"register\(\s*Variant\(", path.read_text())
+}
 MAX_LINES = 600  # a god file: look for the concepts it holds (400 is a prompt to look again, not a reason to cut)
 
 

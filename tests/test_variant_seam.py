@@ -12,6 +12,9 @@ continuous-batching engine and the KV accounting all run it.
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -22,10 +25,11 @@ from hf_attn_patch.attention import VariantAttention
 from hf_attn_patch.attention.gqa import attention_function
 from hf_attn_patch.attention import backend
 from hf_attn_patch.attention.gqa import cache_spec as gqa_cache_spec
+from hf_attn_patch.attention.gqa import GQASpec
 from hf_attn_patch.attention.gqa import spec_fields as gqa_spec_fields
-from hf_attn_patch.attention.gqa import validate as gqa_validate
 from hf_attn_patch.attention.rope import apply_rope
 from hf_attn_patch.converters.methods.exact import rebuild
+from hf_attn_patch.models.architectures import attention_spec
 from hf_attn_patch.engine import Engine, SamplingParams
 
 from .conftest import TINY_ATOL, tiny_model
@@ -72,7 +76,7 @@ def cache_spec(config, layer_idx: int) -> variants.CacheSpec:
 def shared_kv(monkeypatch):
     """The variant registered through the public door, in a copy of the registry that is put back afterwards."""
     monkeypatch.setattr(variants, "_REGISTRY", dict(variants._REGISTRY))
-    variants.register(variants.Variant("shared_kv", SharedKVAttention, gqa_spec_fields, gqa_validate, cache_spec))
+    variants.register(variants.Variant("shared_kv", SharedKVAttention, GQASpec, gqa_spec_fields, cache_spec))
     source = tiny_model("llama")
     lifted = {}
     for name, module in source.named_modules():
@@ -117,8 +121,23 @@ def test_a_registered_variant_runs_everywhere(shared_kv, padded_batch, stories, 
 def test_the_registry_refuses_a_second_variant_under_a_taken_name(shared_kv):
     taken = variants.variant_of("shared_kv")
     with pytest.raises(ValueError, match="'shared_kv' is registered twice"):
-        variants.register(variants.Variant("shared_kv", nn.Identity, taken.spec_fields, taken.validate,
-                                           taken.cache_spec))
+        variants.register(variants.Variant("shared_kv", nn.Identity, taken.spec, taken.spec_fields, taken.cache_spec))
+
+
+@dataclass(frozen=True, kw_only=True)
+class OneLatentSpec(GQASpec):
+    """GQA's heads, plus the size of the one latent a layer caches (config field one_latent_dim)."""
+
+    latent_dim: int
+
+    def check(self) -> None:
+        super().check()
+        if not isinstance(self.latent_dim, int) or self.latent_dim < 1:
+            raise ValueError(f"one_latent_dim={self.latent_dim!r} must be a positive integer")
+
+
+def one_latent_spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
+    return dict(gqa_spec_fields(config, layer_idx, arch, common), latent_dim=getattr(config, "one_latent_dim", None))
 
 
 class OneLatentAttention(VariantAttention):
@@ -133,9 +152,9 @@ class OneLatentAttention(VariantAttention):
         self.head_dim, self.num_key_value_groups, self.is_causal = d, h // h_kv, True
         self.scaling = spec.scaling if spec.scaling is not None else d**-0.5
         self.q_proj = nn.Linear(spec.hidden_size, h * d, bias=False)
-        self.c_proj = nn.Linear(spec.hidden_size, config.one_latent_dim, bias=False)
-        self.k_up = nn.Linear(config.one_latent_dim, h_kv * d, bias=False)
-        self.v_up = nn.Linear(config.one_latent_dim, h_kv * d, bias=False)
+        self.c_proj = nn.Linear(spec.hidden_size, spec.latent_dim, bias=False)
+        self.k_up = nn.Linear(spec.latent_dim, h_kv * d, bias=False)
+        self.v_up = nn.Linear(spec.latent_dim, h_kv * d, bias=False)
         self.o_proj = nn.Linear(h * d, spec.hidden_size, bias=False)
 
     def expand(self, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -183,8 +202,15 @@ def one_latent_paged_forward(module, q, c, context) -> torch.Tensor:
 @pytest.fixture
 def one_latent(monkeypatch):
     monkeypatch.setattr(variants, "_REGISTRY", dict(variants._REGISTRY))
-    variants.register(variants.Variant("one_latent", OneLatentAttention, gqa_spec_fields, gqa_validate,
-                                       one_latent_cache_spec, paged_forward=one_latent_paged_forward))  # fmt: skip
+    variant = variants.Variant(
+        "one_latent",
+        OneLatentAttention,
+        OneLatentSpec,
+        one_latent_spec_fields,
+        one_latent_cache_spec,
+        paged_forward=one_latent_paged_forward,
+    )
+    variants.register(variant)
     source = tiny_model("llama")
     torch.manual_seed(0)
     d_c = 12
@@ -221,3 +247,9 @@ def test_a_variant_with_its_own_cache_layout_runs_everywhere(one_latent, padded_
 
     config = model.config
     assert kv_cache_bytes(config, 5, dtype=torch.float32) == 5 * config.num_hidden_layers * 12 * 4  # cached once
+
+    assert all(type(layer.self_attn.spec) is OneLatentSpec for layer in model.model.layers)  # its own fields
+    bad = copy.deepcopy(config)
+    bad.one_latent_dim = 0
+    with pytest.raises(ValueError, match="one_latent_dim=0 must be a positive integer"):
+        attention_spec(bad)

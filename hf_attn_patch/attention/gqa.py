@@ -6,6 +6,8 @@ SDPA, grouped) only inside the attention function, never in the cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -64,7 +66,7 @@ class GroupedQueryAttention(VariantAttention):
 
     variant = "gqa"
 
-    def __init__(self, config, layer_idx: int, spec: AttentionSpec):
+    def __init__(self, config, layer_idx: int, spec: GQASpec):
         super().__init__(config, layer_idx, spec)
         h, h_kv, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
         self.head_dim = d
@@ -106,17 +108,27 @@ class GroupedQueryAttention(VariantAttention):
         return self.o_proj(out.reshape(batch, length, -1)), weights
 
 
+@dataclass(frozen=True, kw_only=True)
+class GQASpec(AttentionSpec):
+    """q [H, d_h], k/v [H_kv, d_h]: MHA is H_kv = H, MQA is H_kv = 1."""
+
+    num_key_value_heads: int | None
+
+    def check(self) -> None:
+        h, h_kv = self.num_attention_heads, self.num_key_value_heads
+        positive("num_key_value_heads", h_kv)
+        if h % h_kv:
+            raise ValueError(
+                f"num_key_value_heads={h_kv} must divide num_attention_heads={h} (GQA groups need equal size)"
+            )
+
+
 def spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
-    """GQA's AttentionSpec fields from a config: its KV heads and the family's softmax scale."""
-    return dict(num_key_value_heads=getattr(config, "num_key_value_heads", None),
-                scaling=arch.scaling(config, layer_idx, common["head_dim"]))  # fmt: skip
-
-
-def validate(spec: AttentionSpec) -> None:
-    h, h_kv = spec.num_attention_heads, spec.num_key_value_heads
-    positive("num_key_value_heads", h_kv)
-    if h % h_kv:
-        raise ValueError(f"num_key_value_heads={h_kv} must divide num_attention_heads={h} (GQA groups need equal size)")
+    """GQASpec's own fields from a config: its KV heads and the family's softmax scale."""
+    return dict(
+        num_key_value_heads=getattr(config, "num_key_value_heads", None),
+        scaling=arch.scaling(config, layer_idx, common["head_dim"]),
+    )
 
 
 def cache_spec(config, layer_idx: int) -> CacheSpec:
@@ -128,4 +140,4 @@ def cache_spec(config, layer_idx: int) -> CacheSpec:
     return CacheSpec(kind, kv_heads, d, d, fused=kv_heads == 1)
 
 
-VARIANT = register(Variant("gqa", GroupedQueryAttention, spec_fields, validate, cache_spec))
+VARIANT = register(Variant("gqa", GroupedQueryAttention, GQASpec, spec_fields, cache_spec))

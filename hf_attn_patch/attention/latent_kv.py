@@ -16,21 +16,23 @@ them in blocks of KEY_BLOCK tokens with an online softmax, so a step never holds
 Positions. Keys are rotated by their index in the cache (0..S-1) and queries by theirs (S-T..S-1): RoPE scores
 depend only on the distance, which indices give exactly even under left padding (both sides shift alike). A call
 with no cached prefix (S == T) uses the model's own position embeddings for both, as the source does (packed
-samples with restarting positions stay exact). The RoPE table is the model's frequencies (AttentionSpec.rope_*).
+samples with restarting positions stay exact). The RoPE table is the model's frequencies (LatentKVSpec.rope_*).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..cache.metadata import ForwardContext, get_forward_context
-from . import backend, gqa
+from . import backend
 from .base import VariantAttention
-from .gqa import RMSNorm, attention_function
+from .gqa import GQASpec, RMSNorm, attention_function
 from .masks import mask_bias
 from .rope import DYNAMIC_ROPE_TYPES, apply_rope, rope_table
-from .spec import AttentionSpec, positive
+from .spec import positive
 from ..variants import CacheSpec, Variant, register
 
 KEY_BLOCK = 1024  # cached tokens whose keys a decode step rebuilds at once (memory: KEY_BLOCK * G * d_h per row)
@@ -43,7 +45,7 @@ class LatentKVAttention(VariantAttention):
 
     variant = "latent_kv"
 
-    def __init__(self, config, layer_idx: int, spec: AttentionSpec):
+    def __init__(self, config, layer_idx: int, spec: LatentKVSpec):
         super().__init__(config, layer_idx, spec)
         h, g, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = h, g, d
@@ -188,15 +190,49 @@ class LatentKVAttention(VariantAttention):
         return out.permute(0, 3, 1, 2, 4).reshape(batch, length, heads, -1)
 
 
+@dataclass(frozen=True, kw_only=True)
+class LatentKVSpec(GQASpec):
+    """GQA's heads, with keys and values kept as latents c_k [latent_key_rank], c_v [latent_value_rank] taken before
+    RoPE; the keys rebuilt from c_k are rotated with the model's RoPE (theta_i per pair, and the rotary embedding's
+    cos/sin factor: yarn, longrope; 1 otherwise)."""
+
+    latent_key_rank: int | None
+    latent_value_rank: int | None
+    rope_frequencies: tuple[float, ...] = ()  # theta_i per RoPE pair (rotary_dim / 2 of them)
+    rope_attention_scaling: float = 1.0
+
+    def check(self) -> None:
+        """The KV heads (as GQA), the two latent ranks and the model's RoPE frequencies."""
+        super().check()
+        limit = min(self.hidden_size, self.num_key_value_heads * self.head_dim)
+        for name in ("latent_key_rank", "latent_value_rank"):
+            value = getattr(self, name)
+            if value is None:
+                raise ValueError(f"attention_variant='latent_kv' needs the config field {name}, which is missing")
+            positive(name, value)
+            if value > limit:
+                raise ValueError(
+                    f"{name}={value} exceeds the rank of the map it factors "
+                    f"(min(hidden_size, num_key_value_heads*head_dim) = {limit})"
+                )
+        if len(self.rope_frequencies) != self.rotary_dim // 2:
+            raise ValueError(
+                f"latent_kv needs the model's {self.rotary_dim // 2} RoPE frequencies, "
+                f"got {len(self.rope_frequencies)}"
+            )
+
+
 def spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
-    """latent K/V's AttentionSpec fields: KV heads, the two ranks (per layer) and the model's RoPE frequencies, which
-    it applies to the keys it rebuilds (so only static RoPE types)."""
+    """LatentKVSpec's own fields from a config: KV heads, the two ranks (per layer) and the model's RoPE frequencies,
+    which it applies to the keys it rebuilds (so only static RoPE types)."""
     frequencies, attention_scaling = (), 1.0
     if arch.rotary:
         rope_type = (config.rope_parameters or {}).get("rope_type", "default")
         if rope_type in DYNAMIC_ROPE_TYPES:
-            raise ValueError(f"rope_type={rope_type!r} changes its frequencies with the length: attention_variant="
-                             f"'latent_kv' rotates cached keys itself and supports static RoPE types only")  # fmt: skip
+            raise ValueError(
+                f"rope_type={rope_type!r} changes its frequencies with the length: attention_variant='latent_kv' "
+                "rotates cached keys itself and supports static RoPE types only"
+            )
         frequencies, attention_scaling = rope_table(config)
     return dict(
         num_key_value_heads=getattr(config, "num_key_value_heads", None) or common["num_attention_heads"],
@@ -206,24 +242,6 @@ def spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
         rope_frequencies=frequencies,
         rope_attention_scaling=attention_scaling,
     )
-
-
-def validate(spec: AttentionSpec) -> None:
-    """latent K/V's fields: the KV heads (as GQA), the two latent ranks and the model's RoPE frequencies."""
-    gqa.validate(spec)
-    kv_width = spec.num_key_value_heads * spec.head_dim
-    for name in ("latent_key_rank", "latent_value_rank"):
-        value = getattr(spec, name)
-        if value is None:
-            raise ValueError(f"attention_variant='latent_kv' needs the config field {name}, which is missing")
-        positive(name, value)
-        limit = min(spec.hidden_size, kv_width)
-        if value > limit:
-            raise ValueError(f"{name}={value} exceeds the rank of the map it factors (min(hidden_size, "
-                             f"num_key_value_heads*head_dim) = {limit})")  # fmt: skip
-    if len(spec.rope_frequencies) != spec.rotary_dim // 2:
-        raise ValueError(f"latent_kv needs the model's {spec.rotary_dim // 2} RoPE frequencies, got "
-                         f"{len(spec.rope_frequencies)}")  # fmt: skip
 
 
 def cache_spec(config, layer_idx: int) -> CacheSpec:
@@ -271,5 +289,5 @@ def paged_forward(module, q, c_k, c_v, context: ForwardContext) -> torch.Tensor:
     return out[None]
 
 
-VARIANT = register(Variant("latent_kv", LatentKVAttention, spec_fields, validate, cache_spec,
+VARIANT = register(Variant("latent_kv", LatentKVAttention, LatentKVSpec, spec_fields, cache_spec,
                            paged_forward=paged_forward, latent_factors=latent_factors))

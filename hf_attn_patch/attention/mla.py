@@ -18,11 +18,14 @@ Parameter names are DeepSeek-V3's, so its checkpoints load as they are.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from ..cache import metadata
 from ..cache.metadata import AttentionMetadata, ForwardContext, get_forward_context
+from ..kv_memory import head_dim
 from . import backend
 from .base import VariantAttention
 from .gqa import RMSNorm, attention_function
@@ -39,7 +42,7 @@ class MultiHeadLatentAttention(VariantAttention):
 
     variant = "mla"
 
-    def __init__(self, config, layer_idx: int, spec: AttentionSpec):
+    def __init__(self, config, layer_idx: int, spec: MLASpec):
         super().__init__(config, layer_idx, spec)
         h, d_c = spec.num_attention_heads, spec.kv_lora_rank
         self.num_heads, self.kv_lora_rank = h, d_c
@@ -239,8 +242,83 @@ def _joint_rows(c: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor | None:
 
 
 
+@dataclass(frozen=True, kw_only=True)
+class MLASpec(AttentionSpec):
+    """The latent c_t of kv_lora_rank dims; per head k_nope [qk_nope_head_dim] and v [v_head_dim] up-projected from
+    it; one RoPE key of qk_rope_head_dim dims shared by all heads; queries [qk_nope_head_dim + qk_rope_head_dim],
+    through a q_lora_rank latent when set. DeepSeek's config names."""
+
+    kv_lora_rank: int | None
+    q_lora_rank: int | None = None
+    qk_nope_head_dim: int | None
+    qk_rope_head_dim: int | None
+    v_head_dim: int | None
+    mla_latent_norm: bool = True  # RMSNorm on c_t (DeepSeek's kv_a_layernorm)
+    mla_rope_pairs: tuple[int, ...] | None = None  # which source frequency pairs the decoupled RoPE key carries
+    rope_interleave: bool = False  # DeepSeek checkpoints store rotary dims as interleaved pairs
+
+    def check(self) -> None:
+        """MLA's fields: the latent, RoPE and head dims, within the ranks of the maps they factor."""
+        for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            if getattr(self, name) is None:
+                raise ValueError(f"attention_variant='mla' needs the config field {name}, which is missing")
+        positive("kv_lora_rank", self.kv_lora_rank)
+        positive("v_head_dim", self.v_head_dim)
+        non_negative("qk_nope_head_dim", self.qk_nope_head_dim)
+        non_negative("qk_rope_head_dim", self.qk_rope_head_dim)
+        if self.qk_nope_head_dim + self.qk_rope_head_dim == 0:
+            raise ValueError("qk_nope_head_dim=0 and qk_rope_head_dim=0: queries and keys would have no dims")
+        # c_t = W_DKV x factors [W_K_nope; W_V] (hidden -> H*(d_nope+d_v)): its rank is at most the smaller side.
+        kv_limit = min(self.hidden_size, self.num_attention_heads * (self.qk_nope_head_dim + self.v_head_dim))
+        if self.kv_lora_rank > kv_limit:
+            raise ValueError(
+                f"kv_lora_rank={self.kv_lora_rank} exceeds the rank of the K/V map it factors "
+                f"(min(hidden_size, num_attention_heads*(qk_nope_head_dim+v_head_dim)) = {kv_limit})"
+            )
+        if self.q_lora_rank is not None:
+            positive("q_lora_rank", self.q_lora_rank)
+            q_limit = min(self.hidden_size, self.num_attention_heads * (self.qk_nope_head_dim + self.qk_rope_head_dim))
+            if self.q_lora_rank > q_limit:
+                raise ValueError(f"q_lora_rank={self.q_lora_rank} exceeds the rank of the query map ({q_limit})")
+        d_r = self.qk_rope_head_dim
+        if d_r % 2:
+            raise ValueError(f"qk_rope_head_dim={d_r} must be even (RoPE rotates pairs of dims)")
+        if d_r and not self.rotary_dim:
+            raise ValueError(
+                f"qk_rope_head_dim={d_r} but this architecture has no rotary embedding (learned positions): use 0"
+            )
+        if self.mla_rope_pairs is not None:
+            if len(self.mla_rope_pairs) != d_r // 2:
+                raise ValueError(
+                    f"mla_rope_pairs has {len(self.mla_rope_pairs)} entries, qk_rope_head_dim={d_r} needs {d_r // 2}"
+                )
+            bad = [i for i in self.mla_rope_pairs if not 0 <= i < self.rotary_dim // 2]
+            if bad:
+                raise ValueError(
+                    f"mla_rope_pairs={bad} out of range: the rotary embedding has {self.rotary_dim // 2} pairs"
+                )
+        elif d_r > self.rotary_dim:
+            raise ValueError(
+                f"qk_rope_head_dim={d_r} exceeds the {self.rotary_dim} rotary dims of the model; "
+                "set mla_rope_pairs to repeat frequencies"
+            )
+
+    def rope_pair_index(self) -> tuple[int, ...] | None:
+        """Source frequency pairs of MLA's RoPE key; None when it uses the model's rotary dims as they are.
+
+        Without `mla_rope_pairs`, d_r/2 pairs evenly spaced over the model's d_rot/2: for DeepSeek-style
+        frequencies theta^(-2i/d_r) this picks exactly them when d_rot is a multiple of d_r.
+        """
+        d_r, d_rot = self.qk_rope_head_dim, self.rotary_dim
+        if self.mla_rope_pairs is not None:
+            return tuple(self.mla_rope_pairs)
+        if d_r == d_rot or d_r == 0:
+            return None
+        return tuple((i * (d_rot // 2)) // (d_r // 2) for i in range(d_r // 2))
+
+
 def spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
-    """MLA's AttentionSpec fields (DeepSeek's config names), per layer where a conversion chose per-layer sizes."""
+    """MLASpec's own fields from a config, per layer where a conversion chose per-layer sizes."""
     fields = {name: getattr(config, name, None)
               for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
     if fields["qk_nope_head_dim"] is None or fields["qk_rope_head_dim"] is None:
@@ -265,57 +343,19 @@ def spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
     )
 
 
-def validate(spec: AttentionSpec) -> None:
-    """MLA's fields: the latent, RoPE and head dims, within the ranks of the maps they factor."""
-    for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-        if getattr(spec, name) is None:
-            raise ValueError(f"attention_variant='mla' needs the config field {name}, which is missing")
-    positive("kv_lora_rank", spec.kv_lora_rank)
-    positive("v_head_dim", spec.v_head_dim)
-    non_negative("qk_nope_head_dim", spec.qk_nope_head_dim)
-    non_negative("qk_rope_head_dim", spec.qk_rope_head_dim)
-    if spec.qk_nope_head_dim + spec.qk_rope_head_dim == 0:
-        raise ValueError("qk_nope_head_dim=0 and qk_rope_head_dim=0: queries and keys would have no dims")
-    # c_t = W_DKV x factors [W_K_nope; W_V] (hidden -> H*(d_nope+d_v)): its rank is at most the smaller side.
-    kv_limit = min(spec.hidden_size, spec.num_attention_heads * (spec.qk_nope_head_dim + spec.v_head_dim))
-    if spec.kv_lora_rank > kv_limit:
-        raise ValueError(
-            f"kv_lora_rank={spec.kv_lora_rank} exceeds the rank of the K/V map it factors "
-            f"(min(hidden_size, num_attention_heads*(qk_nope_head_dim+v_head_dim)) = {kv_limit})"
-        )
-    if spec.q_lora_rank is not None:
-        positive("q_lora_rank", spec.q_lora_rank)
-        q_limit = min(spec.hidden_size, spec.num_attention_heads * (spec.qk_nope_head_dim + spec.qk_rope_head_dim))
-        if spec.q_lora_rank > q_limit:
-            raise ValueError(f"q_lora_rank={spec.q_lora_rank} exceeds the rank of the query map ({q_limit})")
-    d_r = spec.qk_rope_head_dim
-    if d_r % 2:
-        raise ValueError(f"qk_rope_head_dim={d_r} must be even (RoPE rotates pairs of dims)")
-    if d_r and not spec.rotary_dim:
-        raise ValueError(
-            f"qk_rope_head_dim={d_r} but this architecture has no rotary embedding (learned positions): use 0"
-        )
-    if spec.mla_rope_pairs is not None:
-        if len(spec.mla_rope_pairs) != d_r // 2:
-            raise ValueError(
-                f"mla_rope_pairs has {len(spec.mla_rope_pairs)} entries, qk_rope_head_dim={d_r} needs {d_r // 2}"
-            )
-        bad = [i for i in spec.mla_rope_pairs if not 0 <= i < spec.rotary_dim // 2]
-        if bad:
-            raise ValueError(
-                f"mla_rope_pairs={bad} out of range: the rotary embedding has {spec.rotary_dim // 2} pairs"
-            )
-    elif d_r > spec.rotary_dim:
-        raise ValueError(
-            f"qk_rope_head_dim={d_r} exceeds the {spec.rotary_dim} rotary dims of the model; "
-            "set mla_rope_pairs to repeat frequencies"
-        )
-
-
 def cache_spec(config, layer_idx: int) -> CacheSpec:
     """The latent and the shared RoPE key, one row [c | k_rope] per token (the latent decode kernel reads it)."""
     return CacheSpec("mla", 1, layer_kv_lora_rank(config, layer_idx), layer_qk_rope_head_dim(config, layer_idx),
                      fused=True)
+
+
+def mha_values(config) -> int:
+    """Values per token as MHA: a converted model's source heads (2 * H * d_h); DeepSeek's own q/k and v head sizes
+    for a native one (H * (d_nope + d_rope + d_v))."""
+    heads = config.num_attention_heads
+    if getattr(config, "attention_variant", None) is None:
+        return heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim)
+    return 2 * heads * head_dim(config)
 
 
 def latent_factors(attn: MultiHeadLatentAttention) -> list:
@@ -404,6 +444,16 @@ def cache_decode(module, q_nope, q_rope, latent, context: ForwardContext):
         backend.finish_layer(context, layer)
 
 
-VARIANT = register(Variant("mla", MultiHeadLatentAttention, spec_fields, validate, cache_spec,
-                           paged_forward=paged_forward,
-                           latent_factors=latent_factors))
+VARIANT = register(
+    Variant(
+        "mla",
+        MultiHeadLatentAttention,
+        MLASpec,
+        spec_fields,
+        cache_spec,
+        paged_forward=paged_forward,
+        latent_factors=latent_factors,
+        native_model_types=("deepseek_v2", "deepseek_v3"),
+        mha_values=mha_values,
+    )
+)

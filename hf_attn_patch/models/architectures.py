@@ -13,7 +13,7 @@ from torch import nn
 
 from ..attention.rope import DYNAMIC_ROPE_TYPES, rope_table, rotary_dim  # noqa: F401  (re-exported here)
 from ..attention.spec import AttentionSpec
-from ..variants import is_variant, variant_of
+from ..variants import is_variant, native_variant, variant_of
 from ..kv_memory import head_dim  # noqa: F401  (config sizes; re-exported here)
 
 
@@ -193,12 +193,12 @@ def architecture_of(config) -> Architecture:
 
 
 def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
-    """The AttentionSpec of layer `layer_idx` of a config carrying `attention_variant` (validates it).
+    """The AttentionSpec of layer `layer_idx` (its variant's subclass) of a config carrying `attention_variant`.
 
     A DeepSeek-V2/V3 config is MLA by construction; without `attention_variant` it reads as variant 'mla'.
     """
     arch = architecture_of(config)
-    variant = getattr(config, "attention_variant", None) or ("mla" if arch.replaces_stock else None)
+    variant = getattr(config, "attention_variant", None) or native_variant(config.model_type)
     if variant is None:
         raise ValueError(f"config of model_type={config.model_type!r} has no attention_variant")
     if is_variant(variant) and arch.variants is not None and variant not in arch.variants:
@@ -221,7 +221,7 @@ def attention_spec(config, layer_idx: int = 0) -> AttentionSpec:
         sliding_window=arch.sliding_window(config, layer_idx),
         dropout=arch.dropout(config),
     )
-    return AttentionSpec(**common, **kind.spec_fields(config, layer_idx, arch, common))
+    return kind.spec(**common, **kind.spec_fields(config, layer_idx, arch, common))
 
 
 def rope_frequencies(config) -> tuple[float, ...]:
