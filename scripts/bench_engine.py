@@ -8,10 +8,14 @@ Parts:
               TTFT / TPOT / inter-token latency, prefix caching, chunked prefill (plot: results/engine/latency.png)
     hybrid    the engine against static generate() batches on random hybrid models (state layers + attention)
     server    `hf-attn serve` as a subprocess under bursts of completions against the in-process engine
+    revision  this tree's engine against the engine of a git revision: offline throughput in alternating child
+              processes, and whether every generated token is the same (for a refactor of the engine)
 """
 
 from __future__ import annotations
 
+import argparse
+import hashlib
 import json
 import os
 import random
@@ -20,6 +24,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -574,10 +579,84 @@ def server(args):
     )
 
 
+# ------------------------------------------------------------------------------------------------------------ revision
+def revision_options(parser) -> None:
+    parser.add_argument("--against", default="main", metavar="REV", help="the git revision to compare with")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--child", default=None, metavar="JSON", help=argparse.SUPPRESS)
+
+
+def revision_child(args) -> None:
+    """One offline run of the batching workload (stories260k) -> JSON: throughput and a hash of every token."""
+    torch.set_num_threads(args.threads)
+    model, tok = load_default()
+    requests = workload(tok, "tinystories_sample.txt", args.requests, 1024, 256)
+    engine = Engine(model, tok)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
+    engine.generate([requests[0][0]], params[0])  # warm-up
+    start = time.perf_counter()
+    outputs = engine.generate([prompt for prompt, _ in requests], params)
+    seconds = time.perf_counter() - start
+    tokens = [out.token_ids for out in outputs]
+    digest = hashlib.sha256(json.dumps(tokens).encode()).hexdigest()[:16]
+    result = {
+        "tok/s": sum(map(len, tokens)) / seconds,
+        "tokens": digest,
+        "engine": sys.modules[Engine.__module__].__file__,
+    }
+    Path(args.child).write_text(json.dumps(result))
+
+
+def revision(args):
+    """This tree's engine against the engine of a git revision, offline on the batching workload (stories260k,
+    greedy, EOS ignored), each run in its own child process, the two alternating `--rounds` times.
+
+        .venv/bin/python scripts/bench_engine.py revision --against main [--requests 64] [--rounds 3] [--threads 2]
+
+    Prints each round's throughput, the median ratio (this tree / the revision) and whether both generated exactly
+    the same tokens (a hash of every request's token ids).
+    """
+    if args.child:
+        return revision_child(args)
+    repo = Path(__file__).resolve().parents[1]
+    trees = {"this tree": repo}
+    runs = {"this tree": [], args.against: []}
+    with tempfile.TemporaryDirectory(prefix="bench-revision-") as tmp:
+        trees[args.against] = Path(tmp) / "tree"
+        subprocess.run(
+            ["git", "-C", str(repo), "worktree", "add", "--detach", str(trees[args.against]), args.against], check=True
+        )
+        try:
+            for round_ in range(args.rounds):
+                order = list(trees) if round_ % 2 == 0 else list(trees)[::-1]
+                for name in order:
+                    out = Path(tmp) / "result.json"
+                    env = {**os.environ, "PYTHONPATH": str(trees[name])}
+                    options = [f"--child={out}", f"--threads={args.threads}", f"--requests={args.requests}"]
+                    command = [sys.executable, __file__, "revision", *options]
+                    subprocess.run(command, env=env, check=True, cwd=trees[name])
+                    result = json.loads(out.read_text())
+                    assert Path(result["engine"]).is_relative_to(trees[name]), result["engine"]
+                    runs[name].append(result)
+                    print(f"round {round_ + 1} {name}: {result['tok/s']:.1f} tok/s, tokens {result['tokens']}")
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(trees[args.against])])
+    ours = statistics.median(r["tok/s"] for r in runs["this tree"])
+    base = statistics.median(r["tok/s"] for r in runs[args.against])
+    same = {r["tokens"] for r in runs["this tree"] + runs[args.against]}
+    print(
+        f"median: this tree {ours:.1f} tok/s, {args.against} {base:.1f} tok/s: ratio {ours / base:.3f}x; "
+        f"tokens {'identical' if len(same) == 1 else 'DIFFERENT'}"
+    )
+
+
 PARTS: dict[str, benchlib.Part] = {
     "batching": (batching_options, batching),
     "hybrid": (hybrid_options, hybrid),
     "server": (server_options, server),
+    "revision": (revision_options, revision),
 }
 
 if __name__ == "__main__":

