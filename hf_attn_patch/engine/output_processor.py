@@ -59,6 +59,8 @@ class RequestText:
 
 
 class OutputProcessor:
+    """Per request id its RequestText; the requests themselves are the scheduler's (Scheduler.requests)."""
+
     def __init__(self, scheduler: Scheduler, tokenizer, eos_ids: set[int], vocab_size: int):
         self.scheduler, self.tokenizer, self.eos_ids, self.vocab_size = scheduler, tokenizer, eos_ids, vocab_size
         self.texts: dict[str, RequestText] = {}
