@@ -310,3 +310,30 @@ def test_seeded_request_does_not_depend_on_its_batch(stories):
     batch = Engine(model, tok, block_size=4).generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]],
                                                       [others[0], seeded, others[1], others[2]])  # fmt: skip
     assert batch[1].token_ids == alone.token_ids and batch[1].text == alone.text
+
+
+def test_a_step_is_values_applied_in_one_place(stories):
+    """A step by hand: the plan names requests by id and cannot be changed, the runner answers with a value (no
+    request changes before update_from_output), and update_from_output applies it: the drafts' verdict, the
+    tokens, the logprobs. The same steps as engine.step(): the outputs equal generate()'s."""
+    model, tok = stories
+    engine = Engine(model, tok, block_size=4)
+    prompt = "Tom and his dog went to the park. Tom and his dog went to the park. Tom and his dog"
+    params = SamplingParams(max_tokens=12, temperature=0, logprobs=1, num_speculative_tokens=4)
+    rid = engine.add_request(prompt, params)
+    request, tokens, drafts = engine.scheduler.requests[rid], [], 0
+    while engine.has_unfinished():
+        plan = engine.scheduler.schedule()
+        assert plan.req_ids == (rid,) and all(isinstance(v, (tuple, dict)) for v in vars(plan).values())
+        with pytest.raises(AttributeError):
+            plan.req_ids = ()
+        before = (list(request.generated), request.computed)
+        result = engine.runner.execute(plan, engine.processor.grammar_masks(plan))
+        assert (list(request.generated), request.computed) == before  # nothing applied yet
+        drafts += len(plan.sampling[rid].draft) if rid in plan.sampling else 0
+        (out,) = engine.processor.update_from_output(plan, result)
+        tokens += result.sampled.get(rid, ())
+        assert out.token_ids == tokens[: len(out.token_ids)]
+    assert out.finished and len(out.logprobs) == len(out.token_ids) == 12
+    assert drafts > 0 and out.metrics["speculative_proposed"] == drafts
+    assert out.token_ids == engine.generate(prompt, SamplingParams(max_tokens=12, temperature=0))[0].token_ids

@@ -91,9 +91,9 @@ def _run(model, tokenizer, **options):
     steps, calls = [], [0]
     forward = engine.runner.forward
 
-    def recording(output, keep):  # what the runner reads: the SchedulerOutput
-        steps.append([(r.id, start, n, len(r.prompt_ids))
-                      for r, start, n in zip(output.requests, output.starts, output.num_tokens)])  # fmt: skip
+    def recording(output, keep):  # what the runner reads: the SchedulerOutput, naming requests by id
+        prompt_lengths = [len(engine.scheduler.requests[i].prompt_ids) for i in output.req_ids]
+        steps.append(list(zip(output.req_ids, output.starts, output.num_tokens, prompt_lengths)))
         return forward(output, keep)
 
     engine.runner.forward = recording

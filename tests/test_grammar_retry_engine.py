@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-import hf_attn_patch.engine.core as engine_core
+import hf_attn_patch.engine.output_processor as output_processor
 from hf_attn_patch.engine import Engine, SamplingParams
 from hf_attn_patch.grammar.retry import MAX_RETRIES, RowRetry
 
@@ -66,11 +66,11 @@ def test_engine_rewinds_and_retries(random_llama, stories, family, monkeypatch, 
     rewind left intact (copy-on-write)."""
     tok = stories[1]
     schema = FAMILIES[family][0]
-    monkeypatch.setattr(engine_core, "RowRetry", lambda: RowRetry(0))
+    monkeypatch.setattr(output_processor, "RowRetry", lambda: RowRetry(0))
     plain = _run(Engine(random_llama, tok, block_size=4), tok, schema)
     assert sum(o.finish_reason == "check_failed" for o in plain) >= 2, [o.finish_reason for o in plain]
     assert all(o.metrics["grammar_retries"] == 0 for o in plain)
-    monkeypatch.setattr(engine_core, "RowRetry", _Recording)
+    monkeypatch.setattr(output_processor, "RowRetry", _Recording)
     _Recording.seen = []
     engine = Engine(random_llama, tok, block_size=2)  # rewinds cross block boundaries and named (cached) blocks
     outs = _run(engine, tok, schema, logprobs=0)

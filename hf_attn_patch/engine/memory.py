@@ -2,6 +2,7 @@
 
     budget = kv_budget(model, max_batch_tokens=512, max_num_seqs=64, utilization=0.9)
     budget.kv_bytes   # = utilization x device memory - memory in use (weights, other processes) - activation peak
+    num_blocks, block_bytes = pool_blocks(config, dtype, block_size, max_num_seqs, None, budget.kv_bytes)
 
 The activation peak is measured by a profiling forward of max_batch_tokens tokens in one packed row, as the engine
 runs them, keeping the logits of max_num_seqs rows: on a GPU from the allocator's peak; on the CPU from the
@@ -16,6 +17,8 @@ import os
 from dataclasses import asdict, dataclass
 
 import torch
+
+from ..kv_memory import kv_cache_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -92,3 +95,21 @@ def kv_budget(model, max_batch_tokens: int, max_num_seqs: int, utilization: floa
                          f"{utilization} x {total} bytes - {in_use} in use - {activations} of activations at "
                          f"max_batch_tokens={max_batch_tokens}; raise memory_utilization or lower max_batch_tokens")  # fmt: skip
     return budget
+
+
+def pool_blocks(config, dtype, block_size: int, max_num_seqs: int, num_blocks: int | None, max_memory: int | None):
+    """(blocks in the KV pool, bytes of one block over all attention layers): num_blocks, else as many as max_memory
+    holds (default DEFAULT_KV_MEMORY) beside the constant states of max_num_seqs sequences (hybrid models)."""
+    state = kv_cache_bytes(config, 0, dtype=dtype)  # per sequence; 0 without constant-state layers
+    block_bytes = kv_cache_bytes(config, block_size, dtype=dtype) - state
+    if num_blocks is None:
+        memory = max_memory if max_memory is not None else DEFAULT_KV_MEMORY
+        num_blocks = max(0, memory - max_num_seqs * state) // block_bytes
+        if state and num_blocks < 2:
+            raise ValueError(
+                f"Engine: max_memory={memory} cannot hold the constant states of max_num_seqs={max_num_seqs} "
+                f"sequences ({state} bytes each) and 2 blocks; raise max_memory or lower max_num_seqs"
+            )
+    if num_blocks < 2:
+        raise ValueError(f"Engine: max_memory={max_memory} holds {num_blocks} blocks; need at least 2")
+    return num_blocks, block_bytes

@@ -1,7 +1,12 @@
-"""The model runner: owns the paged KV storage, builds the step's AttentionMetadata once, runs one forward.
+"""The model runner: owns the paged KV storage, builds the step's AttentionMetadata once, runs one forward, samples.
 
     runner = ModelRunner(model, num_blocks=..., block_size=16)   # runner.groups: the KV manager's block groups
-    logits = runner.forward(output, keep)   # output: the scheduler's SchedulerOutput -> float32 logits [len(keep), V]
+    result = runner.execute(plan, masks)    # plan: SchedulerOutput, masks: GrammarMasks or None -> ModelRunnerOutput
+    logits = runner.forward(plan, keep)     # the forward alone -> float32 logits [len(keep), V]
+
+`execute` is a step's model side: the forward keeping the plan's logits rows, then (sampler.py) every sampling
+request's grammar mask, draw or draft verification and logprobs at once, and the prompt logprobs; the answer is a
+value (runner_output.py). Between steps the runner keeps nothing of a request but its KV (and constant state).
 
 The scheduled tokens of many requests go through the model as one row [1, T] with their own position ids. The
 metadata travels in a forward context (cache/metadata.py); while it is set, transformers' attention lookup returns
@@ -29,6 +34,9 @@ from ..cache.metadata import ForwardContext, build_metadata, forward_context
 from ..cache.state_pool import StateStorage
 from ..kv_memory import layer_cache_specs
 from ..models import fast_linear
+from .grammar_link import GrammarMasks
+from .runner_output import ModelRunnerOutput
+from .sampler import prompt_logprobs, sample_requests
 from .scheduler_output import SchedulerOutput
 
 
@@ -43,6 +51,7 @@ class ModelRunner:
         if not self.groups:
             raise ValueError("Engine: the model has no attention layer (constant-state layers only); not served")
         self.block_size = block_size
+        self.vocab_size = config.vocab_size  # logits columns past it (padding) are never sampled
         self.states = StateStorage(config, max_num_seqs) if hybrid else None  # per slot: transformers Cache
         self.model = model
         self.device = next(model.parameters()).device
@@ -64,6 +73,13 @@ class ModelRunner:
         for storage in self.storage:
             if storage is not None:
                 storage.zero_block(NULL_BLOCK)  # the null block reads as zeros (cache/manager.py)
+
+    def execute(self, plan: SchedulerOutput, masks: GrammarMasks | None = None) -> ModelRunnerOutput:
+        """One step: the forward, then per request id its drawn tokens, their logprobs and its prompt logprobs."""
+        logits = self.forward(plan, list(plan.logits_rows))[:, : self.vocab_size]
+        prompt = prompt_logprobs(logits, plan.prompt_logprobs)
+        sampled, logprobs = sample_requests(logits, plan.sampling, masks)
+        return ModelRunnerOutput(sampled, logprobs, prompt)
 
     def forward(self, output: SchedulerOutput, keep: list[int]) -> torch.Tensor:
         """Packed forward of the step's scheduled tokens -> float32 logits on the CPU of the packed positions `keep`

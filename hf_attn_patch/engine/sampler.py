@@ -1,7 +1,9 @@
 """Batched sampling for the engine: R requests at once, each with 1 + d_r logit rows (d_r speculative drafts).
 
-    batch = SamplingBatch.build(params, generators, drafts)        # per-row tensors, built once per step
-    result = sample(logits, batch)                                  # logits float32 [sum(1 + d_r), V]
+    sampled, logprobs = sample_requests(logits, plan.sampling, masks)   # a step's draws, per request id
+    prompt = prompt_logprobs(logits, plan.prompt_logprobs)              # a step's prompt scores, per request id
+    batch = SamplingBatch.build(params, generators, drafts)             # per-row tensors, built once per step
+    result = sample(logits, batch)                                      # logits float32 [sum(1 + d_r), V]
 
 Per request r with rows j = 0..d_r (row j scores the token after draft j - 1):
 - processed scores s = logits / T_r, then top-k (the k_r largest kept) and top-p (the smallest set of most likely
@@ -16,12 +18,15 @@ Per request r with rows j = 0..d_r (row j scores the token after draft j - 1):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
 
 from ..speculative.rejection import verify_greedy, verify_sampling
+from .grammar_link import GrammarMasks
 from .params import SamplingParams, TokenLogprob
+from .scheduler_output import PromptLogprobRows, SamplingView
 
 
 @dataclass
@@ -66,6 +71,63 @@ class SamplingBatch:
 class SampleResult:
     accepted: torch.Tensor  # [R] drafts accepted
     tokens: list[list[int]]  # per request: accepted drafts + the next token (1 + accepted[r] tokens)
+
+
+def sample_requests(logits: torch.Tensor, sampling: dict[str, SamplingView], masks: GrammarMasks | None):
+    """A step's draws: logits float32 [N, V] (the plan's kept rows), the requests reaching their next token (one
+    with max_tokens=0 only scores its prompt: nothing is drawn), their grammar masks -> (per request id its accepted
+    drafts + next token, per request id that asked for logprobs a TokenLogprob of each drawn token)."""
+    views = {request_id: view for request_id, view in sampling.items() if view.params.max_tokens > 0}
+    if not views:
+        return {}, {}
+    spans = [(view.row, 1 + len(view.draft)) for view in views.values()]
+    offsets = list(itertools.accumulate((n for _, n in spans[:-1]), initial=0))
+    first = dict(zip(views, offsets))  # each request's first row in `raw`
+    if sum(n for _, n in spans) == logits.shape[0]:  # only sampling rows were kept (no prompt logprobs)
+        raw = logits
+    else:
+        raw = logits[torch.cat([torch.arange(row, row + n) for row, n in spans])]
+    rows = raw
+    if masks is not None:  # logprobs are of the raw distribution: mask a copy
+        rows = raw.clone()
+        masks.apply(rows, [first[request_id] for request_id in masks.req_ids])
+    batch = SamplingBatch.build(
+        [view.params for view in views.values()],
+        [view.generator for view in views.values()],
+        [view.draft for view in views.values()],
+        rows.shape[-1],
+    )
+    sampled = {request_id: tuple(tokens) for request_id, tokens in zip(views, sample(rows, batch).tokens)}
+    wanted = [
+        (first[request_id] + j, request_id, token)
+        for request_id, tokens in sampled.items()
+        if views[request_id].params.logprobs is not None
+        for j, token in enumerate(tokens)
+    ]
+    logprobs = {}
+    if wanted:  # one batched op over every wanted row
+        k = max(views[request_id].params.logprobs for _, request_id, _ in wanted)
+        index, targets = torch.tensor([w[0] for w in wanted]), torch.tensor([w[2] for w in wanted])
+        for (_, request_id, _), entry in zip(wanted, token_logprobs(raw[index], targets, k)):
+            entry.top = entry.top[: views[request_id].params.logprobs]
+            logprobs.setdefault(request_id, []).append(entry)
+    return sampled, {request_id: tuple(entries) for request_id, entries in logprobs.items()}
+
+
+def prompt_logprobs(logits: torch.Tensor, rows: dict[str, PromptLogprobRows]) -> dict[str, tuple[TokenLogprob, ...]]:
+    """logits float32 [N, V] (the plan's kept rows) -> per request id a TokenLogprob of each prompt token it scores
+    (all requests' rows at once)."""
+    if not rows:
+        return {}
+    index = torch.tensor([r.row + j for r in rows.values() for j in range(len(r.targets))])
+    targets = torch.tensor([t for r in rows.values() for t in r.targets])
+    entries = iter(token_logprobs(logits[index], targets, max(r.k for r in rows.values())))
+    result = {}
+    for request_id, r in rows.items():
+        result[request_id] = tuple(itertools.islice(entries, len(r.targets)))
+        for entry in result[request_id]:
+            entry.top = entry.top[: r.k]
+    return result
 
 
 def ragged_to_padded(logits: torch.Tensor, lengths: torch.Tensor, k: int) -> torch.Tensor:

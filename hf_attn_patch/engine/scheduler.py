@@ -11,52 +11,24 @@ Policy (FIFO by arrival, documented in the README):
 Without chunked prefill, a prompt is prefilled whole in one step; the step's first prefill may exceed the budget
 (decodes then wait for it: the stall chunked prefill removes).
 
-The scheduler owns the KV manager: it allocates a step's blocks, returns the step as a SchedulerOutput (the runner
-reads only that), and after the forward `update()` advances the requests and names their full blocks.
+The scheduler owns the requests' places: the KV manager (a step's blocks), the queues, how much of each request is
+computed and its n-gram drafts (speculative/drafters.py's lookup over its tokens, proposed as a step is planned
+and verified in the same forward). It returns the step as a SchedulerOutput, a value naming requests by id (the
+runner reads only that); the output processor, applying the step's result, calls `update()` (the scheduled tokens
+are computed, full blocks named), `drop_drafts()`, `rewind()` and `finish()`.
 """
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from dataclasses import dataclass, field
 
 import torch
 
 from ..cache.block_pool import NULL_BLOCK
 from ..cache.manager import KVManager
-from .params import SamplingParams
-from .scheduler_output import SchedulerOutput
-
-
-@dataclass(eq=False)  # identity: `in` / remove() on the queues must not compare every field
-class Request:
-    id: str
-    prompt_ids: list[int]
-    params: SamplingParams
-    arrival: float = field(default_factory=time.perf_counter)
-    generated: list[int] = field(default_factory=list)
-    computed: int = 0  # leading tokens whose K/V is in the cache (its blocks: the KV manager's, under its id)
-    text: str = ""
-    logprobs: list[float] = field(default_factory=list)
-    finish_reason: str | None = None
-    prefix_hit_tokens: int = 0
-    preemptions: int = 0
-    first_token_time: float | None = None
-    generator: torch.Generator | None = None
-    grammar: object = None  # a grammar state (hf_attn_patch.grammar) when the request is constrained
-    draft: list[int] = field(default_factory=list)  # speculative tokens verified in this step (after `tokens`)
-    proposed: int = 0  # speculative tokens proposed / accepted so far
-    accepted: int = 0
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.generated
-
-    @property
-    def remaining(self) -> int:
-        """Tokens to run through the model before the next sample (1 + drafts when decoding)."""
-        return len(self.prompt_ids) + len(self.generated) + len(self.draft) - self.computed
+from ..speculative.drafters import ngram_lookup
+from .request import Request
+from .scheduler_output import PromptLogprobRows, SamplingView, SchedulerOutput
 
 
 class Scheduler:
@@ -66,6 +38,7 @@ class Scheduler:
         self.kv, self.max_batch_tokens, self.max_num_seqs = kv, max_batch_tokens, max_num_seqs
         self.chunked_prefill = chunked_prefill
         self.prefill_chunk = prefill_chunk or max_batch_tokens
+        self.requests: dict[str, Request] = {}  # every unfinished request, by id
         self.waiting: deque[Request] = deque()
         self._prefill_scheduled = False
         self.running: list[Request] = []
@@ -73,10 +46,12 @@ class Scheduler:
         self._preempted: list[str] = []  # ids preempted in the step being scheduled
 
     def add(self, request: Request) -> None:
+        self.requests[request.id] = request
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
         """This step's plan: the requests, how many tokens each computes, and where (module docstring)."""
+        self._propose_drafts()
         budget, plan = self.max_batch_tokens, []
         self._prefill_scheduled = False
         self._preempted = []
@@ -102,23 +77,49 @@ class Scheduler:
             budget -= n
         return self._output(plan)
 
+    def _propose_drafts(self) -> None:
+        """n-gram lookup drafts for decoding requests that asked for speculation (verified in the same forward)."""
+        for request in self.running:
+            k = min(request.params.num_speculative_tokens, request.params.max_tokens - len(request.generated) - 1)
+            if k > 0 and request.grammar is None and request.computed == len(request.tokens) - 1:
+                request.draft = ngram_lookup(torch.tensor(request.tokens), k).tolist()
+
     def _output(self, plan: list[tuple[Request, int]]) -> SchedulerOutput:
         kv, groups = self.kv, self.kv.groups
+        rows, sampling, prompt_logprobs, start = [], {}, {}, 0
+        for request, n in plan:  # the logits rows the step needs, in packing order
+            k = request.params.prompt_logprobs
+            stop = min(request.computed + n, len(request.prompt_ids) - 1)
+            if k is not None and stop > request.computed:  # positions p predicting prompt token p + 1
+                targets = tuple(request.prompt_ids[request.computed + 1 : stop + 1])
+                prompt_logprobs[request.id] = PromptLogprobRows(len(rows), request.computed + 1, targets, k)
+                rows.extend(range(start, start + len(targets)))
+            if request.remaining == n:  # it reaches its end: its last token and every draft position
+                view = SamplingView(request.params, request.generator, tuple(request.draft), len(rows))
+                sampling[request.id] = view
+                rows.extend(range(start + n - 1 - len(request.draft), start + n))
+            start += n
         return SchedulerOutput(
-            requests=[r for r, _ in plan], num_tokens=[n for _, n in plan],
-            token_ids=[(r.tokens + r.draft)[r.computed : r.computed + n] for r, n in plan],
-            starts=[r.computed for r, _ in plan],
-            block_tables=[{g: list(kv.table(r.id, g)) for g in groups} for r, _ in plan],
-            state_slots=[kv.state_slot(r.id) if kv.states is not None else None for r, _ in plan],
-            copies=kv.take_copies(), preempted=self._preempted,
+            req_ids=tuple(r.id for r, _ in plan),
+            num_tokens=tuple(n for _, n in plan),
+            token_ids=tuple(tuple((r.tokens + r.draft)[r.computed : r.computed + n]) for r, n in plan),
+            starts=tuple(r.computed for r, _ in plan),
+            block_tables=tuple({g: list(kv.table(r.id, g)) for g in groups} for r, _ in plan),
+            state_slots=tuple(kv.state_slot(r.id) if kv.states is not None else None for r, _ in plan),
+            copies=tuple(kv.take_copies()),
+            preempted=tuple(self._preempted),
             pool_blocks={g: kv.pools[g].num_blocks for g in groups},
-        )  # fmt: skip
+            logits_rows=tuple(rows),
+            sampling=sampling,
+            prompt_logprobs=prompt_logprobs,
+        )
 
-    def update(self, output: SchedulerOutput) -> None:
+    def update(self, plan: SchedulerOutput) -> None:
         """After the forward: each request's scheduled tokens are computed; blocks that filled are named for prefix
         hits (drafts are not: they may be rejected)."""
         size = self.kv.block_size
-        for request, n in output:
+        for request_id, n in zip(plan.req_ids, plan.num_tokens):
+            request = self.requests[request_id]
             request.computed += n
             if request.draft or request.computed // size > (request.computed - n) // size:  # a block filled
                 self.kv.commit(request.id, request.tokens[: request.computed])
@@ -129,6 +130,8 @@ class Scheduler:
         request.draft = []
 
     def finish(self, request: Request) -> None:
+        """The request leaves: out of its queue and the registry, its blocks released."""
+        self.requests.pop(request.id, None)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

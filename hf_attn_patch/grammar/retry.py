@@ -8,13 +8,13 @@ One policy for every caller, :class:`RowRetry` (one per sequence):
 
 ``plan`` keeps the tokens before the value whose check failed (at least the last token goes) and forbids that last
 token after the text before it; None when the attempts are spent or no token of ``max_new_tokens`` would be left.
-The engine (engine/core.py) rewinds the request's state, tokens, text and KV in place and decodes on. generate()
-cannot take tokens back, so its wrapper (:func:`retry_failed_rows`) does it after the call: each such row runs again
-alone from its prompt + the kept tokens (its KV is recomputed: generate() keeps no cache between calls), with the
-same options and the tokens left of ``max_new_tokens``. Speculative decoding (assistant_model, prompt lookup, early
-exit) is retried the same way: its grammar rows hand their final states back to the processor. A row still failing
-keeps its ``check_failed`` end (only EOS after it). Not retried: beams, streamers and dict outputs, whose rows end
-the same way but are returned as they are.
+The engine (engine/output_processor.py) rewinds the request's state, tokens, text and KV in place and decodes on.
+generate() cannot take tokens back, so its wrapper (:func:`retry_failed_rows`) does it after the call: each such row
+runs again alone from its prompt + the kept tokens (its KV is recomputed: generate() keeps no cache between calls), with
+the same options and the tokens left of ``max_new_tokens``. Speculative decoding (assistant_model, prompt lookup, early
+exit) is retried the same way: its grammar rows hand their final states back to the processor. A row still failing keeps
+its ``check_failed`` end (only EOS after it). Not retried: beams, streamers and dict outputs, whose rows end the same
+way but are returned as they are.
 """
 
 from __future__ import annotations
