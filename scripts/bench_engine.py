@@ -78,6 +78,12 @@ def summary(name, tokens, seconds, ttft, tpot, itl=None) -> dict:
     }
 
 
+def engine_options(max_prompt: int, max_out: int) -> dict:
+    """The engine settings of every batching run. max_model_len: stories260k was trained on 512 positions; its RoPE
+    runs on (as generate() lets it) to 1024 + 256."""
+    return dict(max_batch_tokens=256, block_size=16, max_memory=256 * 1024 * 1024, max_model_len=max_prompt + max_out)
+
+
 def run_ours(model, tok, requests, arrivals=None, **options):
     """Ours; arrivals (seconds after start) make it online. -> summary inputs."""
     engine = Engine(model, tok, **options)
@@ -184,10 +190,7 @@ def bench(label, model, tok, text_file, n, max_prompt, max_out, rate, plots):
     tok.pad_token = tok.pad_token or tok.eos_token
     requests = workload(tok, text_file, n, max_prompt, max_out)
     tokens = sum(k for _, k in requests)
-    # max_model_len: stories260k was trained on 512 positions; its RoPE runs on (as generate() lets it) to 1024 + 256
-    options = dict(
-        max_batch_tokens=256, block_size=16, max_memory=256 * 1024 * 1024, max_model_len=max_prompt + max_out
-    )
+    options = engine_options(max_prompt, max_out)
     print(f"\n## {label}: {n} requests, prompts 16..{max_prompt}, outputs 16..{max_out} ({tokens} tokens)\n")
     run_ours(model, tok, requests[:2], **options)  # warm-up
     rows = []
@@ -593,7 +596,7 @@ def revision_child(args) -> None:
     torch.set_num_threads(args.threads)
     model, tok = load_default()
     requests = workload(tok, "tinystories_sample.txt", args.requests, 1024, 256)
-    engine = Engine(model, tok)
+    engine = Engine(model, tok, **engine_options(1024, 256))
     params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
     engine.generate([requests[0][0]], params[0])  # warm-up
     start = time.perf_counter()
