@@ -55,8 +55,9 @@ def convert(source: str, out: str | os.PathLike, hub_client=None, **options) -> 
         if opts.healing.steps:
             with tempfile.TemporaryDirectory(prefix="hf-attn-native-") as tmp:
                 layers = clock.run("layers", write_native, src, opts, target, cal.windows, plan, Path(tmp) / "native")
-                healed = clock.run("heal", heal_whole, src, Path(tmp) / "native", opts, cal.windows, plan.stride,
-                                   target.export_rope)  # fmt: skip
+                healed = clock.run(
+                    "heal", heal_whole, src, Path(tmp) / "native", opts, cal.windows, plan.stride, target.export_rope
+                )
             if target.stock_format:
                 del healed.model.config.attention_variant  # a plain config: our module's names are the stock ones
             config = healed.model.config

@@ -18,8 +18,19 @@ from .kv_memory import kv_cache_bytes  # noqa: E402
 from .speculative import SpeculativeStats  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["CacheFullError", "Engine", "PagedKVCache", "RequestOutput", "SamplingParams", "SpeculativeStats",
-           "is_patched", "kv_cache_bytes", "patch", "unpatch", "unpatched"]  # fmt: skip
+__all__ = [
+    "CacheFullError",
+    "Engine",
+    "PagedKVCache",
+    "RequestOutput",
+    "SamplingParams",
+    "SpeculativeStats",
+    "is_patched",
+    "kv_cache_bytes",
+    "patch",
+    "unpatch",
+    "unpatched",
+]
 
 patch()
 

@@ -57,44 +57,107 @@ def registered(value) -> Callable[[object], object]:
 def patch_table() -> list[Patch]:
     """Every replacement, in installation order."""
     rows = [
-        Patch(arch.attention_module(), arch.attention_class,
-              lambda original, arch=arch: attention_dispatch(original, arch),
-              "decoder layers look the attention class up by name; no registry for attention modules")
+        Patch(
+            arch.attention_module(),
+            arch.attention_class,
+            lambda original, arch=arch: attention_dispatch(original, arch),
+            "decoder layers look the attention class up by name; no registry for attention modules",
+        )
         for arch in ARCHITECTURES.values()
     ] + [
-        Patch(mixer, "forward", per_sequence_forward,
-              "constant-state layers run per sequence of the engine's packed row, each with its own state")
+        Patch(
+            mixer,
+            "forward",
+            per_sequence_forward,
+            "constant-state layers run per sequence of the engine's packed row, each with its own state",
+        )
         for mixer in mixer_classes()
-    ]  # fmt: skip
+    ]
     generation = GenerationMixin
-    return rows + [
-        Patch(PreTrainedConfig, "__post_init__", validating_post_init,
-              "validate attention_variant and its fields when a config is built"),
-        Patch(PreTrainedModel, "post_init", fast_linear.with_fast_linears,
-              "a model's nn.Linear layers run packed CPU weights (models/fast_linear.py); no hook for modules"),
-        Patch(generation_config_module, "ALL_CACHE_IMPLEMENTATIONS", with_paged_cache_name,
-              "cache names are a fixed tuple: add 'paged_kv'"),
-        Patch(generation, "_prepare_cache_for_generation", prepare_cache_with_paged,
-              "build a PagedKVCache for cache_implementation='paged_kv'"),
-        Patch(generation, "_prefill", prefill_with_paged,
-              "tell a PagedKVCache each row's padding and prefix hits before the prefill forward"),
-        Patch(generation, "_assisted_decoding", assisted_decoding_any_batch,
-              "speculative decoding for every batch size"),
-        Patch(generation, "generate", generate_with_grammar,
-              "generate() rejects unknown keywords: response_format= / grammar= become a logits processor"),
-        Patch(generation, "generate", generate_with_speculative_options,
-              "generate() rejects unknown keywords: speculative_stats= / draft_length= reach the speculative loop"),
-        Patch(AttentionInterface._global_mapping, PAGED_ATTENTION, registered(paged_attention_forward),
-              "attention that reads the paged blocks itself (official hook)"),
-        Patch(AttentionMaskInterface._global_mapping, PAGED_ATTENTION, registered(sdpa_mask),
-              "its mask function (official hook; without one, padded batches would silently get mask=None)"),
-        Patch(CONFIG_MAPPING._extra_content, DRAFTER_TYPE, registered(FeatureDrafterConfig),
-              "AutoConfig reads a feature drafter's config.json (AutoConfig.register's registry)"),
-        Patch(MODEL_FOR_CAUSAL_LM_MAPPING._extra_content, FeatureDrafterConfig, registered(FeatureDrafterForCausalLM),
-              "AutoModelForCausalLM loads a feature drafter (AutoModelForCausalLM.register's registry)"),
-        Patch(AttentionInterface, "get_interface", interface_in_context,
-              "inside a forward context (the engine's step) every attention lookup returns the paged backend"),
-    ] + [Patch(*row) for row in patch_rows()]  # fmt: skip
+    return (
+        rows
+        + [
+            Patch(
+                PreTrainedConfig,
+                "__post_init__",
+                validating_post_init,
+                "validate attention_variant and its fields when a config is built",
+            ),
+            Patch(
+                PreTrainedModel,
+                "post_init",
+                fast_linear.with_fast_linears,
+                "a model's nn.Linear layers run packed CPU weights (models/fast_linear.py); no hook for modules",
+            ),
+            Patch(
+                generation_config_module,
+                "ALL_CACHE_IMPLEMENTATIONS",
+                with_paged_cache_name,
+                "cache names are a fixed tuple: add 'paged_kv'",
+            ),
+            Patch(
+                generation,
+                "_prepare_cache_for_generation",
+                prepare_cache_with_paged,
+                "build a PagedKVCache for cache_implementation='paged_kv'",
+            ),
+            Patch(
+                generation,
+                "_prefill",
+                prefill_with_paged,
+                "tell a PagedKVCache each row's padding and prefix hits before the prefill forward",
+            ),
+            Patch(
+                generation,
+                "_assisted_decoding",
+                assisted_decoding_any_batch,
+                "speculative decoding for every batch size",
+            ),
+            Patch(
+                generation,
+                "generate",
+                generate_with_grammar,
+                "generate() rejects unknown keywords: response_format= / grammar= become a logits processor",
+            ),
+            Patch(
+                generation,
+                "generate",
+                generate_with_speculative_options,
+                "generate() rejects unknown keywords: speculative_stats= / draft_length= reach the speculative loop",
+            ),
+            Patch(
+                AttentionInterface._global_mapping,
+                PAGED_ATTENTION,
+                registered(paged_attention_forward),
+                "attention that reads the paged blocks itself (official hook)",
+            ),
+            Patch(
+                AttentionMaskInterface._global_mapping,
+                PAGED_ATTENTION,
+                registered(sdpa_mask),
+                "its mask function (official hook; without one, padded batches would silently get mask=None)",
+            ),
+            Patch(
+                CONFIG_MAPPING._extra_content,
+                DRAFTER_TYPE,
+                registered(FeatureDrafterConfig),
+                "AutoConfig reads a feature drafter's config.json (AutoConfig.register's registry)",
+            ),
+            Patch(
+                MODEL_FOR_CAUSAL_LM_MAPPING._extra_content,
+                FeatureDrafterConfig,
+                registered(FeatureDrafterForCausalLM),
+                "AutoModelForCausalLM loads a feature drafter (AutoModelForCausalLM.register's registry)",
+            ),
+            Patch(
+                AttentionInterface,
+                "get_interface",
+                interface_in_context,
+                "inside a forward context (the engine's step) every attention lookup returns the paged backend",
+            ),
+        ]
+        + [Patch(*row) for row in patch_rows()]
+    )
 
 
 @dataclass(frozen=True)

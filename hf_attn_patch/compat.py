@@ -21,8 +21,19 @@ FLOOR = "5.19"
 NEWEST_TESTED = "5.25"
 PIP_LINE = f'pip install "transformers>={FLOOR},<6"'
 
-__all__ = ["CACHE", "FLOOR", "NEWEST_TESTED", "attention_cache", "cache_kwarg", "check_transformers_version", "constructor_signature",
-           "get_cache", "patch_rows", "placeholder_cache_layer", "transformers_minor"]  # fmt: skip
+__all__ = [
+    "CACHE",
+    "FLOOR",
+    "NEWEST_TESTED",
+    "attention_cache",
+    "cache_kwarg",
+    "check_transformers_version",
+    "constructor_signature",
+    "get_cache",
+    "patch_rows",
+    "placeholder_cache_layer",
+    "transformers_minor",
+]
 
 
 def _installed_version() -> str:
@@ -46,8 +57,12 @@ def check_transformers_version(version: str | None = None) -> None:
         raise ImportError(f"hf_attn_patch needs transformers {FLOOR} or newer, found {version}: {PIP_LINE}")
     if transformers_minor(version) > transformers_minor(NEWEST_TESTED) and version not in _warned_newer:
         _warned_newer.add(version)
-        warnings.warn(f"hf_attn_patch is tested with transformers {FLOOR} to {NEWEST_TESTED}, found {version}: it "
-                      "runs, but internals it patches may have moved", UserWarning, stacklevel=3)  # fmt: skip
+        warnings.warn(
+            f"hf_attn_patch is tested with transformers {FLOOR} to {NEWEST_TESTED}, found {version}: it "
+            "runs, but internals it patches may have moved",
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 _INSTALLED = transformers_minor()
@@ -128,6 +143,12 @@ def patch_rows() -> list[tuple]:
 
     rows = []
     if CACHE == "past_key_values":
-        rows.append((GenerationMixin, "generate", generate_accepting_cache,
-                     "generate(cache=...) on minors whose generate() knows only past_key_values= (compat.py)"))
+        rows.append(
+            (
+                GenerationMixin,
+                "generate",
+                generate_accepting_cache,
+                "generate(cache=...) on minors whose generate() knows only past_key_values= (compat.py)",
+            )
+        )
     return rows

@@ -55,17 +55,21 @@ def _demo_conversion() -> None:
 
     source, tokenizer = load_default()
     held_out = windows_of(read_calibration_text(DEFAULT_CORPUS)[-60_000:], tokenizer, ctx=256, max_tokens=1024)
-    print("\n== hf-attn convert default OUT --to mla --kv-budget 0.5 --reconstruct-steps 0 (closed forms only: no "
-          "reconstruction, no healing)")  # fmt: skip
+    print(
+        "\n== hf-attn convert default OUT --to mla --kv-budget 0.5 --reconstruct-steps 0 (closed forms only: no "
+        "reconstruction, no healing)"
+    )
     with tempfile.TemporaryDirectory() as tmp:
         report = convert("default", Path(tmp) / "mla", to="mla", kv_budget=0.5, reconstruct_steps=0)
         converted = AutoModelForCausalLM.from_pretrained(Path(tmp) / "mla").eval()
     kv = report["kv_bytes_per_token_fp16"]
     before, after = evaluate(source, held_out, progress=False), evaluate(converted, held_out, source, progress=False)
     print(f"   KV bytes per token (fp16, all layers): {kv['before']} -> {kv['after']} ({report['kv_ratio']:.0%})")
-    print(f"   perplexity on held-out TinyStories: {before.perplexity:.2f} -> {after.perplexity:.2f} "
-          f"(KL {after.kl_to_reference:.2f} per token; reconstruction, on by default, and --heal-steps close the "
-          f"gap)")  # fmt: skip
+    print(
+        f"   perplexity on held-out TinyStories: {before.perplexity:.2f} -> {after.perplexity:.2f} "
+        f"(KL {after.kl_to_reference:.2f} per token; reconstruction, on by default, and --heal-steps close the "
+        f"gap)"
+    )
 
 
 def _demo_speculative(model, tokenizer, max_new_tokens: int) -> None:
@@ -74,8 +78,10 @@ def _demo_speculative(model, tokenizer, max_new_tokens: int) -> None:
 
     from .speculative import SpeculativeStats
 
-    prompts = ['The little bird said, "I want to fly!" The little bird',
-               "Tom and Sue went to the park. They played on the swings. They played on the slide."]  # fmt: skip
+    prompts = [
+        'The little bird said, "I want to fly!" The little bird',
+        "Tom and Sue went to the park. They played on the swings. They played on the slide.",
+    ]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     kw = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     start = time.perf_counter()
@@ -86,9 +92,11 @@ def _demo_speculative(model, tokenizer, max_new_tokens: int) -> None:
     fast_seconds = time.perf_counter() - start
     print("\n== Speculative decoding at batch 2 (n-gram prompt lookup, adaptive draft length), greedy")
     print(f"   same tokens as plain generate(): {torch.equal(plain, fast)}")
-    print(f"   {stats.rounds} verification forwards for {max_new_tokens} tokens per row; acceptance rate "
-          f"{stats.acceptance_rate:.0%}, {stats.mean_accepted_per_step:.2f} draft tokens accepted per row per step; "
-          f"{plain_seconds:.2f} s plain vs {fast_seconds:.2f} s speculative")  # fmt: skip
+    print(
+        f"   {stats.rounds} verification forwards for {max_new_tokens} tokens per row; acceptance rate "
+        f"{stats.acceptance_rate:.0%}, {stats.mean_accepted_per_step:.2f} draft tokens accepted per row per step; "
+        f"{plain_seconds:.2f} s plain vs {fast_seconds:.2f} s speculative"
+    )
 
 
 def _demo_json(model, tokenizer) -> None:
@@ -101,8 +109,13 @@ def _demo_json(model, tokenizer) -> None:
                              "likes": {"type": "array", "items": {"enum": ["cats", "dogs", "cake", "rain"]},
                                        "minItems": 1, "maxItems": 3}}}  # fmt: skip
     batch = tokenizer(["Once upon a time, there was a girl"], return_tensors="pt")
-    out = model.generate(**batch, max_new_tokens=80, do_sample=False, tokenizer=tokenizer,
-                         response_format={"type": "json_schema", "json_schema": {"schema": schema}})  # fmt: skip
+    out = model.generate(
+        **batch,
+        max_new_tokens=80,
+        do_sample=False,
+        tokenizer=tokenizer,
+        response_format={"type": "json_schema", "json_schema": {"schema": schema}},
+    )
     text = tokenizer.decode(out[0, batch.input_ids.shape[1] :], skip_special_tokens=True)
     print("\n== JSON Schema constrained generation (response_format=..., llguidance backend)")
     print(f"   schema: {json.dumps(schema)}")
@@ -123,8 +136,11 @@ def _demo_paged_cache(model, tokenizer, max_new_tokens: int) -> None:
 
     from .cache import PagedKVCache
 
-    prompts = ["Once upon a time", "Tom and his little sister Sue went to the big park near their house. They saw",
-               "The cat"]  # fmt: skip
+    prompts = [
+        "Once upon a time",
+        "Tom and his little sister Sue went to the big park near their house. They saw",
+        "The cat",
+    ]
     tokenizer.padding_side = "left"
     tokenizer.pad_token = tokenizer.pad_token or tokenizer.unk_token
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
@@ -137,8 +153,12 @@ def _demo_paged_cache(model, tokenizer, max_new_tokens: int) -> None:
     print("\n== Paged KV cache vs DynamicCache: a left-padded batch of 3 prompts of different lengths")
     print(f"   same tokens: {torch.equal(out_dynamic, out_paged)}")
     print(f"   DynamicCache holds {held:,} B (every row padded to the longest)")
-    print(f"   PagedKVCache holds {stats['allocated_bytes']:,} B in {stats['blocks_used']} blocks of 16 tokens, "
-          f"{stats['utilization']:.1%} of it in use (padding takes no blocks)")  # fmt: skip
+    print(
+        f"   PagedKVCache holds {stats['allocated_bytes']:,} B in {stats['blocks_used']} blocks of 16 tokens, "
+        f"{stats['utilization']:.1%} of it in use (padding takes no blocks)"
+    )
     again = model.generate(**batch, cache=paged, **kw)
-    print(f"   the same prompts again on that cache: {paged.stats()['prefix_hit_tokens']} prompt tokens reused "
-          f"from the prefix cache, same tokens: {torch.equal(again, out_paged)}")  # fmt: skip
+    print(
+        f"   the same prompts again on that cache: {paged.stats()['prefix_hit_tokens']} prompt tokens reused "
+        f"from the prefix cache, same tokens: {torch.equal(again, out_paged)}"
+    )

@@ -1,7 +1,7 @@
 """Where a model runs: device and dtype names as users give them, resolved once, with errors that name the value.
 
-    resolve_device("auto")                  # cuda:LOCAL_RANK if a CUDA GPU exists, else cpu
-    resolve_dtype("auto", model, device)    # the checkpoint's dtype; fp32 checkpoints run in bf16 on a GPU
+resolve_device("auto")                  # cuda:LOCAL_RANK if a CUDA GPU exists, else cpu
+resolve_dtype("auto", model, device)    # the checkpoint's dtype; fp32 checkpoints run in bf16 on a GPU
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ def resolve_device(device: str, field: str = "device") -> torch.device:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as err:
         raise ValueError(f"{field}={device!r} is not a torch device ('auto', 'cpu', 'cuda', 'cuda:1', ...)") from err
-    if resolved.type == "cuda" and (not torch.cuda.is_available()
-                                    or (resolved.index or 0) >= torch.cuda.device_count()):  # fmt: skip
+    if resolved.type == "cuda" and (
+        not torch.cuda.is_available() or (resolved.index or 0) >= torch.cuda.device_count()
+    ):
         raise ValueError(f"{field}={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if resolved.type not in ("cpu", "cuda"):
         raise ValueError(f"{field}={device!r}: only 'cpu' and 'cuda' devices are supported")

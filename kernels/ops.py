@@ -40,8 +40,16 @@ from . import reference
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "BackendUnavailableError", "apply_token_bitmask", "available_backends", "mla_decode",
-           "paged_decode_attention", "paged_prefill_attention", "reference"]
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "apply_token_bitmask",
+    "available_backends",
+    "mla_decode",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "reference",
+]
 
 BACKENDS = ("auto", "torch", "triton", "flash_attn")
 _INT_DTYPES = (torch.int32, torch.int64)
@@ -154,8 +162,9 @@ def _check_pages(block_tables, context_lens, block_size: int, num_slots: int, ke
         return
     lo, hi = int(context_lens.min()), int(context_lens.max())
     if lo < 0 or hi > max_blocks * block_size:
-        raise ValueError(f"context_lens must lie in [0, max_blocks * block_size = {max_blocks * block_size}], "
-                         f"got min {lo}, max {hi}")  # fmt: skip
+        raise ValueError(
+            f"context_lens must lie in [0, max_blocks * block_size = {max_blocks * block_size}], got min {lo}, max {hi}"
+        )
     if key_mask is not None and key_mask.shape[1] < hi:
         raise ValueError(f"key_mask covers {key_mask.shape[1]} positions but context_lens reaches {hi}")
     used = torch.arange(max_blocks, device=block_tables.device)[None, :] * block_size < context_lens[:, None]
@@ -175,8 +184,10 @@ def _check_kv(query, key_cache, value_cache, block_size):
     _check_same("key_cache", key_cache, query)
     _check_same("value_cache", value_cache, query)
     if key_cache.shape[:2] != value_cache.shape[:2]:
-        raise ValueError(f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} "
-                         "must have the same slots and heads")  # fmt: skip
+        raise ValueError(
+            f"key_cache {tuple(key_cache.shape)} and value_cache {tuple(value_cache.shape)} "
+            "must have the same slots and heads"
+        )
     heads_q, d_k = query.shape[-2:]
     heads_kv = key_cache.shape[1]
     if key_cache.shape[2] != d_k:
@@ -223,11 +234,17 @@ def paged_decode_attention(
     _check_pages(block_tables, context_lens, block_size, key_cache.shape[0], key_mask, validate)
     scale = _check_options(scale, softcap, sliding_window, query.shape[-1] ** -0.5)
     options = dict(block_size=block_size, scale=scale, softcap=softcap, sliding_window=sliding_window)
-    name = _pick("paged_decode_attention", backend, query.is_cuda, {
-        "flash_attn": lambda: _flash_reason(query, key_cache, value_cache, block_size, key_mask),
-        "triton": lambda: _triton_reason(query, key_cache, value_cache, block_tables, context_lens,
-                                         *([] if key_mask is None else [key_mask])),
-    })  # fmt: skip
+    name = _pick(
+        "paged_decode_attention",
+        backend,
+        query.is_cuda,
+        {
+            "flash_attn": lambda: _flash_reason(query, key_cache, value_cache, block_size, key_mask),
+            "triton": lambda: _triton_reason(
+                query, key_cache, value_cache, block_tables, context_lens, *([] if key_mask is None else [key_mask])
+            ),
+        },
+    )
     if name == "flash_attn":
         from . import flash
 
@@ -235,10 +252,12 @@ def paged_decode_attention(
     if name == "triton":
         from . import triton_ops
 
-        return triton_ops.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                                 key_mask=key_mask, **options)  # fmt: skip
-    return reference.paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens,
-                                            key_mask=key_mask, **options)  # fmt: skip
+        return triton_ops.paged_decode_attention(
+            query, key_cache, value_cache, block_tables, context_lens, key_mask=key_mask, **options
+        )
+    return reference.paged_decode_attention(
+        query, key_cache, value_cache, block_tables, context_lens, key_mask=key_mask, **options
+    )
 
 
 def mla_decode(
@@ -263,8 +282,10 @@ def mla_decode(
         out[b, h] = softmax_j(scale * (q_latent . c_j + q_rope . k_rope_j)) @ c_j   -> [B, H, d_c] (apply W_UV after)
     """
     if q_latent.dim() != 3 or q_rope.dim() != 3 or q_latent.shape[:2] != q_rope.shape[:2]:
-        raise ValueError(f"q_latent [B, H, d_c] and q_rope [B, H, d_r] must agree on B and H, got "
-                         f"{tuple(q_latent.shape)} and {tuple(q_rope.shape)}")  # fmt: skip
+        raise ValueError(
+            f"q_latent [B, H, d_c] and q_rope [B, H, d_r] must agree on B and H, got "
+            f"{tuple(q_latent.shape)} and {tuple(q_rope.shape)}"
+        )
     if not q_latent.is_floating_point():
         raise ValueError(f"q_latent must be floating point, got {q_latent.dtype}")
     _check_same("q_rope", q_rope, q_latent, "q_latent")
@@ -278,10 +299,16 @@ def mla_decode(
     _check_pages(block_tables, context_lens, block_size, latent_cache.shape[0], key_mask, validate)
     scale = _check_options(scale, None, None, (d_c + d_r) ** -0.5)
     options = dict(block_size=block_size, scale=scale, key_mask=key_mask)
-    name = _pick("mla_decode", backend, q_latent.is_cuda, {
-        "triton": lambda: _triton_reason(q_latent, q_rope, latent_cache, block_tables, context_lens,
-                                         *([] if key_mask is None else [key_mask])),
-    })  # fmt: skip
+    name = _pick(
+        "mla_decode",
+        backend,
+        q_latent.is_cuda,
+        {
+            "triton": lambda: _triton_reason(
+                q_latent, q_rope, latent_cache, block_tables, context_lens, *([] if key_mask is None else [key_mask])
+            ),
+        },
+    )
     if name == "triton":
         from . import triton_ops
 
@@ -326,20 +353,28 @@ def paged_prefill_attention(
         if int(cu_seqlens_q[0]) != 0 or int(cu_seqlens_q[-1]) != query.shape[0] or bool((q_lens < 0).any()):
             raise ValueError(f"cu_seqlens_q={cu_seqlens_q.tolist()} must rise from 0 to total_q={query.shape[0]}")
         if bool((q_lens > context_lens).any()):
-            raise ValueError(f"a sequence has more queries than keys: q lens {q_lens.tolist()}, "
-                             f"context_lens {context_lens.tolist()}")  # fmt: skip
+            raise ValueError(
+                f"a sequence has more queries than keys: q lens {q_lens.tolist()}, context_lens {context_lens.tolist()}"
+            )
     scale = _check_options(scale, softcap, sliding_window, query.shape[-1] ** -0.5)
     options = dict(block_size=block_size, scale=scale, causal=causal, softcap=softcap, sliding_window=sliding_window)
-    name = _pick("paged_prefill_attention", backend, query.is_cuda, {
-        "flash_attn": lambda: _flash_reason(query, key_cache, value_cache, block_size, None),
-    })  # fmt: skip
+    name = _pick(
+        "paged_prefill_attention",
+        backend,
+        query.is_cuda,
+        {
+            "flash_attn": lambda: _flash_reason(query, key_cache, value_cache, block_size, None),
+        },
+    )
     if name == "flash_attn":
         from . import flash
 
-        return flash.paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q,
-                                             context_lens, **options)  # fmt: skip
-    return reference.paged_prefill_attention(query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens,
-                                             **options)  # fmt: skip
+        return flash.paged_prefill_attention(
+            query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, **options
+        )
+    return reference.paged_prefill_attention(
+        query, key_cache, value_cache, block_tables, cu_seqlens_q, context_lens, **options
+    )
 
 
 def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -351,8 +386,10 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, *, backend:
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2:
         raise ValueError(f"bitmask must be int32 [B, ceil(V / 32)], got {tuple(bitmask.shape)} {bitmask.dtype}")
     if bitmask.shape[0] != logits.shape[0] or bitmask.shape[1] < words:
-        raise ValueError(f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}: "
-                         f"needs [{logits.shape[0]}, >= {words}]")  # fmt: skip
+        raise ValueError(
+            f"bitmask {tuple(bitmask.shape)} does not cover logits {tuple(logits.shape)}: "
+            f"needs [{logits.shape[0]}, >= {words}]"
+        )
     if bitmask.device != logits.device:
         raise ValueError(f"bitmask is on {bitmask.device} but logits is on {logits.device}")
     name = _pick("apply_token_bitmask", backend, logits.is_cuda, {"triton": lambda: _triton_reason(logits, bitmask)})

@@ -222,4 +222,3 @@ def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Te
     bitmask int32 [B, >= ceil(V / 32)]. Returns logits."""
     logits.masked_fill_(~unpack_bitmask(bitmask, logits.shape[-1]), float("-inf"))
     return logits
-

@@ -47,8 +47,9 @@ def _operand(x, UPCAST: tl.constexpr):
 
 
 @triton.jit
-def _token_slots(BT, KMASK, b, n0, hi, stride_btb, stride_kmb, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                 HAS_MASK: tl.constexpr):  # fmt: skip
+def _token_slots(
+    BT, KMASK, b, n0, hi, stride_btb, stride_kmb, PAGE: tl.constexpr, BLOCK_N: tl.constexpr, HAS_MASK: tl.constexpr
+):
     """Positions n0..n0+BLOCK_N of row b -> (slot ids int64 [N], valid [N])."""
     pos = n0 + tl.arange(0, BLOCK_N)
     valid = pos < hi
@@ -60,15 +61,49 @@ def _token_slots(BT, KMASK, b, n0, hi, stride_btb, stride_kmb, PAGE: tl.constexp
 
 @triton.jit
 def _paged_decode_kernel(
-    Q, K, V, BT, CTX, KMASK, O, PO, PL,
-    stride_qb, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_btb, stride_kmb,
-    stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-    scale, softcap, window, tokens_per_split,
-    PAGE: tl.constexpr, GROUP: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_K: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_MASK: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, SPLIT: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+    Q,
+    K,
+    V,
+    BT,
+    CTX,
+    KMASK,
+    O,
+    PO,
+    PL,
+    stride_qb,
+    stride_qh,
+    stride_ks,
+    stride_kh,
+    stride_vs,
+    stride_vh,
+    stride_btb,
+    stride_kmb,
+    stride_ob,
+    stride_oh,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    scale,
+    softcap,
+    window,
+    tokens_per_split,
+    PAGE: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_K: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     b, kvh, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ctx = tl.load(CTX + b).to(tl.int32)
     lo = split * tokens_per_split
@@ -79,8 +114,11 @@ def _paged_decode_kernel(
     heads = kvh * GROUP + g
     gmask = g < GROUP
     dk, dv = tl.arange(0, BLOCK_DK), tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + dk[None, :],
-                mask=gmask[:, None] & (dk[None, :] < D_K), other=0.0)  # fmt: skip
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + dk[None, :],
+        mask=gmask[:, None] & (dk[None, :] < D_K),
+        other=0.0,
+    )
     q = _operand(q, UPCAST)
     m = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_G], tl.float32)
@@ -89,36 +127,74 @@ def _paged_decode_kernel(
     head_k, head_v = kvh.to(tl.int64) * stride_kh, kvh.to(tl.int64) * stride_vh
     for n0 in range(lo, hi, BLOCK_N):
         slot, valid = _token_slots(BT, KMASK, b, n0, hi, stride_btb, stride_kmb, PAGE, BLOCK_N, HAS_MASK)
-        k = tl.load(K + slot[:, None] * stride_ks + head_k + dk[None, :],
-                    mask=valid[:, None] & (dk[None, :] < D_K), other=0.0)  # fmt: skip
+        k = tl.load(
+            K + slot[:, None] * stride_ks + head_k + dk[None, :], mask=valid[:, None] & (dk[None, :] < D_K), other=0.0
+        )
         s = tl.dot(q, tl.trans(_operand(k, UPCAST)), input_precision=PREC) * scale  # [G, N] fp32
         if HAS_SOFTCAP:  # softcap * tanh(s / softcap), tanh(x) = 1 - 2 / (e^(2x) + 1) (saturates, never NaN)
             s = softcap * (1.0 - 2.0 / (tl.exp(2.0 * s / softcap) + 1.0))
         m, l, acc, p = _online_softmax_step(s * 1.4426950408889634, valid, m, l, acc)
-        v = tl.load(V + slot[:, None] * stride_vs + head_v + dv[None, :],
-                    mask=valid[:, None] & (dv[None, :] < D_V), other=0.0)  # fmt: skip
+        v = tl.load(
+            V + slot[:, None] * stride_vs + head_v + dv[None, :], mask=valid[:, None] & (dv[None, :] < D_V), other=0.0
+        )
         acc += tl.dot(_operand(p.to(v.dtype), UPCAST), _operand(v, UPCAST), input_precision=PREC)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]  # no visible key: 0
     if SPLIT:
-        tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + dv[None, :], out,
-                 mask=gmask[:, None] & (dv[None, :] < D_V))  # fmt: skip
+        tl.store(
+            PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + dv[None, :],
+            out,
+            mask=gmask[:, None] & (dv[None, :] < D_V),
+        )
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
         tl.store(PL + b * stride_plb + heads * stride_plh + split, lse, mask=gmask)
     else:
-        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + dv[None, :], out.to(O.dtype.element_ty),
-                 mask=gmask[:, None] & (dv[None, :] < D_V))  # fmt: skip
+        tl.store(
+            O + b * stride_ob + heads[:, None] * stride_oh + dv[None, :],
+            out.to(O.dtype.element_ty),
+            mask=gmask[:, None] & (dv[None, :] < D_V),
+        )
 
 
 @triton.jit
 def _mla_decode_kernel(
-    QL, QR, C, BT, CTX, KMASK, O, PO, PL,
-    stride_qlb, stride_qlh, stride_qrb, stride_qrh, stride_cs, stride_btb, stride_kmb,
-    stride_ob, stride_oh, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh,
-    scale, tokens_per_split, heads_total,
-    PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
-    HAS_MASK: tl.constexpr, SPLIT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-):  # fmt: skip
+    QL,
+    QR,
+    C,
+    BT,
+    CTX,
+    KMASK,
+    O,
+    PO,
+    PL,
+    stride_qlb,
+    stride_qlh,
+    stride_qrb,
+    stride_qrh,
+    stride_cs,
+    stride_btb,
+    stride_kmb,
+    stride_ob,
+    stride_oh,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    scale,
+    tokens_per_split,
+    heads_total,
+    PAGE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    D_C: tl.constexpr,
+    D_R: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    SPLIT: tl.constexpr,
+    PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
+):
     """FlashMLA-style: one latent row [c | k_rope] per token is the key (d_c + d_r) and c is the value, so each
     c tile is loaded once and used for both q_latent . c and p @ c; BLOCK_H heads share every tile."""
     b, hb, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -128,10 +204,16 @@ def _mla_decode_kernel(
     heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     hmask = heads < heads_total
     dc, dr = tl.arange(0, BLOCK_DC), tl.arange(0, BLOCK_DR)
-    ql = tl.load(QL + b * stride_qlb + heads[:, None] * stride_qlh + dc[None, :],
-                 mask=hmask[:, None] & (dc[None, :] < D_C), other=0.0)  # fmt: skip
-    qr = tl.load(QR + b * stride_qrb + heads[:, None] * stride_qrh + dr[None, :],
-                 mask=hmask[:, None] & (dr[None, :] < D_R), other=0.0)  # fmt: skip
+    ql = tl.load(
+        QL + b * stride_qlb + heads[:, None] * stride_qlh + dc[None, :],
+        mask=hmask[:, None] & (dc[None, :] < D_C),
+        other=0.0,
+    )
+    qr = tl.load(
+        QR + b * stride_qrb + heads[:, None] * stride_qrh + dr[None, :],
+        mask=hmask[:, None] & (dr[None, :] < D_R),
+        other=0.0,
+    )
     ql, qr = _operand(ql, UPCAST), _operand(qr, UPCAST)
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
     l = tl.zeros([BLOCK_H], tl.float32)
@@ -142,26 +224,45 @@ def _mla_decode_kernel(
         c = tl.load(row + dc[None, :], mask=valid[:, None] & (dc[None, :] < D_C), other=0.0)
         kr = tl.load(row + D_C + dr[None, :], mask=valid[:, None] & (dr[None, :] < D_R), other=0.0)
         c_op = _operand(c, UPCAST)
-        s = tl.dot(ql, tl.trans(c_op), input_precision=PREC) + tl.dot(qr, tl.trans(_operand(kr, UPCAST)),
-                                                                      input_precision=PREC)  # fmt: skip
+        s = tl.dot(ql, tl.trans(c_op), input_precision=PREC) + tl.dot(
+            qr, tl.trans(_operand(kr, UPCAST)), input_precision=PREC
+        )
         m, l, acc, p = _online_softmax_step(s * (scale * 1.4426950408889634), valid, m, l, acc)
         acc += tl.dot(_operand(p.to(c.dtype), UPCAST), c_op, input_precision=PREC)
     out = acc / tl.where(l > 0, l, 1.0)[:, None]
     if SPLIT:
-        tl.store(PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + dc[None, :], out,
-                 mask=hmask[:, None] & (dc[None, :] < D_C))  # fmt: skip
+        tl.store(
+            PO + b * stride_pob + heads[:, None] * stride_poh + split * stride_pos + dc[None, :],
+            out,
+            mask=hmask[:, None] & (dc[None, :] < D_C),
+        )
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
         tl.store(PL + b * stride_plb + heads * stride_plh + split, lse, mask=hmask)
     else:
-        tl.store(O + b * stride_ob + heads[:, None] * stride_oh + dc[None, :], out.to(O.dtype.element_ty),
-                 mask=hmask[:, None] & (dc[None, :] < D_C))  # fmt: skip
+        tl.store(
+            O + b * stride_ob + heads[:, None] * stride_oh + dc[None, :],
+            out.to(O.dtype.element_ty),
+            mask=hmask[:, None] & (dc[None, :] < D_C),
+        )
 
 
 @triton.jit
 def _split_reduce_kernel(
-    PO, PL, O, stride_pob, stride_poh, stride_pos, stride_plb, stride_plh, stride_ob, stride_oh, num_splits,
-    D_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
-):  # fmt: skip
+    PO,
+    PL,
+    O,
+    stride_pob,
+    stride_poh,
+    stride_pos,
+    stride_plb,
+    stride_plh,
+    stride_ob,
+    stride_oh,
+    num_splits,
+    D_V: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+):
     """Program (b, h): out = sum_s 2^(lse_s - M) o_s / sum_s 2^(lse_s - M); empty splits have lse = -inf, o = 0.
     The split outputs are streamed one row at a time (a [splits, d_v] tile would not fit in registers at d_v 512)."""
     b, h = tl.program_id(0), tl.program_id(1)
@@ -207,8 +308,11 @@ def _split_plan(programs: int, max_len: int, device: torch.device, block_n: int,
 
     max_len is an upper bound on context length taken from the block table's width (no device sync)."""
     if num_splits is None:
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) if (
-            device.type == "cuda") else 4  # fmt: skip
+        sms = (
+            _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+            if (device.type == "cuda")
+            else 4
+        )
         num_splits = max(1, min(-(-2 * sms // max(programs, 1)), -(-max_len // (4 * block_n)), 64))
     per_split = -(-max(max_len, 1) // num_splits)
     per_split = -(-per_split // block_n) * block_n  # whole tiles per split
@@ -234,14 +338,35 @@ def _key_mask_arg(key_mask, like):
 def _reduce(partial_out, partial_lse, out, splits):
     batch, heads, _, d = partial_out.shape
     _split_reduce_kernel[(batch, heads)](
-        partial_out, partial_lse, out, *partial_out.stride()[:3], *partial_lse.stride()[:2], *out.stride()[:2],
-        splits, D_V=d, BLOCK_S=_pow2(splits, 2), BLOCK_DV=_pow2(d),
-    )  # fmt: skip
+        partial_out,
+        partial_lse,
+        out,
+        *partial_out.stride()[:3],
+        *partial_lse.stride()[:2],
+        *out.stride()[:2],
+        splits,
+        D_V=d,
+        BLOCK_S=_pow2(splits, 2),
+        BLOCK_DV=_pow2(d),
+    )
 
 
-def paged_decode_attention(query, key_cache, value_cache, block_tables, context_lens, *, block_size, scale,
-                           softcap=None, sliding_window=None, key_mask=None, num_splits=None, block_n=None,
-                           num_warps=None):  # fmt: skip
+def paged_decode_attention(
+    query,
+    key_cache,
+    value_cache,
+    block_tables,
+    context_lens,
+    *,
+    block_size,
+    scale,
+    softcap=None,
+    sliding_window=None,
+    key_mask=None,
+    num_splits=None,
+    block_n=None,
+    num_warps=None,
+):
     """query [B, H_q, d_k]; key_cache [slots, H_kv, d_k]; value_cache [slots, H_kv, d_v] -> [B, H_q, d_v].
 
     num_splits / block_n / num_warps override the launch plan (defaults: see _split_plan; 32 tokens per tile and
@@ -253,8 +378,9 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     if batch == 0:
         return out
     block_n = block_n or (32 if max(d_k, d_v) <= 128 else 16)  # K and V tiles of <= 8 KiB each in fp16
-    splits, per_split = _split_plan(batch * heads_kv, block_tables.shape[1] * block_size, query.device, block_n,
-                                    num_splits)  # fmt: skip
+    splits, per_split = _split_plan(
+        batch * heads_kv, block_tables.shape[1] * block_size, query.device, block_n, num_splits
+    )
     mask, stride_km, has_mask = _key_mask_arg(key_mask, context_lens)
     if splits > 1:
         partial_out = torch.empty(batch, heads_q, splits, d_v, device=query.device, dtype=torch.float32)
@@ -262,23 +388,65 @@ def paged_decode_attention(query, key_cache, value_cache, block_tables, context_
     else:
         partial_out, partial_lse = out.view(batch, heads_q, 1, d_v), out.view(batch, heads_q, 1, d_v)[..., 0]
     _paged_decode_kernel[(batch, heads_kv, splits)](
-        query, key_cache, value_cache, block_tables, context_lens, mask, out, partial_out, partial_lse,
-        query.stride(0), query.stride(1), key_cache.stride(0), key_cache.stride(1), value_cache.stride(0),
-        value_cache.stride(1), block_tables.stride(0), stride_km, out.stride(0), out.stride(1),
-        *partial_out.stride()[:3], *partial_lse.stride()[:2],
-        float(scale), float(softcap or 0.0), int(sliding_window or 0), per_split,
-        PAGE=block_size, GROUP=group, BLOCK_G=_pow2(group), BLOCK_N=block_n, D_K=d_k, D_V=d_v,
-        BLOCK_DK=_pow2(d_k), BLOCK_DV=_pow2(d_v), HAS_MASK=has_mask, HAS_SOFTCAP=softcap is not None,
-        HAS_WINDOW=sliding_window is not None, SPLIT=splits > 1, PREC=_precision(query.dtype),
-        UPCAST=_upcast(query.dtype), num_warps=num_warps or 8,
-    )  # fmt: skip
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        context_lens,
+        mask,
+        out,
+        partial_out,
+        partial_lse,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        block_tables.stride(0),
+        stride_km,
+        out.stride(0),
+        out.stride(1),
+        *partial_out.stride()[:3],
+        *partial_lse.stride()[:2],
+        float(scale),
+        float(softcap or 0.0),
+        int(sliding_window or 0),
+        per_split,
+        PAGE=block_size,
+        GROUP=group,
+        BLOCK_G=_pow2(group),
+        BLOCK_N=block_n,
+        D_K=d_k,
+        D_V=d_v,
+        BLOCK_DK=_pow2(d_k),
+        BLOCK_DV=_pow2(d_v),
+        HAS_MASK=has_mask,
+        HAS_SOFTCAP=softcap is not None,
+        HAS_WINDOW=sliding_window is not None,
+        SPLIT=splits > 1,
+        PREC=_precision(query.dtype),
+        UPCAST=_upcast(query.dtype),
+        num_warps=num_warps or 8,
+    )
     if splits > 1:
         _reduce(partial_out, partial_lse, out, splits)
     return out
 
 
-def mla_decode(q_latent, q_rope, latent_cache, block_tables, context_lens, *, block_size, scale, key_mask=None,
-               num_splits=None, num_warps=None):  # fmt: skip
+def mla_decode(
+    q_latent,
+    q_rope,
+    latent_cache,
+    block_tables,
+    context_lens,
+    *,
+    block_size,
+    scale,
+    key_mask=None,
+    num_splits=None,
+    num_warps=None,
+):
     """q_latent [B, H, d_c], q_rope [B, H, d_r], latent_cache [slots, 1, d_c + d_r] -> [B, H, d_c]."""
     batch, heads, d_c = q_latent.shape
     d_r = q_rope.shape[2]
@@ -288,8 +456,9 @@ def mla_decode(q_latent, q_rope, latent_cache, block_tables, context_lens, *, bl
     block_h = min(_pow2(heads), 16 if d_c > 256 else 32)  # acc is [BLOCK_H, d_c] fp32 in registers
     block_n = 16 if d_c > 256 else 32
     head_blocks = -(-heads // block_h)
-    splits, per_split = _split_plan(batch * head_blocks, block_tables.shape[1] * block_size, q_latent.device,
-                                    block_n, num_splits)  # fmt: skip
+    splits, per_split = _split_plan(
+        batch * head_blocks, block_tables.shape[1] * block_size, q_latent.device, block_n, num_splits
+    )
     mask, stride_km, has_mask = _key_mask_arg(key_mask, context_lens)
     if splits > 1:
         partial_out = torch.empty(batch, heads, splits, d_c, device=q_latent.device, dtype=torch.float32)
@@ -298,14 +467,42 @@ def mla_decode(q_latent, q_rope, latent_cache, block_tables, context_lens, *, bl
         partial_out, partial_lse = out.view(batch, heads, 1, d_c), out.view(batch, heads, 1, d_c)[..., 0]
     cache = latent_cache[:, 0]  # [slots, d_c + d_r]
     _mla_decode_kernel[(batch, head_blocks, splits)](
-        q_latent, q_rope, cache, block_tables, context_lens, mask, out, partial_out, partial_lse,
-        q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), cache.stride(0),
-        block_tables.stride(0), stride_km, out.stride(0), out.stride(1),
-        *partial_out.stride()[:3], *partial_lse.stride()[:2], float(scale), per_split, heads,
-        PAGE=block_size, BLOCK_H=block_h, BLOCK_N=block_n, D_C=d_c, D_R=d_r, BLOCK_DC=_pow2(d_c),
-        BLOCK_DR=_pow2(d_r), HAS_MASK=has_mask, SPLIT=splits > 1, PREC=_precision(q_latent.dtype),
-        UPCAST=_upcast(q_latent.dtype), num_warps=num_warps or (8 if d_c > 256 else 4),
-    )  # fmt: skip
+        q_latent,
+        q_rope,
+        cache,
+        block_tables,
+        context_lens,
+        mask,
+        out,
+        partial_out,
+        partial_lse,
+        q_latent.stride(0),
+        q_latent.stride(1),
+        q_rope.stride(0),
+        q_rope.stride(1),
+        cache.stride(0),
+        block_tables.stride(0),
+        stride_km,
+        out.stride(0),
+        out.stride(1),
+        *partial_out.stride()[:3],
+        *partial_lse.stride()[:2],
+        float(scale),
+        per_split,
+        heads,
+        PAGE=block_size,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        D_C=d_c,
+        D_R=d_r,
+        BLOCK_DC=_pow2(d_c),
+        BLOCK_DR=_pow2(d_r),
+        HAS_MASK=has_mask,
+        SPLIT=splits > 1,
+        PREC=_precision(q_latent.dtype),
+        UPCAST=_upcast(q_latent.dtype),
+        num_warps=num_warps or (8 if d_c > 256 else 4),
+    )
     if splits > 1:
         _reduce(partial_out, partial_lse, out, splits)
     return out
@@ -316,6 +513,7 @@ def apply_token_bitmask(logits, bitmask):
     batch, vocab = logits.shape
     block = 1024
     if batch and vocab:
-        _bitmask_kernel[(batch, triton.cdiv(vocab, block))](logits, bitmask, vocab, logits.stride(0),
-                                                           bitmask.stride(0), BLOCK=block)  # fmt: skip
+        _bitmask_kernel[(batch, triton.cdiv(vocab, block))](
+            logits, bitmask, vocab, logits.stride(0), bitmask.stride(0), BLOCK=block
+        )
     return logits

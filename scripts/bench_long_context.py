@@ -1265,15 +1265,21 @@ def text_measure(model, tokenizer, vocab, domains: dict[str, str], reference=Non
             batch = make_batch(task, tokenizer, vocab, d, 4, torch.Generator().manual_seed(index * 100_003 + d))
             accuracy[task][str(d)] = score(model, batch)
     ppl = evaluate(model, windows_of(domains["encyclopedic"], tokenizer, 512, 6 * 512), reference, progress=False)
-    return {"accuracy": accuracy, "perplexity": ppl.perplexity, "kl": ppl.kl_to_reference,
-            "probe_s": round(time.perf_counter() - started, 1)}  # fmt: skip
+    return {
+        "accuracy": accuracy,
+        "perplexity": ppl.perplexity,
+        "kl": ppl.kl_to_reference,
+        "probe_s": round(time.perf_counter() - started, 1),
+    }
 
 
 def text_table(reference: dict, rows: dict[str, dict]) -> str:
     """Markdown: each row's share of the source's accuracy per probe and distance, and its perplexity ratio."""
     columns = [(task, d) for task, acc in reference["accuracy"].items() for d in acc]
-    lines = ["| conversion | " + " | ".join(f"{t} {d}" for t, d in columns) + " | ppl x |",
-             "|---|" + "---:|" * (len(columns) + 1)]  # fmt: skip
+    lines = [
+        "| conversion | " + " | ".join(f"{t} {d}" for t, d in columns) + " | ppl x |",
+        "|---|" + "---:|" * (len(columns) + 1),
+    ]
     for name, row in rows.items():
         cells = []
         for task, d in columns:
@@ -1336,8 +1342,16 @@ def text(args) -> None:
         if args.heal_len:
             options["heal_len"] = args.heal_len
         started = time.perf_counter()
-        report = convert("smollm2", out / tag, to=args.to, kv_budget=args.kv_budget, context="long",
-                         calib_data=calib, overwrite=True, **options)  # fmt: skip
+        report = convert(
+            "smollm2",
+            out / tag,
+            to=args.to,
+            kv_budget=args.kv_budget,
+            context="long",
+            calib_data=calib,
+            overwrite=True,
+            **options,
+        )
         seconds = time.perf_counter() - started
         model = AutoModelForCausalLM.from_pretrained(out / tag).eval()
         row = {
@@ -1402,17 +1416,34 @@ def step_cost(args) -> None:
                 for i in range(args.steps):
                     state = masters.copy()
                     started = time.perf_counter()
-                    loss = heal_module._step(student, source, optimizer, masters, data.ids[i : i + 1],
-                                             data.weights[i : i + 1], 0.0, accelerator)  # fmt: skip
+                    loss = heal_module._step(
+                        student,
+                        source,
+                        optimizer,
+                        masters,
+                        data.ids[i : i + 1],
+                        data.weights[i : i + 1],
+                        0.0,
+                        accelerator,
+                    )
                     seconds[mode].append(time.perf_counter() - started)
                     masters.restore(state)  # every step starts from the same weights
                     losses.setdefault(mode, loss.item())
             finally:
                 heal_module.weighted_positions = weighted_positions
     mean = {mode: sum(v) / len(v) for mode, v in seconds.items()}
-    print(json.dumps({"length": args.length, "threads": args.threads, "steps": len(seconds["full"]),
-                      "s_per_step": {m: round(v, 2) for m, v in mean.items()},
-                      "speedup": round(mean["full"] / mean["weighted"], 3), "first_loss": losses}))  # fmt: skip
+    print(
+        json.dumps(
+            {
+                "length": args.length,
+                "threads": args.threads,
+                "steps": len(seconds["full"]),
+                "s_per_step": {m: round(v, 2) for m, v in mean.items()},
+                "speedup": round(mean["full"] / mean["weighted"], 3),
+                "first_loss": losses,
+            }
+        )
+    )
 
 
 PARTS: dict[str, benchlib.Part] = {

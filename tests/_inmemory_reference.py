@@ -23,13 +23,31 @@ from hf_attn_patch.attention import MultiHeadLatentAttention
 from hf_attn_patch.converters.export.deepseek_export import check_source, engine_shape, to_deepseek_v3
 from hf_attn_patch.converters.export.stock_rope import stock_frequencies
 from hf_attn_patch.converters.fitting.reconstruct import LAYERWISE_LR, sequential, summary
-from hf_attn_patch.converters.io.calibration import (LayerStats, StatsAccumulator, calibration_windows,
-                                                     read_calibration_text, teacher_windows)
-from hf_attn_patch.converters.methods.budgets import (MEASURE_TOKENS, Candidate, budget_values, candidate_grid, choose,
-                                                      exact_plan, mla_module)
+from hf_attn_patch.converters.io.calibration import (
+    LayerStats,
+    StatsAccumulator,
+    calibration_windows,
+    read_calibration_text,
+    teacher_windows,
+)
+from hf_attn_patch.converters.methods.budgets import (
+    MEASURE_TOKENS,
+    Candidate,
+    budget_values,
+    candidate_grid,
+    choose,
+    exact_plan,
+    mla_module,
+)
 from hf_attn_patch.converters.methods.exact import rebuild, stock_attention_layers
 from hf_attn_patch.converters.methods.gqa_merge import gqa_layer
-from hf_attn_patch.converters.methods.mla_plan import LatentPlan, allocate_ranks, lift_plan, plan_layer, ranked_components
+from hf_attn_patch.converters.methods.mla_plan import (
+    LatentPlan,
+    allocate_ranks,
+    lift_plan,
+    plan_layer,
+    ranked_components,
+)
 from hf_attn_patch.converters.options import ConvertOptions
 from hf_attn_patch.devices import resolve_device
 from hf_attn_patch.hub import engines
@@ -63,11 +81,16 @@ def convert_in_memory(source: str, **options):
     layers = stock_attention_layers(model)
     d_h = head_dim(config)
     source_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    report = {"source": str(source), "options": dict(vars(opts)), "given_options": dict(options),
-              "model_type": config.model_type}
+    report = {
+        "source": str(source),
+        "options": dict(vars(opts)),
+        "given_options": dict(options),
+        "model_type": config.model_type,
+    }
     text = functools.cache(lambda: read_calibration_text(opts.calib_data, opts.calib_split, opts.calib_column))
-    stock_format = opts.format == "stock" or (opts.format == "auto" and opts.to != "mla"
-                                              and config.model_type in STOCK_GQA_TYPES)  # fmt: skip
+    stock_format = opts.format == "stock" or (
+        opts.format == "auto" and opts.to != "mla" and config.model_type in STOCK_GQA_TYPES
+    )
     if stock_format and config.model_type not in STOCK_GQA_TYPES:
         raise ValueError(f"format='stock' exists for GQA/MQA of {STOCK_GQA_TYPES} only, not {config.model_type!r}")
 
@@ -76,19 +99,24 @@ def convert_in_memory(source: str, **options):
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
         if opts.method != "mean" and arch.split_heads(next(iter(layers.values()))).q_norm is not None:
             if options.get("method") is not None:  # asked for by name: refused before calibrating
-                raise ValueError(f"method={opts.method!r} with per-head q/k norms ({config.model_type}) is not "
-                                 f"supported: use method='mean'")  # fmt: skip
-            logger.warning("%s has per-head q/k norms: the default %r does not apply, using 'mean'",
-                           config.model_type, opts.method)  # fmt: skip
+                raise ValueError(
+                    f"method={opts.method!r} with per-head q/k norms ({config.model_type}) is not "
+                    f"supported: use method='mean'"
+                )
+            logger.warning(
+                "%s has per-head q/k norms: the default %r does not apply, using 'mean'", config.model_type, opts.method
+            )
             opts.method = report["options"]["method"] = "mean"
         _resolve_reconstruct_steps(opts, report, opts.kv_heads / source_kv)
         layerwise = opts.reconstruct_steps or (opts.propagate and opts.method != "mean")
-        windows, stats = (_calibrate(model, tokenizer, text(), opts, report) if opts.method != "mean" or layerwise
-                          else (None, {}))  # fmt: skip
+        windows, stats = (
+            _calibrate(model, tokenizer, text(), opts, report) if opts.method != "mean" or layerwise else (None, {})
+        )
         lifted, groups = {}, []
         for name, m in layers.items():
-            lifted[name], layer_groups = gqa_layer(opts.method, arch.split_heads(m).cpu(), dims, opts.kv_heads,
-                                                   stats.get(name), regroup=opts.regroup)  # fmt: skip
+            lifted[name], layer_groups = gqa_layer(
+                opts.method, arch.split_heads(m).cpu(), dims, opts.kv_heads, stats.get(name), regroup=opts.regroup
+            )
             groups.append(layer_groups)
         new = rebuild(model, "gqa", {"num_key_value_heads": opts.kv_heads}, lifted)
         report["kv_heads"] = {"before": source_kv, "after": opts.kv_heads, "groups_per_layer": groups}
@@ -96,8 +124,14 @@ def convert_in_memory(source: str, **options):
             index = {name: i for i, name in enumerate(layers)}
 
             def relift(name, layer_stats):  # the same merge from the converted prefix's statistics
-                state, groups[index[name]] = gqa_layer(opts.method, arch.split_heads(layers[name]).cpu(), dims,
-                                                       opts.kv_heads, layer_stats, regroup=opts.regroup)  # fmt: skip
+                state, groups[index[name]] = gqa_layer(
+                    opts.method,
+                    arch.split_heads(layers[name]).cpu(),
+                    dims,
+                    opts.kv_heads,
+                    layer_stats,
+                    regroup=opts.regroup,
+                )
                 return state
 
             _layerwise(model, new, windows, relift if opts.propagate and opts.method != "mean" else None, opts, report)
@@ -126,19 +160,28 @@ def convert_in_memory(source: str, **options):
         rope_dims = [rope_dim] * len(weights)
         if sensitivity:  # per-layer RoPE dims and ranks (or the exact layer) by measured KL
             plans, ranks, rope_dims, report["budgets"] = allocate(
-                model, layers, weights, stats, windows, config, opts.kv_budget, opts.method, context,
-                opts.rope_dim)  # fmt: skip
+                model, layers, weights, stats, windows, config, opts.kv_budget, opts.method, context, opts.rope_dim
+            )
         else:
-            ranked = {name: ranked_components(opts.method, w, dims, stats[name], context) if rope_dim
-                      else None for name, w in weights.items()}  # fmt: skip
+            ranked = {
+                name: ranked_components(opts.method, w, dims, stats[name], context) if rope_dim else None
+                for name, w in weights.items()
+            }
             if deepseek:  # one component per frequency 0, s, 2s, ...: the frequencies a stock RoPE key can turn at
                 frequencies, stride = stock_frequencies(list(ranked.values()), rotary_dim(config) // 2, rope_dim // 2)
-            plans = {name: plan_layer(opts.method, w, dims, stats[name], rope_dim, frequencies=frequencies,
-                                      ranked=ranked[name]) for name, w in weights.items()}  # fmt: skip
+            plans = {
+                name: plan_layer(
+                    opts.method, w, dims, stats[name], rope_dim, frequencies=frequencies, ranked=ranked[name]
+                )
+                for name, w in weights.items()
+            }
         per_layer = opts.rank_allocation != "uniform"
         if not sensitivity:
-            ranks = (allocate_ranks(list(plans.values()), kv_lora_rank * len(plans)) if per_layer
-                     else [kv_lora_rank] * len(plans))  # fmt: skip
+            ranks = (
+                allocate_ranks(list(plans.values()), kv_lora_rank * len(plans))
+                if per_layer
+                else [kv_lora_rank] * len(plans)
+            )
         lifted, per_layer_pairs, fields = {}, [], {}
         for (name, plan), rank in zip(plans.items(), ranks):
             lifted[name], fields = lift_plan(plan, weights[name], dims, rank)
@@ -162,8 +205,19 @@ def convert_in_memory(source: str, **options):
             def relift(name, layer_stats):  # same ranks and RoPE frequencies, from the converted prefix's statistics
                 freqs, layer_rope = per_layer_pairs[index[name]] or [], rope_dims[index[name]]
                 exact = sensitivity and report["budgets"]["layers"][index[name]]["choice"] != "mla"
-                plan = plans[name] if exact else plan_layer(opts.method, weights[name], dims, layer_stats, layer_rope,
-                                                            context, frequencies=freqs if layer_rope else None)  # fmt: skip
+                plan = (
+                    plans[name]
+                    if exact
+                    else plan_layer(
+                        opts.method,
+                        weights[name],
+                        dims,
+                        layer_stats,
+                        layer_rope,
+                        context,
+                        frequencies=freqs if layer_rope else None,
+                    )
+                )
                 return lift_plan(plan, weights[name], dims, ranks[index[name]])[0]
 
             _layerwise(model, new, windows, relift if opts.propagate else None, opts, report)
@@ -177,8 +231,9 @@ def convert_in_memory(source: str, **options):
     if opts.format == "deepseek_v3":  # after healing, on the native form: the export's scaled latent rows (~1e-8)
         # would not survive optimizer steps sized for the other weights
         final_dtype = dtype_of(opts.dtype) if opts.dtype is not None else next(model.parameters()).dtype
-        new, report["deepseek_v3"] = to_deepseek_v3(new, windows, stride, config, opts.engine, export_rope,
-                                                    "fit" if final_dtype == torch.float16 else "linear")  # fmt: skip
+        new, report["deepseek_v3"] = to_deepseek_v3(
+            new, windows, stride, config, opts.engine, export_rope, "fit" if final_dtype == torch.float16 else "linear"
+        )
 
     if stock_format:
         del new.config.attention_variant  # a plain config: our module's weight names are the stock ones
@@ -220,8 +275,16 @@ def _calibrate(model, tokenizer, text: str, opts: SimpleNamespace, report: dict)
 
 def _layerwise(model, new, windows: torch.Tensor, relift, opts: SimpleNamespace, report: dict) -> None:
     """Propagated calibration and / or reconstruction of every converted layer of `new`, in place (reconstruct.py)."""
-    fits = sequential(model, new, windows, relift=relift, steps=opts.reconstruct_steps, lr=opts.reconstruct_lr,
-                      target=opts.reconstruct_target, attention_kl=opts.reconstruct_attention_kl)  # fmt: skip
+    fits = sequential(
+        model,
+        new,
+        windows,
+        relift=relift,
+        steps=opts.reconstruct_steps,
+        lr=opts.reconstruct_lr,
+        target=opts.reconstruct_target,
+        attention_kl=opts.reconstruct_attention_kl,
+    )
     report["layerwise"] = {"propagate": relift is not None, "reconstruct_steps": opts.reconstruct_steps,
                            "target": opts.reconstruct_target, "attention_kl": opts.reconstruct_attention_kl,
                            **summary(fits)}  # fmt: skip
@@ -246,10 +309,10 @@ def _mla_sizes(opts: SimpleNamespace, config, source_kv: int, d_h: int) -> tuple
     if opts.kv_lora_rank is not None:
         return rope_dim, opts.kv_lora_rank
     if budget - rope_dim < 1:
-        raise ValueError(f"kv_budget={opts.kv_budget} gives {budget} values per token: no room beside rope_dim={rope_dim}")
+        raise ValueError(
+            f"kv_budget={opts.kv_budget} gives {budget} values per token: no room beside rope_dim={rope_dim}"
+        )
     return rope_dim, budget - rope_dim
-
-
 
 
 class _Skip(nn.Module):
@@ -278,8 +341,12 @@ def measure(model, layers: dict[str, nn.Module], lifts, windows: torch.Tensor) -
     blocks = [model.get_submodule(_parent(n)) for n in names]
     container = model.get_submodule(_parent(_parent(names[0])))
     inputs, out_types = [], []
-    hooks = [b.register_forward_pre_hook(lambda m, a, kw: inputs.append(a[0] if a else kw["hidden_states"]),
-                                         with_kwargs=True) for b in blocks]  # fmt: skip
+    hooks = [
+        b.register_forward_pre_hook(
+            lambda m, a, kw: inputs.append(a[0] if a else kw["hidden_states"]), with_kwargs=True
+        )
+        for b in blocks
+    ]
     hooks.append(blocks[0].register_forward_hook(lambda m, a, out: out_types.append(isinstance(out, tuple))))
     try:
         reference = torch.log_softmax(model(windows, use_cache=False).logits.float(), dim=-1)
@@ -297,8 +364,9 @@ def measure(model, layers: dict[str, nn.Module], lifts, windows: torch.Tensor) -
         parent, attr = _parent(names[l]), names[l].rsplit(".", 1)[1]
         source_attn = layers[names[l]]
         setattr(model.get_submodule(parent), attr, lifts(l, k).to(windows.device))
-        replace = blocks[l].register_forward_pre_hook(lambda m, a, kw, h=inputs[l]: _with_input(a, kw, h),
-                                                      with_kwargs=True)  # fmt: skip
+        replace = blocks[l].register_forward_pre_hook(
+            lambda m, a, kw, h=inputs[l]: _with_input(a, kw, h), with_kwargs=True
+        )
         if skippable:
             for i in range(l):
                 container[i] = _Skip(blocks[i], out_types[0])
@@ -320,8 +388,6 @@ def _with_input(args, kwargs, hidden):
     return args, {**kwargs, "hidden_states": hidden}
 
 
-
-
 class _Lifts:
     """Builds (and caches the plans of) every candidate of every layer: plans per (layer, rope_dim)."""
 
@@ -330,8 +396,11 @@ class _Lifts:
         self.names = list(weights)
         self.shape = AttentionShape.of(config)
         self.exact = [exact_plan(weights[n], self.shape) for n in self.names]
-        self.grid = [[c for c in grid if c.values < len(e.energy) + len(e.components) * 2] +
-                     [Candidate(2 * len(e.components), len(e.energy), exact=True)] for e in self.exact]  # fmt: skip
+        self.grid = [
+            [c for c in grid if c.values < len(e.energy) + len(e.components) * 2]
+            + [Candidate(2 * len(e.components), len(e.energy), exact=True)]
+            for e in self.exact
+        ]
         self.counts = [len(g) for g in self.grid]
         self.is_exact = lambda l, k: self.grid[l][k].exact
         self._plans, self._ranked = {}, {}
@@ -343,10 +412,18 @@ class _Lifts:
         if key not in self._plans:
             name = self.names[l]
             if l not in self._ranked and cand.rope_dim:
-                self._ranked[l] = ranked_components(self.method, self.weights[name], self.shape, self.stats[name],
-                                                    self.context)  # fmt: skip
-            self._plans[key] = plan_layer(self.method, self.weights[name], self.shape, self.stats[name],
-                                          cand.rope_dim, self.context, ranked=self._ranked.get(l))  # fmt: skip
+                self._ranked[l] = ranked_components(
+                    self.method, self.weights[name], self.shape, self.stats[name], self.context
+                )
+            self._plans[key] = plan_layer(
+                self.method,
+                self.weights[name],
+                self.shape,
+                self.stats[name],
+                cand.rope_dim,
+                self.context,
+                ranked=self._ranked.get(l),
+            )
         return self._plans[key]
 
     def __call__(self, l: int, k: int) -> MultiHeadLatentAttention:
@@ -355,8 +432,18 @@ class _Lifts:
         return mla_module(state, fields, self.config, l, fields["mla_rope_pairs"])
 
 
-def allocate(model, layers: dict[str, nn.Module], weights: dict[str, AttentionWeights], stats: dict, windows,
-             config, kv_budget: float, method: str, context: int, rope_dim: int | None = None):  # fmt: skip
+def allocate(
+    model,
+    layers: dict[str, nn.Module],
+    weights: dict[str, AttentionWeights],
+    stats: dict,
+    windows,
+    config,
+    kv_budget: float,
+    method: str,
+    context: int,
+    rope_dim: int | None = None,
+):
     """(plans {name: LatentPlan}, ranks [L], rope dims [L], report section) within the kv_budget, by measured KL.
 
     The plans and ranks feed methods.lift_plan as the other allocations do (an unconverted layer's plan is its
@@ -387,7 +474,9 @@ def allocate(model, layers: dict[str, nn.Module], weights: dict[str, AttentionWe
         "measured": [[{"rope_dim": c.rope_dim, "kv_lora_rank": c.rank, "exact": c.exact, "kl": kl[l][k]}
                       for k, c in enumerate(lifts.grid[l])] for l in range(len(kl))],
     }  # fmt: skip
-    logger.info("sensitivity allocation: %d of %d KV values per token, summed KL %.4g", used, total, report["summed_kl"])
+    logger.info(
+        "sensitivity allocation: %d of %d KV values per token, summed KL %.4g", used, total, report["summed_kl"]
+    )
     return plans, [c.rank for c in picks], [c.rope_dim for c in picks], report
 
 
@@ -433,10 +522,16 @@ def collect_stats(model, windows: torch.Tensor, progress: bool = True) -> dict[s
     return {name: a.stats() for name, a in acc.items() if a.n}
 
 
-
-
-def mla_layer(method: str, w: AttentionWeights, config, stats: LayerStats, kv_lora_rank: int, rope_dim: int,
-              context: int = 256, frequencies: list[int] | None = None):  # fmt: skip
+def mla_layer(
+    method: str,
+    w: AttentionWeights,
+    config,
+    stats: LayerStats,
+    kv_lora_rank: int,
+    rope_dim: int,
+    context: int = 256,
+    frequencies: list[int] | None = None,
+):
     """(state dict, config fields) of one MLA layer by `method`, one rank (plan_layer + lift_plan)."""
     shape = AttentionShape.of(config)
     return lift_plan(plan_layer(method, w, shape, stats, rope_dim, context, frequencies), w, shape, kv_lora_rank)

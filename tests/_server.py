@@ -38,8 +38,9 @@ def running(engine, name: str = "stories260k", **app_kwargs):
 def http(port: int, path: str, body=None, method: str | None = None, timeout: float = 120) -> tuple[int, dict]:
     """(status, JSON body); `body` a dict (sent as JSON) or raw bytes."""
     data = body if isinstance(body, (bytes, type(None))) else json.dumps(body).encode()
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, method=method,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as reply:
             return reply.status, json.loads(reply.read())
@@ -49,8 +50,9 @@ def http(port: int, path: str, body=None, method: str | None = None, timeout: fl
 
 def sse(port: int, path: str, body: dict, timeout: float = 120) -> list:
     """A streamed call -> the decoded `data:` payloads (the final "[DONE]" kept as the string)."""
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     events = []
     with urllib.request.urlopen(request, timeout=timeout) as reply:
         for line in reply:

@@ -3,7 +3,6 @@ gradients against one process summing a batch twice as large)."""
 
 import math
 
-import torch
 
 NOISY_FRACTION = 0.01  # of a tensor's weights may move past NOISE_ATOL by reduction order (measured: 1 in 6,144)
 NOISE_ATOL = 1e-5
@@ -15,8 +14,10 @@ def adam_step_bound(steps: int, beta1: float = 0.9, beta2: float = 0.999) -> flo
     Cauchy-Schwarz |m_hat| / sqrt(v_hat) <= sqrt(sum_i w_i^2 / u_i) (1.004 at 3 steps)."""
     w = [(1 - beta1) * beta1 ** (steps - i) / (1 - beta1**steps) for i in range(1, steps + 1)]
     u = [(1 - beta2) * beta2 ** (steps - i) / (1 - beta2**steps) for i in range(1, steps + 1)]
-    return max(math.sqrt(sum(wi * wi / ui for wi, ui in zip(w[:t], u[:t])) * sum(u[:t]) / sum(w[:t]) ** 2)
-               for t in range(1, steps + 1))  # fmt: skip
+    return max(
+        math.sqrt(sum(wi * wi / ui for wi, ui in zip(w[:t], u[:t])) * sum(u[:t]) / sum(w[:t]) ** 2)
+        for t in range(1, steps + 1)
+    )
 
 
 def assert_same_adam_training(a, b, *, lr: float, steps: int) -> None:

@@ -17,7 +17,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCHMARKS = (ROOT / "BENCHMARKS.md").read_text()
-DOCUMENTED = [ROOT / "BENCHMARKS.md", ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCUMENTED = [
+    ROOT / "BENCHMARKS.md",
+    ROOT / "README.md",
+    ROOT / "CONTRIBUTING.md",
+    *sorted((ROOT / "docs").glob("*.md")),
+]
 SCRIPTS = sorted(set(re.findall(r"scripts/(bench_\w+)\.py", BENCHMARKS)))
 # The documented commands with their arguments: `... scripts/bench_x.py ARGS` in backticks, lines joined.
 PLACEHOLDER = re.compile(r"^[A-Z][A-Z_]*(\.\.\.)?$")  # DIR, OUT, N, S...: a documented stand-in for a value

@@ -10,7 +10,14 @@ from transformers import AutoModelForCausalLM
 
 import hf_attn_patch  # noqa: F401
 from hf_attn_patch import PagedKVCache
-from hf_attn_patch.converters.methods.budgets import Candidate, LayerCandidates, budget_values, choose, exact_plan, mla_module
+from hf_attn_patch.converters.methods.budgets import (
+    Candidate,
+    LayerCandidates,
+    budget_values,
+    choose,
+    exact_plan,
+    mla_module,
+)
 from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.models.pretrained import load_source
@@ -45,8 +52,13 @@ def test_choose_is_optimal_against_brute_force():
     gen = torch.Generator().manual_seed(0)
     for trial in range(30):
         layers, per_layer = 2 + trial % 3, 2 + trial % 4
-        options = [[(int(torch.randint(1, 12, (), generator=gen)), float(torch.rand((), generator=gen)))
-                    for _ in range(per_layer)] for _ in range(layers)]  # fmt: skip
+        options = [
+            [
+                (int(torch.randint(1, 12, (), generator=gen)), float(torch.rand((), generator=gen)))
+                for _ in range(per_layer)
+            ]
+            for _ in range(layers)
+        ]
         smallest = sum(min(s for s, _ in o) for o in options)
         for budget in range(smallest, sum(max(s for s, _ in o) for o in options) + 2):
             chosen = choose(options, budget)
@@ -67,7 +79,9 @@ def test_choose_takes_the_cheap_layer_down_first():
 
 def test_budget_values_is_floor_of_the_fraction(source):
     model, _ = source
-    assert budget_values(AttentionShape.of(model.config), 0.5) == 5 * 64 // 2  # 5 layers x 2 x 4 KV heads x d_h 8, halved
+    assert (
+        budget_values(AttentionShape.of(model.config), 0.5) == 5 * 64 // 2
+    )  # 5 layers x 2 x 4 KV heads x d_h 8, halved
     assert budget_values(AttentionShape.of(model.config), 0.3) == int(0.3 * 320)  # 96: never rounded up past the budget
 
 
@@ -103,8 +117,10 @@ def test_measure_matches_a_full_forward_with_one_layer_replaced(source):
     src = LayerSource.open("default")
     measurement = Measurement(src, windows)
     grid = [Candidate(4, 12), Candidate(8, 24)]
-    candidates = [LayerCandidates(l, w, model.config, AttentionShape.of(model.config), stats[n], "calibrated", 64, grid)
-                  for l, (n, w) in enumerate(zip(layers, weights))]  # fmt: skip
+    candidates = [
+        LayerCandidates(l, w, model.config, AttentionShape.of(model.config), stats[n], "calibrated", 64, grid)
+        for l, (n, w) in enumerate(zip(layers, weights))
+    ]
     kl = [measurement.layer(l, src.layer(l), c) for l, c in enumerate(candidates)]
     assert [len(c.options) for c in candidates] == [3] * 5
     assert all(k[-1] == 0.0 for k in kl)  # the exact candidate, not run (its exactness: the tests above and below)

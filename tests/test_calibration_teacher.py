@@ -5,8 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_attn_patch.converters.io.calibration import (TEACHER_PROMPT, calibration_windows, read_calibration_text,
-                                                  sample_from_teacher, teacher_windows)
+from hf_attn_patch.converters.io.calibration import (
+    TEACHER_PROMPT,
+    calibration_windows,
+    read_calibration_text,
+    sample_from_teacher,
+    teacher_windows,
+)
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.stages.target import AUTO_RECONSTRUCT_STEPS, auto_reconstruct_steps
 from hf_attn_patch.converters.options import ConvertOptions
@@ -62,8 +67,23 @@ def test_the_cli_calibrates_on_teacher_samples_and_reconstructs_by_default(tmp_p
     # reconstruct steps "auto": MQA 4 -> 1 keeps a quarter of the KV values, below half: the longer fit
     assert report["options"]["reconstruct_steps"] == AUTO_RECONSTRUCT_STEPS[1] == 150
     assert report["layerwise"]["reconstruct_steps"] == 150 and len(report["layerwise"]["layers"]) == 5
-    cli.main(["convert", "default", str(tmp_path / "m"), "--to", "mla", "--kv-budget", "0.5", "--calib-samples", "2",
-              "--calib-len", "32", "--rank-allocation", "uniform"])  # fmt: skip
+    cli.main(
+        [
+            "convert",
+            "default",
+            str(tmp_path / "m"),
+            "--to",
+            "mla",
+            "--kv-budget",
+            "0.5",
+            "--calib-samples",
+            "2",
+            "--calib-len",
+            "32",
+            "--rank-allocation",
+            "uniform",
+        ]
+    )
     report = json.loads((tmp_path / "m" / "conversion_report.json").read_text())
     assert report["layerwise"]["reconstruct_steps"] == AUTO_RECONSTRUCT_STEPS[0] == 60  # half the KV values: 60
 

@@ -61,8 +61,9 @@ def test_supported_minors_pass_silently(version):
 
 def test_the_import_has_no_deprecation_message():
     """Nothing of ours passes the cache under a deprecated name while patching (transformers 5.24+ renamed it)."""
-    done = subprocess.run([sys.executable, "-W", "error::FutureWarning", "-c", "import hf_attn_patch"],
-                          capture_output=True, text=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-W", "error::FutureWarning", "-c", "import hf_attn_patch"], capture_output=True, text=True
+    )
     assert done.returncode == 0 and "deprecated" not in done.stderr, done.stderr
 
 

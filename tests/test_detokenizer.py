@@ -103,5 +103,8 @@ def test_special_tokens_skipped_or_kept(sentencepiece):
         for t in completion:
             detok.add(t)
         detok.flush()
-        full, head = tok.decode(prompt + completion, skip_special_tokens=skip), tok.decode(prompt, skip_special_tokens=skip)
+        full, head = (
+            tok.decode(prompt + completion, skip_special_tokens=skip),
+            tok.decode(prompt, skip_special_tokens=skip),
+        )
         assert detok.text == full[len(head) :] and (tok.eos_token in detok.text) == (not skip)

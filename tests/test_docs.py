@@ -69,13 +69,25 @@ def server():
     def start() -> str:
         if "url" not in state:
             port = _free_port()
-            cmd = [sys.executable, "-m", "hf_attn_patch.cli", "serve", "default", "--port", str(port), "--device", "cpu"]
+            cmd = [
+                sys.executable,
+                "-m",
+                "hf_attn_patch.cli",
+                "serve",
+                "default",
+                "--port",
+                str(port),
+                "--device",
+                "cpu",
+            ]
             state["proc"] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 180  # import + model load on a loaded 2-core machine
             while True:
                 if state["proc"].poll() is not None:
-                    raise AssertionError(f"hf-attn serve default exited: {state['proc'].stderr.read().decode()[-2000:]}")
+                    raise AssertionError(
+                        f"hf-attn serve default exited: {state['proc'].stderr.read().decode()[-2000:]}"
+                    )
                 try:
                     with urllib.request.urlopen(url + "/health", timeout=2):
                         break
@@ -94,8 +106,19 @@ def server():
 
 def test_every_page_is_found():
     names = {p.name for p in DOCS}
-    expected = {"README.md", "quickstart.md", "paged-cache.md", "speculative.md", "structured-output.md", "serving.md",
-                "conversion.md", "conversion-methods.md", "exports.md", "kernels.md", "architecture.md"}  # fmt: skip
+    expected = {
+        "README.md",
+        "quickstart.md",
+        "paged-cache.md",
+        "speculative.md",
+        "structured-output.md",
+        "serving.md",
+        "conversion.md",
+        "conversion-methods.md",
+        "exports.md",
+        "kernels.md",
+        "architecture.md",
+    }
     assert expected <= names, sorted(expected - names)
     assert any(marker is None for _, marker, _ in blocks(ROOT / "README.md")), "README.md has no runnable example"
 

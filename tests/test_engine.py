@@ -41,7 +41,6 @@ def test_greedy_equals_generate_alone(stories, options):
     assert engine.kv.num_live_blocks() == 0  # finished requests freed every block
 
 
-
 def test_kv_storage_is_made_at_construction_and_the_null_block_is_zero(stories):
     """The pool is allocated (zeroed) when the engine is built, not during the first request's forward; the
     warm-up token written into the null block is wiped."""
@@ -53,6 +52,7 @@ def test_kv_storage_is_made_at_construction_and_the_null_block_is_zero(stories):
     out = engine.generate(PROMPTS[1], SamplingParams(max_tokens=8, temperature=0))[0]
     assert out.token_ids == _reference(model, out.prompt_token_ids, 8)
     assert all(s.block_is_zero(0) for s in engine.runner.storage)  # nothing is ever written into the null block
+
 
 def test_prefix_cache_reuses_a_shared_prompt(stories):
     model, tok = stories
@@ -122,8 +122,10 @@ def test_bad_input_is_refused_before_work(stories):
 
 def test_speculative_ngram_steps_are_identical_and_fewer(stories):
     model, tok = stories
-    prompts = ['The little bird said, "I want to fly!" The little bird',
-               "Tom and Sue went to the park. They played on the swings. They played on the slide."]  # fmt: skip
+    prompts = [
+        'The little bird said, "I want to fly!" The little bird',
+        "Tom and Sue went to the park. They played on the swings. They played on the slide.",
+    ]
     plain = Engine(model, tok, block_size=4)
     reference = plain.generate(prompts, SamplingParams(max_tokens=60, temperature=0))
     fast = Engine(model, tok, block_size=4, max_batch_tokens=64)
@@ -139,21 +141,32 @@ def test_per_request_grammar(stories):
     import jsonschema
 
     model, tok = stories
-    schema = {"type": "object", "additionalProperties": False, "required": ["name"],
-              "properties": {"name": {"type": "string", "maxLength": 10}}}  # fmt: skip
+    schema = {
+        "type": "object",
+        "additionalProperties": False,
+        "required": ["name"],
+        "properties": {"name": {"type": "string", "maxLength": 10}},
+    }
     fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
     engine = Engine(model, tok, block_size=4)
-    json_out, regex_out, free = engine.generate(PROMPTS[:3], [
-        SamplingParams(max_tokens=40, temperature=0, response_format=fmt),
-        SamplingParams(max_tokens=40, temperature=0.8, seed=3, grammar={"type": "regex", "pattern": "(yes|no), [a-z]{3,6}"}),
-        SamplingParams(max_tokens=10, temperature=0)])  # fmt: skip
+    json_out, regex_out, free = engine.generate(
+        PROMPTS[:3],
+        [
+            SamplingParams(max_tokens=40, temperature=0, response_format=fmt),
+            SamplingParams(
+                max_tokens=40, temperature=0.8, seed=3, grammar={"type": "regex", "pattern": "(yes|no), [a-z]{3,6}"}
+            ),
+            SamplingParams(max_tokens=10, temperature=0),
+        ],
+    )
     jsonschema.validate(json.loads(json_out.text), schema)
     assert json_out.finish_reason == "stop"
     import re
 
     assert re.fullmatch("(yes|no), [a-z]{3,6}", regex_out.text)
-    reference = model.generate(**tok(PROMPTS[0], return_tensors="pt"), max_new_tokens=40, do_sample=False,
-                               response_format=fmt, tokenizer=tok)  # fmt: skip
+    reference = model.generate(
+        **tok(PROMPTS[0], return_tensors="pt"), max_new_tokens=40, do_sample=False, response_format=fmt, tokenizer=tok
+    )
     assert tok.decode(reference[0, len(json_out.prompt_token_ids) :], skip_special_tokens=True) == json_out.text
     with pytest.raises(ValueError, match="response_format"):
         engine.add_request("Hi", SamplingParams(response_format={"type": "nope"}))
@@ -183,8 +196,11 @@ def test_sliding_window_models(model_type, overrides, stories):
     assert engine.kv.num_live_blocks() == 0
 
 
-@pytest.mark.parametrize("model_type, overrides", [("llama", {}), ("mistral", dict(sliding_window=5)), ("llama", MLA)],
-                         ids=["llama", "mistral-window", "llama-mla"])  # fmt: skip
+@pytest.mark.parametrize(
+    "model_type, overrides",
+    [("llama", {}), ("mistral", dict(sliding_window=5)), ("llama", MLA)],
+    ids=["llama", "mistral-window", "llama-mla"],
+)
 def test_cuda_dispatch_calls_the_kernels_with_block_tables(model_type, overrides, stories, monkeypatch):
     """With the kernel gate open (as on CUDA), prefill goes to paged_prefill_attention and decodes to
     paged_decode_attention (MLA: mla_decode), all with block tables of the engine's block size."""
@@ -218,7 +234,6 @@ def test_cuda_dispatch_calls_the_kernels_with_block_tables(model_type, overrides
     assert ("paged_prefill_attention" in names) == (decode == "paged_decode_attention")  # MLA prefill: torch
     assert all(size == 4 for _, size, _, _ in calls)
     assert all(width <= -(-16 // 4) for _, _, _, width in calls)  # block granularity: <= 16 positions in 4 blocks
-
 
 
 @pytest.mark.parametrize(
@@ -259,9 +274,13 @@ def test_logprobs_and_prompt_logprobs_match_the_model(stories):
     model, tok = stories
     engine = Engine(model, tok, block_size=4, max_batch_tokens=16)  # chunked prefill: prompt logprobs over chunks
     engine.generate(PROMPTS[0], SamplingParams(max_tokens=1, temperature=0))  # leaves a prefix-cache entry
-    echo, gen = engine.generate([PROMPTS[0], PROMPTS[2]], [
-        SamplingParams(max_tokens=0, prompt_logprobs=3),
-        SamplingParams(max_tokens=12, temperature=1.5, top_k=3, seed=1, logprobs=5, prompt_logprobs=0)])  # fmt: skip
+    echo, gen = engine.generate(
+        [PROMPTS[0], PROMPTS[2]],
+        [
+            SamplingParams(max_tokens=0, prompt_logprobs=3),
+            SamplingParams(max_tokens=12, temperature=1.5, top_k=3, seed=1, logprobs=5, prompt_logprobs=0),
+        ],
+    )
     assert echo.finish_reason == "length" and echo.token_ids == [] and echo.text == "" and echo.prefix_hit_tokens == 0
     for out, k in ((echo, 3), (gen, 0)):
         ids = out.prompt_token_ids
@@ -305,10 +324,14 @@ def test_seeded_request_does_not_depend_on_its_batch(stories):
     model, tok = stories
     seeded = SamplingParams(max_tokens=20, temperature=0.9, top_p=0.95, seed=123)
     alone = Engine(model, tok, block_size=4).generate(PROMPTS[1], seeded)[0]
-    others = [SamplingParams(max_tokens=12, temperature=1.2), SamplingParams(max_tokens=25, temperature=0),
-              SamplingParams(max_tokens=8, temperature=0.5, top_k=5)]  # fmt: skip
-    batch = Engine(model, tok, block_size=4).generate([PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]],
-                                                      [others[0], seeded, others[1], others[2]])  # fmt: skip
+    others = [
+        SamplingParams(max_tokens=12, temperature=1.2),
+        SamplingParams(max_tokens=25, temperature=0),
+        SamplingParams(max_tokens=8, temperature=0.5, top_k=5),
+    ]
+    batch = Engine(model, tok, block_size=4).generate(
+        [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3]], [others[0], seeded, others[1], others[2]]
+    )
     assert batch[1].token_ids == alone.token_ids and batch[1].text == alone.text
 
 

@@ -21,9 +21,18 @@ from .conftest import _randomize_norms
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-COMMON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=128, eos_token_id=2, pad_token_id=0,
-              initializer_range=0.3)  # 0.3: varied greedy tokens (at 0.02 these tiny models repeat one token)
+COMMON = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+    eos_token_id=2,
+    pad_token_id=0,
+    initializer_range=0.3,
+)  # 0.3: varied greedy tokens (at 0.02 these tiny models repeat one token)
 CONFIGS = {
     # LFM2-1.2B: hidden 2048, 16 layers (10 short-conv, 6 attention), conv_L_cache 3
     "lfm2": dict(layer_types=["conv", "full_attention", "conv"], conv_L_cache=3),
@@ -52,10 +61,25 @@ CONFIGS = {
                              num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=16),
 }  # fmt: skip
 # Jamba-v0.1: 32 layers (Mamba1, attention every 8th at offset 4), 16 experts every 2nd layer: whole prefills only
-JAMBA = dict(attn_layer_period=3, attn_layer_offset=1, expert_layer_period=3, expert_layer_offset=2, num_experts=2,
-             mamba_d_state=8, mamba_d_conv=3, mamba_expand=1, mamba_dt_rank=4, use_mamba_kernels=False)
-PROMPTS = [[5, 9, 13, 22, 40, 7, 8, 9, 10, 11, 3, 4, 5, 6, 7, 8, 9, 30, 31], [3, 4, 5], [50, 60, 70, 80, 90, 11, 12],
-           [7], [12, 14, 16, 18, 20, 22, 24, 26, 28]]  # fmt: skip
+JAMBA = dict(
+    attn_layer_period=3,
+    attn_layer_offset=1,
+    expert_layer_period=3,
+    expert_layer_offset=2,
+    num_experts=2,
+    mamba_d_state=8,
+    mamba_d_conv=3,
+    mamba_expand=1,
+    mamba_dt_rank=4,
+    use_mamba_kernels=False,
+)
+PROMPTS = [
+    [5, 9, 13, 22, 40, 7, 8, 9, 10, 11, 3, 4, 5, 6, 7, 8, 9, 30, 31],
+    [3, 4, 5],
+    [50, 60, 70, 80, 90, 11, 12],
+    [7],
+    [12, 14, 16, 18, 20, 22, 24, 26, 28],
+]
 MAX_TOKENS = 14
 
 
@@ -88,7 +112,7 @@ def _run(model, tokenizer, **options):
     """Engine outputs for PROMPTS, with a record of each step's schedule [(request id, start, n, prompt length)]
     and the number of calls of the stock state-layer forwards."""
     engine = Engine(model, tokenizer, block_size=4, **options)
-    steps, calls = [], [0]
+    steps = []
     forward = engine.runner.forward
 
     def recording(output, keep):  # what the runner reads: the SchedulerOutput, naming requests by id
@@ -141,8 +165,11 @@ def test_greedy_equals_generate_alone(family, tokenizer, options):
         assert out.token_ids == expected  # the full sequence: an engine that stops early (or runs on) fails
         assert out.finish_reason == ("stop" if expected[-1] == 2 else "length")
     if "prefill_chunk" in options:  # a prompt continued mid-way in a step that also decodes another request
-        assert any(any(0 < start < length for _, start, _, length in step) and
-                   any(start >= length for _, start, _, length in step) for step in steps)  # fmt: skip
+        assert any(
+            any(0 < start < length for _, start, _, length in step)
+            and any(start >= length for _, start, _, length in step)
+            for step in steps
+        )
     else:
         assert engine.scheduler.preemptions > 0  # 11 usable blocks of 4 tokens cannot hold all five requests
     # each state layer ran once per sequence, except the one-token decodes of a step: once for all of them
@@ -158,8 +185,10 @@ def test_without_the_per_sequence_wrapper_the_outputs_differ(tokenizer):
     """The check above can fail: the stock mixer forward over the packed row (no state, sequences mixed) gives
     other tokens."""
     model = hybrid_model("lfm2")
-    expected = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p) :].tolist()
-                for p in PROMPTS]  # fmt: skip
+    expected = [
+        model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p) :].tolist()
+        for p in PROMPTS
+    ]
     (mixer,) = [c for c in mixer_classes() if c.__name__ == STATE_MIXERS["lfm2"][1]]
     engine = Engine(model, tokenizer, block_size=4, max_batch_tokens=6, prefill_chunk=4)
     with pytest.MonkeyPatch.context() as mp:
@@ -211,8 +240,10 @@ def test_jamba_is_served_with_whole_prefills_only(tokenizer):
     model = hybrid_model("jamba")
     with pytest.raises(ValueError, match="chunked_prefill=True, but layer 0 \\(JambaMambaMixer\\)"):
         Engine(model, tokenizer, block_size=4)
-    expected = [model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p) :].tolist()
-                for p in PROMPTS]  # fmt: skip
+    expected = [
+        model.generate(torch.tensor([p]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(p) :].tolist()
+        for p in PROMPTS
+    ]
     engine, outputs, steps, _ = _run(model, tokenizer, max_batch_tokens=8, num_blocks=12, chunked_prefill=False)
     assert [o.token_ids for o in outputs] == expected
     assert engine.scheduler.preemptions > 0 and any(n > 8 for step in steps for _, _, n, _ in step)  # whole prompts

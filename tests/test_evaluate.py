@@ -47,8 +47,21 @@ def test_bad_windows_are_named():
 
 
 def test_eval_cli(tmp_path):
-    cmd = [sys.executable, "-m", "hf_attn_patch.cli", "eval", "default", "--text", str(TEXT), "--ctx", "128",
-           "--max-tokens", "256", "--reference", "default"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "hf_attn_patch.cli",
+        "eval",
+        "default",
+        "--text",
+        str(TEXT),
+        "--ctx",
+        "128",
+        "--max-tokens",
+        "256",
+        "--reference",
+        "default",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)

@@ -31,8 +31,19 @@ def mqa_source(tmp_path, **overrides):
 
 
 def export(src, out, **options):
-    return convert(str(src), out, to="mla", kv_lora_rank=8, rope_dim=8, format="deepseek_v3", calib_samples=4,
-                   calib_len=64, calib_source="text", reconstruct_steps=0, **options)  # fmt: skip
+    return convert(
+        str(src),
+        out,
+        to="mla",
+        kv_lora_rank=8,
+        rope_dim=8,
+        format="deepseek_v3",
+        calib_samples=4,
+        calib_len=64,
+        calib_source="text",
+        reconstruct_steps=0,
+        **options,
+    )
 
 
 def stock_logits(folder, ids):
@@ -79,8 +90,18 @@ def test_llama3_scaled_frequencies_take_the_nearest_stock_rope(tmp_path):
     [
         ("qwen2", {}, "'qwen2' has q/k/v biases; a query bias adds q-dependent terms"),
         ("qwen3", {}, "'qwen3' has per-head q/k norms \\(QK-norm\\)"),
-        ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
-                                       "original_max_position_embeddings": 64}}, "rope_type='yarn'"),  # fmt: skip
+        (
+            "llama",
+            {
+                "rope_parameters": {
+                    "rope_type": "yarn",
+                    "rope_theta": 1e4,
+                    "factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                }
+            },
+            "rope_type='yarn'",
+        ),
         ("llama", {"mlp_bias": True}, "mlp_bias=True"),
         ("gpt_neox", {}, "llama-family source"),
     ],

@@ -34,8 +34,15 @@ def linear_count(model) -> int:
 
 
 def small_llama(dtype=torch.float32):
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     return LlamaForCausalLM(config).to(dtype).eval()
 
@@ -148,8 +155,9 @@ def test_gradients_run_f_linear_and_backpropagate():
 def test_missing_bf16_is_logged_and_runs_f_linear(monkeypatch, caplog):
     """The CPU-feature fallback: without oneDNN bf16 kernels a bf16 model runs F.linear and the log names it."""
     reason = "this CPU has no bf16 oneDNN kernels (AVX512-BF16 / AMX / AVX512)"
-    monkeypatch.setattr(fast_linear, "onednn_linear_unsupported",
-                        lambda dtype: reason if dtype == torch.bfloat16 else None)  # fmt: skip
+    monkeypatch.setattr(
+        fast_linear, "onednn_linear_unsupported", lambda dtype: reason if dtype == torch.bfloat16 else None
+    )
     fast_linear.reset_counts()
     model = small_llama(torch.bfloat16)
     ids = torch.randint(0, 300, (1, 6))
@@ -157,8 +165,9 @@ def test_missing_bf16_is_logged_and_runs_f_linear(monkeypatch, caplog):
         out = model(ids).logits
         model(ids)
     assert fast_linear.counts() == {reason: 30}
-    assert [r.getMessage() for r in caplog.records].count(f"hf_attn_patch: torch.bfloat16 Linear layers run torch's "
-                                                           f"F.linear: {reason}") == 1  # fmt: skip
+    assert [r.getMessage() for r in caplog.records].count(
+        f"hf_attn_patch: torch.bfloat16 Linear layers run torch's F.linear: {reason}"
+    ) == 1
     assert out.dtype == torch.bfloat16
 
 
@@ -217,8 +226,9 @@ def test_generate_and_speculative_verification_are_greedy_exact(stories):
         stock = type(model)(model.config).eval()
     stock.load_state_dict(model.state_dict())
     assert fast_linear.installed(model) == linear_count(model) and fast_linear.installed(stock) == 0
-    ids = tok(["Once upon a time, there was a little girl who loved the sun. Once upon a time, there"],
-              return_tensors="pt").input_ids  # fmt: skip
+    ids = tok(
+        ["Once upon a time, there was a little girl who loved the sun. Once upon a time, there"], return_tensors="pt"
+    ).input_ids
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, stock(ids).logits, atol=STORIES_ATOL, rtol=0)
     kw = dict(max_new_tokens=24, do_sample=False, pad_token_id=0)
@@ -241,8 +251,7 @@ def test_engine_runs_packed_and_is_greedy_exact(stories):
     fast_linear.set_enabled(False)
     for out in outs:
         ids = out.prompt_token_ids
-        ref = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
-                             pad_token_id=0)  # fmt: skip
+        ref = model.generate(torch.tensor([ids]), max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
         assert out.token_ids == ref[0, len(ids) :].tolist()
 
 

@@ -91,8 +91,10 @@ def test_sampling_matches_target_marginal():
     assert_second_token_marginal(target, drafter)
 
 
-@pytest.mark.parametrize("option, value, match", [("steps", 0, "steps=0"), ("draft_vocab", 4, "draft_vocab=4"),
-                                                  ("length", 20, "longest prompt")])  # fmt: skip
+@pytest.mark.parametrize(
+    "option, value, match",
+    [("steps", 0, "steps=0"), ("draft_vocab", 4, "draft_vocab=4"), ("length", 20, "longest prompt")],
+)
 def test_build_refuses_bad_input_before_writing(tmp_path, option, value, match):
     with pytest.raises(ValueError, match=match):
         build_drafter("default", tmp_path / "out", **{option: value}, progress=False)
@@ -113,8 +115,9 @@ def test_lookup_with_the_drafter_is_exact(built, rows):
     stats = SpeculativeStats()
     out = model.generate(**enc, assistant_model=drafter, prompt_lookup_num_tokens=4, speculative_stats=stats, **kw)
     assert torch.equal(out, model.generate(**enc, **kw)) and stats.accepted > 0
-    sampled = model.generate(**enc, assistant_model=drafter, prompt_lookup_num_tokens=4, do_sample=True,
-                             max_new_tokens=16)  # fmt: skip
+    sampled = model.generate(
+        **enc, assistant_model=drafter, prompt_lookup_num_tokens=4, do_sample=True, max_new_tokens=16
+    )
     assert sampled.shape[0] == rows and not model.get_decoder()._forward_hooks
 
 

@@ -92,8 +92,12 @@ def test_pca_and_refit_are_exact_for_scaled_and_mixed_heads(stories):
     ids = torch.randint(3, 512, (2, 24))
     reference = logits(source, ids)
     error = {}
-    variants = {"pca": ("pca", {}), "aligned": ("aligned", {}), "aligned, no refit": ("aligned", {"refit": False}),
-                "mean": ("mean", {})}  # fmt: skip
+    variants = {
+        "pca": ("pca", {}),
+        "aligned": ("aligned", {}),
+        "aligned, no refit": ("aligned", {"refit": False}),
+        "mean": ("mean", {}),
+    }
     for label, (method, options) in variants.items():
         merged, groups = merged_model(model, weights, stats, method, 2, **options)
         assert all(g == [[0, 1], [2, 3]] for g in groups)  # the planted pairs are the groups by index
@@ -177,7 +181,9 @@ def test_impossible_requests_are_named():
     with pytest.raises(ValueError, match="method='aligned' needs calibration stats"):
         gqa_layer("aligned", w, AttentionShape.of(model.config), 1)
     with pytest.raises(ValueError, match=r"stats.input_cov has shape \(5, 5\): this layer needs \(49, 49\)"):
-        gqa_layer("pca", w, AttentionShape.of(model.config), 1, dataclasses.replace(layer_stats, input_cov=torch.eye(5)))
+        gqa_layer(
+            "pca", w, AttentionShape.of(model.config), 1, dataclasses.replace(layer_stats, input_cov=torch.eye(5))
+        )
     state, groups = gqa_layer("mean", w, AttentionShape.of(model.config), 1)
     pooled = mean_pool(w, AttentionShape.of(model.config), 1)
     assert groups == [[0, 1]] and all(torch.equal(t, pooled[k]) for k, t in state.items())

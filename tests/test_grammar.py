@@ -27,54 +27,129 @@ BACKENDS = ["llguidance", "xgrammar"]
 
 # name -> (schema, backends that support every feature it uses)
 SCHEMAS = {
-    "nested_object": ({
-        "type": "object",
-        "properties": {
-            "user": {"type": "object", "properties": {
-                "id": {"type": "integer", "minimum": 1, "maximum": 999},
-                "name": {"type": "string", "minLength": 1, "maxLength": 6}},
-                "required": ["id", "name"], "additionalProperties": False},
-            "active": {"type": "boolean"}},
-        "required": ["user", "active"], "additionalProperties": False}, BACKENDS),
-    "array_bounds": ({
-        "type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 50}, "minItems": 2, "maxItems": 4},
-        BACKENDS),
-    "enum_const": ({
-        "type": "object", "properties": {
-            "color": {"enum": ["red", "green", "blue"]}, "v": {"const": 2}, "n": {"enum": [1, 2.5, None, True]}},
-        "required": ["color", "v", "n"], "additionalProperties": False}, BACKENDS),
-    "anyof": ({
-        "anyOf": [{"type": "integer", "minimum": 0, "maximum": 9},
-                  {"type": "object", "properties": {"k": {"type": "string", "maxLength": 3}}, "required": ["k"],
-                   "additionalProperties": False}]}, BACKENDS),
-    "ref_defs": ({
-        "$defs": {"point": {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9},
-                                                             "y": {"type": "integer", "minimum": 0, "maximum": 9}},
-                            "required": ["x", "y"], "additionalProperties": False}},
-        "type": "object", "properties": {"a": {"$ref": "#/$defs/point"},
-                                         "path": {"type": "array", "items": {"$ref": "#/$defs/point"}, "maxItems": 2}},
-        "required": ["a", "path"], "additionalProperties": False}, BACKENDS),
-    "patterns_formats": ({
-        "type": "object", "properties": {
-            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
-            "day": {"type": "string", "format": "date"},
-            "id": {"type": "string", "format": "uuid"}},
-        "required": ["code", "day", "id"], "additionalProperties": False}, BACKENDS),
-    "number_bounds": ({
-        "type": "object", "properties": {
-            "t": {"type": "number", "minimum": -1.5, "maximum": 2.5},
-            "p": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10}},
-        "required": ["t", "p"], "additionalProperties": False}, BACKENDS),
-    "unicode_strings": ({
-        "type": "object", "properties": {
-            "word": {"type": "string", "pattern": "^[àéîõü€日本]{1,4}$"},
-            "free": {"type": "string", "maxLength": 4}},
-        "required": ["word", "free"], "additionalProperties": False}, BACKENDS),
-    "oneof_allof": ({  # xgrammar: widened (oneOf as anyOf, allOf dropped) and checked exactly
-        "type": "object", "properties": {
-            "a": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 2}]},
-            "b": {"allOf": [{"type": "integer", "maximum": 50}, {"minimum": 40}]}},
-        "required": ["a", "b"], "additionalProperties": False}, BACKENDS),
+    "nested_object": (
+        {
+            "type": "object",
+            "properties": {
+                "user": {
+                    "type": "object",
+                    "properties": {
+                        "id": {"type": "integer", "minimum": 1, "maximum": 999},
+                        "name": {"type": "string", "minLength": 1, "maxLength": 6},
+                    },
+                    "required": ["id", "name"],
+                    "additionalProperties": False,
+                },
+                "active": {"type": "boolean"},
+            },
+            "required": ["user", "active"],
+            "additionalProperties": False,
+        },
+        BACKENDS,
+    ),
+    "array_bounds": (
+        {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 50}, "minItems": 2, "maxItems": 4},
+        BACKENDS,
+    ),
+    "enum_const": (
+        {
+            "type": "object",
+            "properties": {
+                "color": {"enum": ["red", "green", "blue"]},
+                "v": {"const": 2},
+                "n": {"enum": [1, 2.5, None, True]},
+            },
+            "required": ["color", "v", "n"],
+            "additionalProperties": False,
+        },
+        BACKENDS,
+    ),
+    "anyof": (
+        {
+            "anyOf": [
+                {"type": "integer", "minimum": 0, "maximum": 9},
+                {
+                    "type": "object",
+                    "properties": {"k": {"type": "string", "maxLength": 3}},
+                    "required": ["k"],
+                    "additionalProperties": False,
+                },
+            ]
+        },
+        BACKENDS,
+    ),
+    "ref_defs": (
+        {
+            "$defs": {
+                "point": {
+                    "type": "object",
+                    "properties": {
+                        "x": {"type": "integer", "minimum": 0, "maximum": 9},
+                        "y": {"type": "integer", "minimum": 0, "maximum": 9},
+                    },
+                    "required": ["x", "y"],
+                    "additionalProperties": False,
+                }
+            },
+            "type": "object",
+            "properties": {
+                "a": {"$ref": "#/$defs/point"},
+                "path": {"type": "array", "items": {"$ref": "#/$defs/point"}, "maxItems": 2},
+            },
+            "required": ["a", "path"],
+            "additionalProperties": False,
+        },
+        BACKENDS,
+    ),
+    "patterns_formats": (
+        {
+            "type": "object",
+            "properties": {
+                "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{3}$"},
+                "day": {"type": "string", "format": "date"},
+                "id": {"type": "string", "format": "uuid"},
+            },
+            "required": ["code", "day", "id"],
+            "additionalProperties": False,
+        },
+        BACKENDS,
+    ),
+    "number_bounds": (
+        {
+            "type": "object",
+            "properties": {
+                "t": {"type": "number", "minimum": -1.5, "maximum": 2.5},
+                "p": {"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 10},
+            },
+            "required": ["t", "p"],
+            "additionalProperties": False,
+        },
+        BACKENDS,
+    ),
+    "unicode_strings": (
+        {
+            "type": "object",
+            "properties": {
+                "word": {"type": "string", "pattern": "^[àéîõü€日本]{1,4}$"},
+                "free": {"type": "string", "maxLength": 4},
+            },
+            "required": ["word", "free"],
+            "additionalProperties": False,
+        },
+        BACKENDS,
+    ),
+    "oneof_allof": (
+        {  # xgrammar: widened (oneOf as anyOf, allOf dropped) and checked exactly
+            "type": "object",
+            "properties": {
+                "a": {"oneOf": [{"type": "integer", "minimum": 0, "maximum": 9}, {"type": "string", "maxLength": 2}]},
+                "b": {"allOf": [{"type": "integer", "maximum": 50}, {"minimum": 40}]},
+            },
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+        BACKENDS,
+    ),
 }
 
 
@@ -116,7 +191,7 @@ def _generate(model, tok, processor, prompts, **kw):
     kw.setdefault("eos_token_id", tok.eos_token_id)
     procs = LogitsProcessorList([processor] if processor is not None else [])
     out = model.generate(**enc, logits_processor=procs, **kw)
-    return [tok.decode(row[enc.input_ids.shape[1]:], skip_special_tokens=True) for row in out]
+    return [tok.decode(row[enc.input_ids.shape[1] :], skip_special_tokens=True) for row in out]
 
 
 # --------------------------------------------------------------------------------------------------- JSON Schema
@@ -147,10 +222,16 @@ def test_unconstrained_random_model_is_invalid(random_llama, stories):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_stories260k_greedy_and_sampling(stories, backend):
     model, tok = stories
-    schema = {"type": "object", "properties": {
-        "name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 1, "maximum": 99},
-        "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 3}},
-        "required": ["name", "age", "pets"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 8},
+            "age": {"type": "integer", "minimum": 1, "maximum": 99},
+            "pets": {"type": "array", "items": {"enum": ["cat", "dog"]}, "maxItems": 3},
+        },
+        "required": ["name", "age", "pets"],
+        "additionalProperties": False,
+    }
     for sample in (False, True):
         torch.manual_seed(1)
         proc = JSONSchemaLogitsProcessor(schema, tok, backend=backend)
@@ -160,7 +241,12 @@ def test_stories260k_greedy_and_sampling(stories, backend):
 
 
 # ---------------------------------------------------------------------------------------------- regex, grammars
-REGEXES = [r"[0-9]{3}-[0-9]{4}", r"(yes|no|maybe)!", r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)", r"-?(0|[1-9][0-9]{0,3})\.[0-9]{2}"]
+REGEXES = [
+    r"[0-9]{3}-[0-9]{4}",
+    r"(yes|no|maybe)!",
+    r"[a-z]{2,5}@[a-z]{2,4}\.(com|org)",
+    r"-?(0|[1-9][0-9]{0,3})\.[0-9]{2}",
+]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -169,8 +255,9 @@ def test_regex_full_match(stories, random_llama, backend):
     for i, pattern in enumerate(REGEXES):
         torch.manual_seed(i)
         proc = RegexLogitsProcessor(pattern, tok, backend=backend)
-        texts = _generate(random_llama if i % 2 else model, tok, proc, ["The", "One day"], max_new_tokens=30,
-                          do_sample=True)
+        texts = _generate(
+            random_llama if i % 2 else model, tok, proc, ["The", "One day"], max_new_tokens=30, do_sample=True
+        )
         for text in texts:
             assert re.fullmatch(pattern, text), (pattern, text)
 
@@ -180,9 +267,11 @@ def test_lark_gbnf_and_choice(stories, random_llama, backend):
     _, tok = stories
     lark = 'start: "(" item ("," item)* ")"\nitem: /[a-c]{1,3}/'
     gbnf = 'root ::= "<" digit digit? ">"\ndigit ::= [0-9]'
-    cases = [(GrammarLogitsProcessor(lark, tok, backend=backend), r"\([a-c]{1,3}(,[a-c]{1,3})*\)"),
-             (GrammarLogitsProcessor(gbnf, tok, backend=backend), r"<[0-9]{1,2}>"),
-             (ChoiceLogitsProcessor(["yes", "no", "don't know ✓"], tok, backend=backend), r"yes|no|don't know ✓")]
+    cases = [
+        (GrammarLogitsProcessor(lark, tok, backend=backend), r"\([a-c]{1,3}(,[a-c]{1,3})*\)"),
+        (GrammarLogitsProcessor(gbnf, tok, backend=backend), r"<[0-9]{1,2}>"),
+        (ChoiceLogitsProcessor(["yes", "no", "don't know ✓"], tok, backend=backend), r"yes|no|don't know ✓"),
+    ]
     for proc, expected in cases:
         torch.manual_seed(0)
         for text in _generate(random_llama, tok, proc, ["a", "b c"], max_new_tokens=40, do_sample=True):
@@ -228,10 +317,12 @@ def test_sampling_num_return_sequences(random_llama, stories):
 def test_unsupported_features_raise_at_construction(stories):
     _, tok = stories
     with pytest.raises(GrammarError, match=r"'\$ref' at #/properties/a"):
-        JSONSchemaLogitsProcessor({"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, tok,
-                                  backend="llguidance")
-    widened = JSONSchemaLogitsProcessor({"type": "object", "properties": {"x": {"not": {"type": "string"}}}}, tok,
-                                        backend="xgrammar")  # widened and checked, as with llguidance
+        JSONSchemaLogitsProcessor(
+            {"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}, tok, backend="llguidance"
+        )
+    widened = JSONSchemaLogitsProcessor(
+        {"type": "object", "properties": {"x": {"not": {"type": "string"}}}}, tok, backend="xgrammar"
+    )  # widened and checked, as with llguidance
     assert widened.grammars[0].widened == {"not": ["#/properties/x"]} and widened.grammars[0].checks is not None
     with pytest.raises(GrammarError, match="look-around"):
         RegexLogitsProcessor(r"(?=a)b", tok, backend="llguidance")
@@ -326,8 +417,12 @@ def test_resync_beam_reorder_matches_fresh(stories):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_grammar_state_api(stories, backend):
     _, tok = stories
-    schema = {"type": "object", "properties": {"kind": {"const": "point"}, "x": {"type": "integer"}},
-              "required": ["kind", "x"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"kind": {"const": "point"}, "x": {"type": "integer"}},
+        "required": ["kind", "x"],
+        "additionalProperties": False,
+    }
     # declaration order: the first key is forced (in any order, the default, either key may come first)
     state = compile_grammar(GrammarSpec.json_schema(schema, "schema"), tok, backend=backend).new_state()
     eos = tok.eos_token_id
@@ -347,5 +442,7 @@ def test_grammar_state_api(stories, backend):
     assert not state.is_terminated() and state.tokens == good[:-1]
     assert clone.tokens == good[:5] and not clone.is_accepting()
     state.reset()
-    assert state.tokens == [] and torch.equal(state.allowed_mask(), compile_grammar(
-        GrammarSpec.json_schema(schema), tok, backend=backend).new_state().allowed_mask())
+    assert state.tokens == [] and torch.equal(
+        state.allowed_mask(),
+        compile_grammar(GrammarSpec.json_schema(schema), tok, backend=backend).new_state().allowed_mask(),
+    )

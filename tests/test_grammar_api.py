@@ -29,8 +29,12 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # --------------------------------------------------------------------------------------- processor_from_generate_kwargs
-SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
-          "additionalProperties": False}
+SCHEMA = {
+    "type": "object",
+    "properties": {"ok": {"type": "boolean"}},
+    "required": ["ok"],
+    "additionalProperties": False,
+}
 
 
 def test_generate_kwargs_forms(stories):
@@ -43,36 +47,47 @@ def test_generate_kwargs_forms(stories):
     assert isinstance(proc, GrammarConstrainedLogitsProcessor)
     ids = tok(["Hello"], return_tensors="pt").input_ids
     out = model.generate(ids, max_new_tokens=20, logits_processor=LogitsProcessorList([proc]))
-    assert json.loads(tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)) in ({"ok": True}, {"ok": False})
+    assert json.loads(tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)) in ({"ok": True}, {"ok": False})
     proc = processor_from_generate_kwargs(response_format={"type": "json_object"}, tokenizer=tok, backend="xgrammar")
     assert proc.backend == "xgrammar"
     # one entry per row, a text row included; grammar= forms
     mixed = processor_from_generate_kwargs(response_format=[rf, {"type": "text"}], tokenizer=tok)
     assert [g.spec.kind for g in mixed.grammars] == ["json_schema", "regex"]
-    for g in ["start: /[ab]+/", 'root ::= "x"', {"type": "regex", "pattern": "[0-9]+"},
-              {"type": "lark", "grammar": "start: \"a\""}, {"type": "gbnf", "grammar": 'root ::= "b"'},
-              {"type": "choice", "choices": ["a", "b"]}, {"type": "json_schema", "schema": SCHEMA}]:
+    for g in [
+        "start: /[ab]+/",
+        'root ::= "x"',
+        {"type": "regex", "pattern": "[0-9]+"},
+        {"type": "lark", "grammar": 'start: "a"'},
+        {"type": "gbnf", "grammar": 'root ::= "b"'},
+        {"type": "choice", "choices": ["a", "b"]},
+        {"type": "json_schema", "schema": SCHEMA},
+    ]:
         assert isinstance(processor_from_generate_kwargs(grammar=g, tokenizer=tok), GrammarConstrainedLogitsProcessor)
-    kinds = [g.spec.kind for g in processor_from_generate_kwargs(grammar=["start: \"a\"", 'root ::= "x"'],
-                                                                 tokenizer=tok).grammars]
+    kinds = [
+        g.spec.kind
+        for g in processor_from_generate_kwargs(grammar=['start: "a"', 'root ::= "x"'], tokenizer=tok).grammars
+    ]
     assert kinds == ["lark", "gbnf"]
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}}), r"^tokenizer"),
-    (dict(response_format={"type": "xml"}), r"response_format\['type'\].*'xml'"),
-    (dict(response_format={"type": "json_schema"}), r"response_format\['json_schema'\]"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), r"\['schema'\]: missing"),
-    (dict(response_format={"type": "json_schema", "json_schema": {"schema": [1]}}), r"\['schema'\].*list"),
-    (dict(response_format="json"), r"^response_format: expected a dict"),
-    (dict(response_format=[]), r"non-empty list"),
-    (dict(response_format=[{"type": "text"}, {"type": "nope"}]), r"response_format\[1\]\['type'\]"),
-    (dict(grammar={"type": "regex"}), r"grammar\['pattern'\]: missing"),
-    (dict(grammar={"type": "choice", "choices": []}), r"grammar\['choices'\]"),
-    (dict(grammar={"type": "cfg", "grammar": "x"}), r"grammar\['type'\].*'cfg'"),
-    (dict(grammar=42), r"^grammar: expected"),
-    (dict(grammar="start: /a/", response_format={"type": "json_object"}), "not both"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}}), r"^tokenizer"),
+        (dict(response_format={"type": "xml"}), r"response_format\['type'\].*'xml'"),
+        (dict(response_format={"type": "json_schema"}), r"response_format\['json_schema'\]"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"name": "x"}}), r"\['schema'\]: missing"),
+        (dict(response_format={"type": "json_schema", "json_schema": {"schema": [1]}}), r"\['schema'\].*list"),
+        (dict(response_format="json"), r"^response_format: expected a dict"),
+        (dict(response_format=[]), r"non-empty list"),
+        (dict(response_format=[{"type": "text"}, {"type": "nope"}]), r"response_format\[1\]\['type'\]"),
+        (dict(grammar={"type": "regex"}), r"grammar\['pattern'\]: missing"),
+        (dict(grammar={"type": "choice", "choices": []}), r"grammar\['choices'\]"),
+        (dict(grammar={"type": "cfg", "grammar": "x"}), r"grammar\['type'\].*'cfg'"),
+        (dict(grammar=42), r"^grammar: expected"),
+        (dict(grammar="start: /a/", response_format={"type": "json_object"}), "not both"),
+    ],
+)
 def test_generate_kwargs_errors(stories, kwargs, match):
     tok = None if "tokenizer" in match else stories[1]
     with pytest.raises(ValueError, match=match):
@@ -92,7 +107,6 @@ def test_per_row_spec_count_must_divide_batch(stories):
         proc(torch.ones(4, 2, dtype=torch.long), torch.zeros(4, 512))
 
 
-
 def test_processor_reused_across_generate_calls(stories):
     """A new prompt (or batch size) starts over; the same prompt again rolls every row back to the start."""
     model, tok = stories
@@ -102,7 +116,7 @@ def test_processor_reused_across_generate_calls(stories):
     for prompt in (["Once"], ["The cat sat", "A dog"], ["The cat sat", "A dog"]):
         enc = tok(prompt, return_tensors="pt", padding=True)
         out = model.generate(**enc, max_new_tokens=10, logits_processor=LogitsProcessorList([proc]), pad_token_id=0)
-        texts = [tok.decode(r[enc.input_ids.shape[1]:], skip_special_tokens=True) for r in out]
+        texts = [tok.decode(r[enc.input_ids.shape[1] :], skip_special_tokens=True) for r in out]
         assert all(re.fullmatch("[a-z]{3,6}", t) for t in texts), texts
         assert proc.prompt_len == enc.input_ids.shape[1] and len(proc.states) == len(prompt)
         outs.append(texts)
@@ -132,8 +146,11 @@ def test_auto_falls_back_to_xgrammar_and_explicit_missing_raises(stories, monkey
 def test_no_backend_at_all_raises(stories, monkeypatch):
     _hide(monkeypatch, "llguidance")
     real = builtins.__import__
-    monkeypatch.setattr(builtins, "__import__", lambda m, *a, **k: (_ for _ in ()).throw(ImportError(m))
-                        if m.startswith("xgrammar") else real(m, *a, **k))
+    monkeypatch.setattr(
+        builtins,
+        "__import__",
+        lambda m, *a, **k: (_ for _ in ()).throw(ImportError(m)) if m.startswith("xgrammar") else real(m, *a, **k),
+    )
     with pytest.raises(BackendUnavailableError, match="no grammar backend"):
         RegexLogitsProcessor("c+", stories[1])
 
@@ -147,8 +164,13 @@ def test_backends_are_imported_lazily():
 
     for path in pathlib.Path(pkg.__file__).parent.glob("*.py"):
         for node in ast.parse(path.read_text()).body:
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            names = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
             assert not any(n.split(".")[0] in ("llguidance", "xgrammar") for n in names), (path.name, names)
 
 
@@ -184,7 +206,10 @@ def test_adapter_cached_per_tokenizer_and_vocabulary(stories):
     assert get_adapter(tok) is a
     again = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)  # a second load of the same vocabulary
     assert get_adapter(again) is a
-    assert get_adapter(tok, eos_token_id=[2, 0]) is not a and get_adapter(tok, eos_token_id=[0, 2]).eos_token_ids == (0, 2)
+    assert get_adapter(tok, eos_token_id=[2, 0]) is not a and get_adapter(tok, eos_token_id=[0, 2]).eos_token_ids == (
+        0,
+        2,
+    )
     assert a.llguidance_tokenizer() is a.llguidance_tokenizer()
     with pytest.raises(GrammarError, match="eos_token_id"):
         get_adapter(tok, eos_token_id=-1)
@@ -209,11 +234,15 @@ FUNCTION_CALL = {
     "type": "object",
     "properties": {
         "name": {"enum": ["get_weather", "get_time"]},
-        "arguments": {"type": "object", "properties": {
-            "city": {"type": "string", "maxLength": 20},
-            "unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["city", "unit"], "additionalProperties": False},
+        "arguments": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 20}, "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"],
+            "additionalProperties": False,
+        },
     },
-    "required": ["name", "arguments"], "additionalProperties": False,
+    "required": ["name", "arguments"],
+    "additionalProperties": False,
 }
 
 
@@ -237,20 +266,24 @@ def test_smollm2_function_call_and_regex_batch(smollm2):
     writes unconstrained (it answers in words), so the processor visibly changes the output."""
     model, tok = smollm2
     tok.padding_side = "left"
-    prompts = [_chat(tok, "Call a function to get the weather in Paris. Answer in JSON."),
-               _chat(tok, "What year did the Apollo 11 mission land on the moon?")]
+    prompts = [
+        _chat(tok, "Call a function to get the weather in Paris. Answer in JSON."),
+        _chat(tok, "What year did the Apollo 11 mission land on the moon?"),
+    ]
     enc = tok(prompts, return_tensors="pt", padding=True)
     schema_proc = processor_from_generate_kwargs(
         grammar=[{"type": "json_schema", "schema": FUNCTION_CALL}, {"type": "regex", "pattern": r"Year: [0-9]{4}"}],
-        tokenizer=tok)
-    out = model.generate(**enc, max_new_tokens=40, logits_processor=LogitsProcessorList([schema_proc]),
-                         pad_token_id=tok.pad_token_id)
-    texts = [tok.decode(r[enc.input_ids.shape[1]:], skip_special_tokens=True) for r in out]
+        tokenizer=tok,
+    )
+    out = model.generate(
+        **enc, max_new_tokens=40, logits_processor=LogitsProcessorList([schema_proc]), pad_token_id=tok.pad_token_id
+    )
+    texts = [tok.decode(r[enc.input_ids.shape[1] :], skip_special_tokens=True) for r in out]
     call = json.loads(texts[0])
     jsonschema.validate(call, FUNCTION_CALL)
     assert re.fullmatch(r"Year: [0-9]{4}", texts[1]), texts[1]
     plain = model.generate(**enc, max_new_tokens=12, pad_token_id=tok.pad_token_id)
-    assert not re.fullmatch(r"Year: [0-9]{4}", tok.decode(plain[1, enc.input_ids.shape[1]:], skip_special_tokens=True))
+    assert not re.fullmatch(r"Year: [0-9]{4}", tok.decode(plain[1, enc.input_ids.shape[1] :], skip_special_tokens=True))
 
 
 @pytest.mark.parametrize("backend", ["llguidance", "xgrammar"])
@@ -266,8 +299,14 @@ def test_decoded_vocabulary_fallback_gives_the_same_masks(stories, monkeypatch, 
     from hf_attn_patch.grammar.vocab import TokenizerAdapter
 
     _, tok = stories
-    spec = GrammarSpec.json_schema({"type": "object", "properties": {"w": {"type": "string", "maxLength": 6}},
-                                    "required": ["w"], "additionalProperties": False})
+    spec = GrammarSpec.json_schema(
+        {
+            "type": "object",
+            "properties": {"w": {"type": "string", "maxLength": 6}},
+            "required": ["w"],
+            "additionalProperties": False,
+        }
+    )
     be = resolve_backend(backend)
     native = TokenizerAdapter(tok, (tok.eos_token_id,), "native")
 
@@ -282,8 +321,15 @@ def test_decoded_vocabulary_fallback_gives_the_same_masks(stories, monkeypatch, 
         if adapter is native:
             monkeypatch.undo()
         compiled = be.compile(spec, adapter)
-        states.append(GrammarState(be.matcher(compiled), adapter.eos_token_ids, adapter.vocab_size, backend,
-                                   banned_token_ids=adapter.special_token_ids))
+        states.append(
+            GrammarState(
+                be.matcher(compiled),
+                adapter.eos_token_ids,
+                adapter.vocab_size,
+                backend,
+                banned_token_ids=adapter.special_token_ids,
+            )
+        )
         monkeypatch.setattr(llguidance.hf, "from_tokenizer", boom)
         monkeypatch.setattr(xgrammar.TokenizerInfo, "from_huggingface", staticmethod(boom))
     ids = tok('{"w": "héé"}', add_special_tokens=False).input_ids[1:]  # drop SentencePiece's prefix '▁'

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 
-import pytest
 
 import hf_attn_patch.grammar.completion as completion
 import hf_attn_patch.grammar.schema_keys as schema_keys
@@ -15,12 +14,20 @@ from hf_attn_patch.grammar import bitmask as bm
 from .test_grammar_schemas import _is_valid, _replay
 
 # 80 required keys: keys in any order mask '}' after every member until the last one (the grammar cannot say it)
-MANY_REQUIRED = {"type": "object", "additionalProperties": False, "required": [f"k{i}" for i in range(80)],
-                 "properties": {f"k{i}": {"type": "integer"} for i in range(80)}}
+MANY_REQUIRED = {
+    "type": "object",
+    "additionalProperties": False,
+    "required": [f"k{i}" for i in range(80)],
+    "properties": {f"k{i}": {"type": "integer"} for i in range(80)},
+}
 # 24 governed strings in one row: each refuses its closing quote at several steps (a prefix is too short)
 LONG_WORDS = {"type": "array", "items": {"type": "string", "not": {"maxLength": 9}}}
-NEEDS_A_SEVEN = {"type": "array", "maxItems": 6, "contains": {"const": 7},
-                 "items": {"type": "integer", "minimum": 0, "maximum": 9}}
+NEEDS_A_SEVEN = {
+    "type": "array",
+    "maxItems": 6,
+    "contains": {"const": 7},
+    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+}
 
 
 def test_keys_in_any_order_cost_no_attempts(stories, monkeypatch):

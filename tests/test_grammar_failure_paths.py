@@ -5,7 +5,6 @@ its output's ``finish_reasons``, the engine and the server in ``finish_reason``.
 
 from __future__ import annotations
 
-import json
 
 import pytest
 import torch
@@ -17,11 +16,21 @@ from .conftest import tiny_model
 from .test_grammar_schemas import _is_valid
 
 # no value of "v" is valid: every row that ends must name check_failed
-NO_VALID_VALUE = {"$comment": "failure paths", "type": "object", "required": ["v"], "additionalProperties": False,
-                  "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 5, "not": {"type": "integer"}}}}
+NO_VALID_VALUE = {
+    "$comment": "failure paths",
+    "type": "object",
+    "required": ["v"],
+    "additionalProperties": False,
+    "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 5, "not": {"type": "integer"}}},
+}
 # valid documents exist, but a random model keeps closing the array without a 7: its one attempt runs out
-NEEDS_A_SEVEN = {"$comment": "failure paths", "type": "array", "maxItems": 6, "contains": {"const": 7},
-                 "items": {"type": "integer", "minimum": 0, "maximum": 9}}
+NEEDS_A_SEVEN = {
+    "$comment": "failure paths",
+    "type": "array",
+    "maxItems": 6,
+    "contains": {"const": 7},
+    "items": {"type": "integer", "minimum": 0, "maximum": 9},
+}
 SCHEMAS = {"no_valid_value": NO_VALID_VALUE, "needs_a_seven": NEEDS_A_SEVEN}
 
 
@@ -47,7 +56,9 @@ def _judge(schema, text: str, reason: str, completed: list) -> None:
     else:
         # the engine and the server say "check_failed" (OpenAI's field holds a word); generate() names the keyword
         assert reason in ("length", "check_failed") or reason.startswith("check_failed: 'not' at #/properties/v"), (
-            text, reason)
+            text,
+            reason,
+        )
 
 
 def _rows(tok, out, prompt_len: int):
@@ -62,8 +73,15 @@ def test_plain_processor(random_llama, stories, one_attempt, name):
     proc = JSONSchemaLogitsProcessor(schema, tok)
     torch.manual_seed(1)
     prompt = torch.tensor([[tok.bos_token_id]] * 6)
-    out = random_llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=60, do_sample=True,
-                                logits_processor=[proc], eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    out = random_llama.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=60,
+        do_sample=True,
+        logits_processor=[proc],
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
     completed = []
     for (text, ended), reason in zip(_rows(tok, out, 1), proc.finish_reasons):
         _judge(schema, text, reason or ("eos" if ended else "length"), completed)
@@ -76,11 +94,21 @@ def test_generate_and_speculative(random_llama, stories, one_attempt, name):
     schema = SCHEMAS[name]
     model, tok = stories
     for extra, m, n in (({}, random_llama, 1), ({"assistant_early_exit": 2}, model, None)):
-        prompt = torch.tensor([[tok.bos_token_id]] * 4) if n else tok(["Once upon a time"], return_tensors="pt").input_ids
+        prompt = (
+            torch.tensor([[tok.bos_token_id]] * 4) if n else tok(["Once upon a time"], return_tensors="pt").input_ids
+        )
         torch.manual_seed(2)
-        out = m.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=60, do_sample=True,
-                         response_format=_fmt(schema), tokenizer=tok, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.eos_token_id, **extra)
+        out = m.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=60,
+            do_sample=True,
+            response_format=_fmt(schema),
+            tokenizer=tok,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+            **extra,
+        )
         assert len(out.finish_reasons) == out.shape[0]
         completed = []
         for (text, _), reason in zip(_rows(tok, out, prompt.shape[1]), out.finish_reasons):
@@ -103,8 +131,18 @@ def test_engine_and_server(random_llama, stories, one_attempt, name):
     for out in engine.generate([[tok.bos_token_id]] * 4, params):
         _judge(schema, out.text, out.finish_reason, completed)
     with running(Engine(random_llama, tok, block_size=8)) as (port, _):
-        status, body = http(port, "/v1/completions", {"prompt": "Once", "max_tokens": 60, "temperature": 1.0,
-                                                      "seed": 3, "response_format": _fmt(schema), "n": 3})
+        status, body = http(
+            port,
+            "/v1/completions",
+            {
+                "prompt": "Once",
+                "max_tokens": 60,
+                "temperature": 1.0,
+                "seed": 3,
+                "response_format": _fmt(schema),
+                "n": 3,
+            },
+        )
         assert status == 200, body
         for choice in body["choices"]:
             _judge(schema, choice["text"], choice["finish_reason"], completed)

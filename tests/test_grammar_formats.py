@@ -47,8 +47,10 @@ def test_format_checked_exactly(stories, fmt):
 
 
 def test_unknown_format_warns_once_per_schema(stories, caplog):
-    schema = {"type": "object", "properties": {k: {"type": "string", "format": "country-code", "maxLength": 3}
-                                               for k in ("a", "b", "c")}}
+    schema = {
+        "type": "object",
+        "properties": {k: {"type": "string", "format": "country-code", "maxLength": 3} for k in ("a", "b", "c")},
+    }
     with caplog.at_level(logging.WARNING, logger="hf_attn_patch.grammar"):
         grammar = compile_grammar(GrammarSpec.json_schema(schema), stories[1], cache=False)
     warned = [r for r in caplog.records if "country-code" in r.getMessage()]

@@ -19,8 +19,10 @@ from hf_attn_patch.grammar.formats import format_checker
 from .conftest import tiny_model
 from .test_grammar_schemas import _replay
 
-DRAFTS = {"draft-04": ("http://json-schema.org/draft-04/schema#", "definitions"),
-          "2020-12": ("https://json-schema.org/draft/2020-12/schema", "$defs")}
+DRAFTS = {
+    "draft-04": ("http://json-schema.org/draft-04/schema#", "definitions"),
+    "2020-12": ("https://json-schema.org/draft/2020-12/schema", "$defs"),
+}
 N_DEFS = 60
 
 
@@ -33,7 +35,9 @@ def large_schema(draft: str) -> dict:
     defs = {}
     for i in range(N_DEFS):
         defs[f"d{i}"] = {
-            "type": "object", "description": f"trait {i}", "additionalProperties": False,
+            "type": "object",
+            "description": f"trait {i}",
+            "additionalProperties": False,
             "properties": {
                 "v": {"type": "integer", "minimum": 0, "maximum": 9, **({"not": {"enum": [3]}} if i % 3 == 0 else {})},
                 "next": {"$ref": f"{ref}d{(i + 1) % N_DEFS}", "type": "object", "description": "the next trait"},
@@ -41,30 +45,52 @@ def large_schema(draft: str) -> dict:
             },
             "required": ["v"],
         }
-    defs["base"] = {"type": "object", "properties": {"id": {"type": "string", "maxLength": 6},
-                                                      "trait": {"$ref": f"{ref}d0", "description": "first"}},
-                    "required": ["id"], "dependencies": {"trait": ["id"]}}
+    defs["base"] = {
+        "type": "object",
+        "properties": {"id": {"type": "string", "maxLength": 6}, "trait": {"$ref": f"{ref}d0", "description": "first"}},
+        "required": ["id"],
+        "dependencies": {"trait": ["id"]},
+    }
     defs["typed"] = {"type": "object", "properties": {"kind": {"enum": ["story", "gallery"]}}, "required": ["kind"]}
-    return {"$schema": uri, "type": "object", "title": "A content object",
-            "allOf": [{"$ref": f"{ref}base"}, {"$ref": f"{ref}typed"}],
-            "properties": {"id": {}, "kind": {}, "trait": {},
-                           "items": {"type": "array", "maxItems": 2, "items": {"$ref": "#", "type": "object"}}},
-            "required": ["id", "kind"], "additionalProperties": False, box: defs}
+    return {
+        "$schema": uri,
+        "type": "object",
+        "title": "A content object",
+        "allOf": [{"$ref": f"{ref}base"}, {"$ref": f"{ref}typed"}],
+        "properties": {
+            "id": {},
+            "kind": {},
+            "trait": {},
+            "items": {"type": "array", "maxItems": 2, "items": {"$ref": "#", "type": "object"}},
+        },
+        "required": ["id", "kind"],
+        "additionalProperties": False,
+        box: defs,
+    }
 
 
-VALID = [{"id": "a", "kind": "story"},
-         {"id": "b", "kind": "gallery", "trait": {"v": 1, "next": {"v": 2}}},
-         {"id": "c", "kind": "story", "items": [{"id": "d", "kind": "story", "trait": {"v": 0, "body": "x"}}]},
-         {"id": "e", "kind": "story", "trait": {"v": 9, "body": {"id": "f", "kind": "gallery"}}}]
+VALID = [
+    {"id": "a", "kind": "story"},
+    {"id": "b", "kind": "gallery", "trait": {"v": 1, "next": {"v": 2}}},
+    {"id": "c", "kind": "story", "items": [{"id": "d", "kind": "story", "trait": {"v": 0, "body": "x"}}]},
+    {"id": "e", "kind": "story", "trait": {"v": 9, "body": {"id": "f", "kind": "gallery"}}},
+]
 # the same values with keys in the order llguidance gives the allOf members' properties (base, then typed)
-IN_BACKEND_ORDER = [{"id": "a", "kind": "story"}, {"id": "b", "trait": {"v": 1, "next": {"v": 2}}, "kind": "gallery"},
-                    {"id": "c", "kind": "story", "items": [{"id": "d", "trait": {"v": 0, "body": "x"}, "kind": "story"}]}]
-INVALID = [{"id": "a"},  # kind required
-           {"id": "a", "kind": "story", "extra": 1},  # additionalProperties false
-           {"id": "a", "kind": "story", "trait": {"v": 3}},  # not 3 (d0)
-           {"id": "a", "kind": "story", "trait": {"v": 1, "next": {"v": 1, "next": {"v": 1, "next": {"v": 3}}}}},
-           {"id": "a", "kind": "story", "items": [{"id": "b"}]},  # the root's required, one level down
-           "a string", 5, [1]]  # not an object at the root
+IN_BACKEND_ORDER = [
+    {"id": "a", "kind": "story"},
+    {"id": "b", "trait": {"v": 1, "next": {"v": 2}}, "kind": "gallery"},
+    {"id": "c", "kind": "story", "items": [{"id": "d", "trait": {"v": 0, "body": "x"}, "kind": "story"}]},
+]
+INVALID = [
+    {"id": "a"},  # kind required
+    {"id": "a", "kind": "story", "extra": 1},  # additionalProperties false
+    {"id": "a", "kind": "story", "trait": {"v": 3}},  # not 3 (d0)
+    {"id": "a", "kind": "story", "trait": {"v": 1, "next": {"v": 1, "next": {"v": 1, "next": {"v": 3}}}}},
+    {"id": "a", "kind": "story", "items": [{"id": "b"}]},  # the root's required, one level down
+    "a string",
+    5,
+    [1],
+]  # not an object at the root
 
 
 def _validator(schema):
@@ -78,8 +104,9 @@ def test_backend_alone_refuses_it(stories, draft):
     from hf_attn_patch.grammar.vocab import get_adapter
 
     with pytest.raises(GrammarError, match="circular references with sibling keys|Unimplemented keys"):
-        LLGuidanceBackend().compile(GrammarSpec.json_schema(large_schema(draft)), get_adapter(stories[1]),
-                                    json_options={"coerce_one_of": True})
+        LLGuidanceBackend().compile(
+            GrammarSpec.json_schema(large_schema(draft)), get_adapter(stories[1]), json_options={"coerce_one_of": True}
+        )
 
 
 @pytest.mark.parametrize("order", ["schema", "any"])
@@ -120,8 +147,15 @@ def test_random_model_outputs_stay_in_the_schema(stories, draft):
     proc = JSONSchemaLogitsProcessor(schema, tok)
     torch.manual_seed(0)
     prompt = torch.tensor([[tok.bos_token_id]] * 6)
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=80, do_sample=True,
-                         logits_processor=[proc], eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=80,
+        do_sample=True,
+        logits_processor=[proc],
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
     for row, reason in zip(out[:, 1:].tolist(), proc.finish_reasons):
         ended = tok.eos_token_id in row
         text = tok.decode(row[: row.index(tok.eos_token_id)] if ended else row)

@@ -45,11 +45,22 @@ def test_dead_end_policy(stories):
 
 PROMPTS = ["Once upon a time, there was a little girl named Lily.", "The cat sat on the mat. The cat"]
 CASES = {
-    "json": ({"type": "json_schema", "json_schema": {"schema": {
-        "type": "object", "additionalProperties": False, "required": ["name"],
-        "properties": {"name": {"type": "string", "maxLength": 8}}}}}, None),
+    "json": (
+        {
+            "type": "json_schema",
+            "json_schema": {
+                "schema": {
+                    "type": "object",
+                    "additionalProperties": False,
+                    "required": ["name"],
+                    "properties": {"name": {"type": "string", "maxLength": 8}},
+                }
+            },
+        },
+        None,
+    ),
     "choice-terminates": (None, {"type": "regex", "pattern": "(yes|no)"}),  # complete -> only EOS may follow
-}  # fmt: skip
+}
 
 
 def _three_ways(model, tok, prompts, response_format, grammar, max_new: int):

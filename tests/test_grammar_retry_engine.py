@@ -42,8 +42,9 @@ def _model_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 
 def _run(engine, tok, schema, n=8, **extra):
-    params = [SamplingParams(max_tokens=60, temperature=1.0, seed=s, response_format=_fmt(schema), **extra)
-              for s in range(n)]  # fmt: skip
+    params = [
+        SamplingParams(max_tokens=60, temperature=1.0, seed=s, response_format=_fmt(schema), **extra) for s in range(n)
+    ]
     return engine.generate([[tok.bos_token_id]] * n, params)
 
 
@@ -115,8 +116,10 @@ def test_engine_streams_a_checked_request_whole_at_its_end(random_llama, stories
     """A rewind may reach back to the first token, so a checked request's text is not streamed before it ends."""
     tok = stories[1]
     engine = Engine(random_llama, tok, block_size=4)
-    engine.add_request([tok.bos_token_id], SamplingParams(max_tokens=60, temperature=1.0, seed=1,
-                                                          response_format=_fmt(FAMILIES["if_then_else"][0])))
+    engine.add_request(
+        [tok.bos_token_id],
+        SamplingParams(max_tokens=60, temperature=1.0, seed=1, response_format=_fmt(FAMILIES["if_then_else"][0])),
+    )
     outs = list(engine.stream())
     assert all(o.new_text == "" for o in outs[:-1]) and outs[-1].finished and outs[-1].new_text == outs[-1].text
 
@@ -127,8 +130,13 @@ def test_server_response_format_retries(random_llama, stories):
 
     tok = stories[1]
     schema = FAMILIES["format_checked_here"][0]
-    request = {"prompt": [tok.bos_token_id], "max_tokens": 60, "temperature": 1.0, "seed": 1,
-               "response_format": _fmt(schema)}
+    request = {
+        "prompt": [tok.bos_token_id],
+        "max_tokens": 60,
+        "temperature": 1.0,
+        "seed": 1,
+        "response_format": _fmt(schema),
+    }
     with running(Engine(random_llama, tok, block_size=8)) as (port, _):
         status, body = http(port, "/v1/completions", {**request, "n": 6})
         events = sse(port, "/v1/completions", {**request, "stream": True})
@@ -143,8 +151,9 @@ def test_server_response_format_retries(random_llama, stories):
             assert _is_valid(schema, choice["text"]), choice["text"]
 
 
-@pytest.mark.parametrize("drafter", [dict(prompt_lookup_num_tokens=3), dict(assistant_early_exit=1)],
-                         ids=["prompt-lookup", "early-exit"])
+@pytest.mark.parametrize(
+    "drafter", [dict(prompt_lookup_num_tokens=3), dict(assistant_early_exit=1)], ids=["prompt-lookup", "early-exit"]
+)
 def test_speculative_generate_retries(random_llama, stories, drafter, caplog, one_torch_thread):
     """Speculative generate(response_format=...): drafts go through the same checked matcher, and rows whose check
     failed are rolled back and decoded again by generate()'s retry (its log shows it). Every row that ended
@@ -158,9 +167,17 @@ def test_speculative_generate_retries(random_llama, stories, drafter, caplog, on
         torch.manual_seed(seed)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="hf_attn_patch.grammar.retry"):
-            out = random_llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=60,
-                                        do_sample=True, response_format=_fmt(schema), tokenizer=tok,
-                                        eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id, **drafter)
+            out = random_llama.generate(
+                prompt,
+                attention_mask=torch.ones_like(prompt),
+                max_new_tokens=60,
+                do_sample=True,
+                response_format=_fmt(schema),
+                tokenizer=tok,
+                eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.eos_token_id,
+                **drafter,
+            )
         logged = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
         retries += logged
         for r, row in enumerate(out):
@@ -192,12 +209,19 @@ def test_auto_tool_calls_are_widened_and_checked(stories, family, backend):
     tok = stories[1]
     schema, valid, invalid = FAMILIES[family]
     wrap = (lambda v: v) if schema.get("type") == "object" else (lambda v: {"v": v})
-    params = schema if schema.get("type") == "object" else {"type": "object", "properties": {"v": schema},
-                                                            "required": ["v"], "additionalProperties": False}
-    plan = read_tools({"tools": [{"type": "function", "function": {"name": "f", "parameters": params}}],
-                       "tool_choice": "auto"})
-    grammar = compile_grammar(GrammarSpec.tagged_json(plan.grammar["schema"], plan.grammar["open"],
-                                                      plan.grammar["close"]), tok, backend=backend)
+    params = (
+        schema
+        if schema.get("type") == "object"
+        else {"type": "object", "properties": {"v": schema}, "required": ["v"], "additionalProperties": False}
+    )
+    plan = read_tools(
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": params}}], "tool_choice": "auto"}
+    )
+    grammar = compile_grammar(
+        GrammarSpec.tagged_json(plan.grammar["schema"], plan.grammar["open"], plan.grammar["close"]),
+        tok,
+        backend=backend,
+    )
     assert grammar.backend_name == backend
     assert grammar.checks is not None or backend == "xgrammar" and family == "format_checked_here"  # it knows it
 
@@ -218,9 +242,21 @@ def test_server_auto_tool_call_with_a_checked_schema(random_llama, stories):
     tok = stories[1]
     params = FAMILIES["if_then_else"][0]
     tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
-    grammar = {"type": "tagged_json", "schema": {"anyOf": [{"type": "object", "properties": {
-        "name": {"const": "f"}, "arguments": params}, "required": ["name", "arguments"],
-        "additionalProperties": False}]}, "open": "<tool_call>", "close": "</tool_call>"}  # what "auto" compiles
+    grammar = {
+        "type": "tagged_json",
+        "schema": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": "f"}, "arguments": params},
+                    "required": ["name", "arguments"],
+                    "additionalProperties": False,
+                }
+            ]
+        },
+        "open": "<tool_call>",
+        "close": "</tool_call>",
+    }  # what "auto" compiles
     engine = Engine(random_llama, tok, block_size=4)
     lt = tok.convert_tokens_to_ids("<0x3C>")  # "<": raised so that the random model starts calls
 
@@ -230,20 +266,25 @@ def test_server_auto_tool_call_with_a_checked_schema(random_llama, stories):
 
     hook = random_llama.lm_head.register_forward_hook(favour_calls)
     try:
-        outs = engine.generate([[tok.bos_token_id]] * 8, [SamplingParams(max_tokens=120, temperature=1.0, seed=s,
-                                                                         grammar=grammar) for s in range(8)])
+        outs = engine.generate(
+            [[tok.bos_token_id]] * 8,
+            [SamplingParams(max_tokens=120, temperature=1.0, seed=s, grammar=grammar) for s in range(8)],
+        )
     finally:
         hook.remove()
     calls = 0
     for out in outs:
         if out.text.startswith("<tool_call>") and out.finish_reason == "stop":
-            body = json.loads(out.text[len("<tool_call>"): -len("</tool_call>")])
+            body = json.loads(out.text[len("<tool_call>") : -len("</tool_call>")])
             assert _is_valid(params, json.dumps(body["arguments"])), out.text
             calls += 1
     assert calls >= 2, [(o.finish_reason, o.text[:60]) for o in outs]
     with running(Engine(random_llama, tok, block_size=8)) as (port, _):
-        status, body = http(port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}],
-                                                           "tools": tools, "max_tokens": 40, "seed": 1})
+        status, body = http(
+            port,
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "Hi"}], "tools": tools, "max_tokens": 40, "seed": 1},
+        )
     assert status == 200, body
     choice = body["choices"][0]
     if choice["finish_reason"] == "tool_calls":
@@ -279,10 +320,17 @@ def test_speculative_generate_every_family(random_llama, stories, family, caplog
     prompt = torch.tensor([[tok.bos_token_id]] * 4)
     torch.manual_seed(3)
     with caplog.at_level(logging.INFO, logger="hf_attn_patch.grammar.retry"):
-        out = random_llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=60,
-                                    do_sample=True, response_format=_fmt(schema), tokenizer=tok,
-                                    eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
-                                    prompt_lookup_num_tokens=3)  # fmt: skip
+        out = random_llama.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=60,
+            do_sample=True,
+            response_format=_fmt(schema),
+            tokenizer=tok,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.eos_token_id,
+            prompt_lookup_num_tokens=3,
+        )
     logged = [r.getMessage() for r in caplog.records if "retry" in r.getMessage()]
     for r, row in enumerate(out):
         ids = row[1:].tolist()
@@ -295,9 +343,15 @@ def test_engine_rewinds_a_sliding_window_model(stories, one_torch_thread):
     behind them recomputes the request; a short one just cuts. Logprobs are the model's own (atol 1e-4)."""
     tok = stories[1]
     model = tiny_model("mistral", vocab_size=512, sliding_window=4, seed=3)
-    schema = {"type": "object", "properties": {"a": {"type": "string", "maxLength": 6},
-                                               "b": {"type": "string", "format": "json-pointer", "maxLength": 4}},
-              "required": ["a", "b"], "additionalProperties": False}  # b's value is rewound, well past the window
+    schema = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "maxLength": 6},
+            "b": {"type": "string", "format": "json-pointer", "maxLength": 4},
+        },
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    }  # b's value is rewound, well past the window
     engine = Engine(model, tok, block_size=2)
     outs = _run(engine, tok, schema, logprobs=0)
     assert sum(o.metrics["grammar_retries"] for o in outs) >= 1

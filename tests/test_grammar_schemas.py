@@ -17,40 +17,115 @@ from .conftest import tiny_model
 
 # family -> (schema, valid instances, invalid instances); small bounds so a random model can finish
 FAMILIES = {
-    "not": ({"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9,
-                                                     "not": {"enum": [0, 1, 2, 3, 4, 5, 6]}}},
-             "required": ["x"], "additionalProperties": False}, [{"x": 7}, {"x": 9}], [{"x": 3}, {"x": 0}]),
-    "if_then_else": ({"type": "object", "properties": {
-        "kind": {"enum": ["n", "s"]},
-        "v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "string", "maxLength": 3}]}},
-        "required": ["kind", "v"], "additionalProperties": False,
-        "if": {"properties": {"kind": {"const": "n"}}}, "then": {"properties": {"v": {"type": "integer"}}},
-        "else": {"properties": {"v": {"type": "string"}}}},
-        [{"kind": "n", "v": 5}, {"kind": "s", "v": "ab"}], [{"kind": "n", "v": "ab"}, {"kind": "s", "v": 5}]),
-    "dependentSchemas": ({"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
-                                                           "b": {"type": "integer", "minimum": 0, "maximum": 9}},
-                          "additionalProperties": False, "dependentSchemas": {"a": {"required": ["b"]}}},
-                         [{"a": 1, "b": 2}, {"b": 3}, {}], [{"a": 1}]),
-    "dependentRequired": ({"type": "object", "properties": {"a": {"type": "boolean"}, "b": {"type": "boolean"}},
-                           "additionalProperties": False, "dependentRequired": {"a": ["b"]}},
-                          [{"a": True, "b": False}, {"b": True}], [{"a": True}]),
-    "uniqueItems": ({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 3}, "minItems": 2,
-                     "maxItems": 4, "uniqueItems": True}, [[0, 1], [3, 2, 1]], [[1, 1], [0, 1, 0]]),
-    "oneOf": ({"oneOf": [{"type": "integer", "minimum": 0, "maximum": 20},
-                         {"type": "integer", "minimum": 10, "maximum": 30}]}, [5, 25], [15, 10]),
-    "contains": ({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 5,
-                  "contains": {"const": 7}, "minContains": 1, "maxContains": 2}, [[7], [1, 7, 7]],
-                 [[1, 2], [7, 7, 7], []]),
-    "multipleOf_float": ({"type": "object", "properties": {"p": {"type": "number", "minimum": 0, "maximum": 2,
-                                                                 "multipleOf": 0.25}},
-                          "required": ["p"], "additionalProperties": False}, [{"p": 0.5}, {"p": 1.75}],
-                         [{"p": 0.3}, {"p": 1.1}]),
-    "unknown_format": ({"type": "object", "properties": {"c": {"type": "string", "format": "country-code",
-                                                               "maxLength": 4}},
-                        "required": ["c"], "additionalProperties": False}, [{"c": "xyz"}, {"c": ""}],
-                       [{"c": "toolong"}]),
-    "format_checked_here": ({"type": "array", "items": {"type": "string", "format": "json-pointer", "maxLength": 5},
-                             "maxItems": 2}, [["/a/b"], ["", "/~1"]], [["a/b"], ["/~2"]]),
+    "not": (
+        {
+            "type": "object",
+            "properties": {
+                "x": {"type": "integer", "minimum": 0, "maximum": 9, "not": {"enum": [0, 1, 2, 3, 4, 5, 6]}}
+            },
+            "required": ["x"],
+            "additionalProperties": False,
+        },
+        [{"x": 7}, {"x": 9}],
+        [{"x": 3}, {"x": 0}],
+    ),
+    "if_then_else": (
+        {
+            "type": "object",
+            "properties": {
+                "kind": {"enum": ["n", "s"]},
+                "v": {"anyOf": [{"type": "integer", "minimum": 0, "maximum": 99}, {"type": "string", "maxLength": 3}]},
+            },
+            "required": ["kind", "v"],
+            "additionalProperties": False,
+            "if": {"properties": {"kind": {"const": "n"}}},
+            "then": {"properties": {"v": {"type": "integer"}}},
+            "else": {"properties": {"v": {"type": "string"}}},
+        },
+        [{"kind": "n", "v": 5}, {"kind": "s", "v": "ab"}],
+        [{"kind": "n", "v": "ab"}, {"kind": "s", "v": 5}],
+    ),
+    "dependentSchemas": (
+        {
+            "type": "object",
+            "properties": {
+                "a": {"type": "integer", "minimum": 0, "maximum": 9},
+                "b": {"type": "integer", "minimum": 0, "maximum": 9},
+            },
+            "additionalProperties": False,
+            "dependentSchemas": {"a": {"required": ["b"]}},
+        },
+        [{"a": 1, "b": 2}, {"b": 3}, {}],
+        [{"a": 1}],
+    ),
+    "dependentRequired": (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "boolean"}, "b": {"type": "boolean"}},
+            "additionalProperties": False,
+            "dependentRequired": {"a": ["b"]},
+        },
+        [{"a": True, "b": False}, {"b": True}],
+        [{"a": True}],
+    ),
+    "uniqueItems": (
+        {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 3},
+            "minItems": 2,
+            "maxItems": 4,
+            "uniqueItems": True,
+        },
+        [[0, 1], [3, 2, 1]],
+        [[1, 1], [0, 1, 0]],
+    ),
+    "oneOf": (
+        {
+            "oneOf": [
+                {"type": "integer", "minimum": 0, "maximum": 20},
+                {"type": "integer", "minimum": 10, "maximum": 30},
+            ]
+        },
+        [5, 25],
+        [15, 10],
+    ),
+    "contains": (
+        {
+            "type": "array",
+            "items": {"type": "integer", "minimum": 0, "maximum": 9},
+            "maxItems": 5,
+            "contains": {"const": 7},
+            "minContains": 1,
+            "maxContains": 2,
+        },
+        [[7], [1, 7, 7]],
+        [[1, 2], [7, 7, 7], []],
+    ),
+    "multipleOf_float": (
+        {
+            "type": "object",
+            "properties": {"p": {"type": "number", "minimum": 0, "maximum": 2, "multipleOf": 0.25}},
+            "required": ["p"],
+            "additionalProperties": False,
+        },
+        [{"p": 0.5}, {"p": 1.75}],
+        [{"p": 0.3}, {"p": 1.1}],
+    ),
+    "unknown_format": (
+        {
+            "type": "object",
+            "properties": {"c": {"type": "string", "format": "country-code", "maxLength": 4}},
+            "required": ["c"],
+            "additionalProperties": False,
+        },
+        [{"c": "xyz"}, {"c": ""}],
+        [{"c": "toolong"}],
+    ),
+    "format_checked_here": (
+        {"type": "array", "items": {"type": "string", "format": "json-pointer", "maxLength": 5}, "maxItems": 2},
+        [["/a/b"], ["", "/~1"]],
+        [["a/b"], ["/~2"]],
+    ),
 }
 
 
@@ -81,6 +156,7 @@ def _replay(grammar, text: str) -> bool:
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # sampled rows: one float path
 
+
 @pytest.fixture(scope="module")
 def random_llama(stories):
     """A random-weight tiny llama over stories260k's 512-token vocabulary: it emits garbage unless constrained."""
@@ -107,8 +183,11 @@ def test_replay_valid_allowed_invalid_caught(stories, family):
 XGRAMMAR_WIDENED = {
     "pattern_with_length": ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, ["ab"], ["abcd", "A"]),
     "allOf": ({"allOf": [{"type": "integer", "maximum": 50}, {"minimum": 40}]}, [45], [30, 60]),
-    "patternProperties": ({"type": "object", "patternProperties": {"^x": {"type": "integer"}},
-                           "additionalProperties": False}, [{"x1": 1}], [{"y": 1}, {"x": "s"}]),
+    "patternProperties": (
+        {"type": "object", "patternProperties": {"^x": {"type": "integer"}}, "additionalProperties": False},
+        [{"x1": 1}],
+        [{"y": 1}, {"x": "s"}],
+    ),
     "enum_of_objects": ({"enum": [{"a": 1}, [1, 2], "s"]}, [{"a": 1}, [1, 2], "s"], [{"a": 2}]),
     "format_regex": ({"type": "string", "format": "regex", "maxLength": 9}, ["a+"], ["("]),
 }
@@ -135,10 +214,17 @@ def test_xgrammar_generate_retries_and_validates(random_llama, stories, family):
     tok = stories[1]
     torch.manual_seed(5)
     prompt = torch.tensor([[tok.bos_token_id]] * 4)
-    out = random_llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=60, do_sample=True,
-                                response_format={"type": "json_schema", "json_schema": {"schema": schema}},
-                                tokenizer=tok, grammar_backend="xgrammar", eos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.eos_token_id)  # fmt: skip
+    out = random_llama.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=60,
+        do_sample=True,
+        response_format={"type": "json_schema", "json_schema": {"schema": schema}},
+        tokenizer=tok,
+        grammar_backend="xgrammar",
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
     ended = [row[1:].tolist() for row in out if tok.eos_token_id in row[1:].tolist()]
     valid = [_is_valid(schema, tok.decode(ids[: ids.index(tok.eos_token_id)])) for ids in ended]
     assert len(ended) >= 3 and sum(valid) >= len(ended) - 1, (family, valid)
@@ -162,8 +248,12 @@ def test_enum_items_under_unique_items_do_not_get_stuck(random_llama, stories):
 
 def test_failing_close_is_masked_not_the_value(stories):
     """The token closing a governed value with an invalid value is masked; the value may go on (x: 3 -> 3x)."""
-    schema = {"type": "object", "properties": {"x": {"type": "integer", "not": {"const": 3}}}, "required": ["x"],
-              "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "integer", "not": {"const": 3}}},
+        "required": ["x"],
+        "additionalProperties": False,
+    }
     grammar = compile_grammar(GrammarSpec.json_schema(schema), stories[1])
     state = grammar.new_state()
     lt = grammar.adapter.llguidance_tokenizer()
@@ -186,13 +276,16 @@ def test_unknown_format_is_reported_and_accepts_any_string(stories):
 
 def test_remaining_refusal_names_keyword_and_path(stories):
     with pytest.raises(GrammarError, match=r"'\$ref' at #/properties/p/items"):
-        JSONSchemaLogitsProcessor({"type": "object", "properties": {"p": {"type": "array", "items": {
-            "$ref": "#/definitions/absent"}}}}, stories[1])
+        JSONSchemaLogitsProcessor(
+            {"type": "object", "properties": {"p": {"type": "array", "items": {"$ref": "#/definitions/absent"}}}},
+            stories[1],
+        )
 
 
 def test_schema_needing_no_checks_keeps_the_plain_path(stories):
-    grammar = compile_grammar(GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}},
-                                                      "schema"), stories[1])
+    grammar = compile_grammar(
+        GrammarSpec.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}, "schema"), stories[1]
+    )
     assert grammar.checks is None and not grammar.widened
     assert type(grammar.new_state()._m).__name__ == "_LLGMatcher"
 
@@ -201,9 +294,15 @@ def test_schema_needing_no_checks_keeps_the_plain_path(stories):
 def _generate(model, tok, processor, n: int, max_new_tokens: int, seed: int):
     torch.manual_seed(seed)
     prompt = torch.tensor([[tok.bos_token_id]] * n)
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=max_new_tokens,
-                         do_sample=True, logits_processor=[processor], eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.eos_token_id)
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=max_new_tokens,
+        do_sample=True,
+        logits_processor=[processor],
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
     rows = []
     for r in range(n):
         ids = out[r, 1:].tolist()
@@ -233,9 +332,12 @@ def test_generate_outputs_validate(random_llama, stories, family):
 def test_budget_runs_out_with_a_distinct_finish_reason(random_llama, stories):
     """No valid completion: the row ends (EOS forced) with finish reason check_failed naming the keyword."""
     tok = stories[1]
-    schema = {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 5,
-                                                     "not": {"type": "integer"}}},
-              "required": ["v"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 5, "not": {"type": "integer"}}},
+        "required": ["v"],
+        "additionalProperties": False,
+    }
     proc = JSONSchemaLogitsProcessor(schema, tok)
     rows = _generate(random_llama, tok, proc, 2, 30, seed=0)
     for (text, ended), reason in zip(rows, proc.finish_reasons):
@@ -261,10 +363,11 @@ def test_speculative_decoding_validates(stories, family):
     prompt = tok(["Once upon a time"], return_tensors="pt")
     for sample in (False, True):
         torch.manual_seed(4)
-        out = model.generate(**prompt, max_new_tokens=60, do_sample=sample, response_format=fmt, tokenizer=tok,
-                             assistant_early_exit=3)
-        text = tok.decode(out[0, prompt.input_ids.shape[1]:], skip_special_tokens=True)
-        ended = tok.eos_token_id in out[0, prompt.input_ids.shape[1]:].tolist()
+        out = model.generate(
+            **prompt, max_new_tokens=60, do_sample=sample, response_format=fmt, tokenizer=tok, assistant_early_exit=3
+        )
+        text = tok.decode(out[0, prompt.input_ids.shape[1] :], skip_special_tokens=True)
+        ended = tok.eos_token_id in out[0, prompt.input_ids.shape[1] :].tolist()
         assert not ended or _is_valid(schema, text), (family, text)
 
 
@@ -276,8 +379,10 @@ def test_engine_response_format_validates(stories, family):
     schema = FAMILIES[family][0]
     fmt = {"type": "json_schema", "json_schema": {"schema": schema}}
     engine = Engine(model, tok, block_size=4)
-    params = [SamplingParams(max_tokens=60, temperature=0, response_format=fmt),
-              SamplingParams(max_tokens=60, temperature=1.0, seed=2, response_format=fmt)]
+    params = [
+        SamplingParams(max_tokens=60, temperature=0, response_format=fmt),
+        SamplingParams(max_tokens=60, temperature=1.0, seed=2, response_format=fmt),
+    ]
     outs = engine.generate(["Once upon a time", "Lily"], params)
     for out in outs:
         if out.finish_reason == "stop":
@@ -296,13 +401,21 @@ def test_generate_retries_rows_whose_check_failed(random_llama, stories, family)
     schema = FAMILIES[family][0]
     tok = stories[1]
     fmt = {"type": "json_schema", "json_schema": {"schema": schema, "property_order": "schema"}}
-    plain = _generate(random_llama, tok, JSONSchemaLogitsProcessor(schema, tok, property_order="schema"), 6, 60,
-                      seed=11)
+    plain = _generate(
+        random_llama, tok, JSONSchemaLogitsProcessor(schema, tok, property_order="schema"), 6, 60, seed=11
+    )
     torch.manual_seed(11)
     prompt = torch.tensor([[tok.bos_token_id]] * 6)
-    out = random_llama.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=60, do_sample=True,
-                                response_format=fmt, tokenizer=tok, eos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.eos_token_id)
+    out = random_llama.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=60,
+        do_sample=True,
+        response_format=fmt,
+        tokenizer=tok,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.eos_token_id,
+    )
     retried = []
     for row in out:
         ids = row[1:].tolist()
@@ -321,13 +434,19 @@ def test_server_response_format_and_tools_validate(stories, family):
 
     model, tok = stories
     schema = FAMILIES[family][0]
-    params = schema if schema.get("type") == "object" else {"type": "object", "properties": {"v": schema},
-                                                            "required": ["v"], "additionalProperties": False}
+    params = (
+        schema
+        if schema.get("type") == "object"
+        else {"type": "object", "properties": {"v": schema}, "required": ["v"], "additionalProperties": False}
+    )
     tools = [{"type": "function", "function": {"name": "f", "parameters": params}}]
     with running(Engine(model, tok, block_size=8)) as (port, _):
         fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
-        status, body = http(port, "/v1/completions", {"prompt": "Once", "max_tokens": 60, "temperature": 0.8,
-                                                      "seed": 1, "response_format": fmt, "n": 2})
+        status, body = http(
+            port,
+            "/v1/completions",
+            {"prompt": "Once", "max_tokens": 60, "temperature": 0.8, "seed": 1, "response_format": fmt, "n": 2},
+        )
         assert status == 200, body
         finished = 0
         for choice in body["choices"]:
@@ -335,9 +454,17 @@ def test_server_response_format_and_tools_validate(stories, family):
             if choice["finish_reason"] == "stop":
                 assert _is_valid(schema, choice["text"]), (family, choice["text"])
                 finished += 1
-        status, body = http(port, "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "Hi"}], "tools": tools, "tool_choice": "required",
-            "max_tokens": 60, "seed": 2})
+        status, body = http(
+            port,
+            "/v1/chat/completions",
+            {
+                "messages": [{"role": "user", "content": "Hi"}],
+                "tools": tools,
+                "tool_choice": "required",
+                "max_tokens": 60,
+                "seed": 2,
+            },
+        )
         assert status == 200, body
         choice = body["choices"][0]
         if choice["finish_reason"] == "tool_calls":

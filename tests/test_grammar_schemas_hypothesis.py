@@ -17,18 +17,21 @@ from hf_attn_patch.grammar.state import GrammarState
 from .conftest import tiny_model
 from .test_grammar_schemas import _generate, _is_valid, _replay, _validator
 
-INT = st.builds(lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span},
-                st.integers(0, 5), st.integers(0, 10))
-NUM = st.builds(lambda m: {"type": "number", "minimum": 0, "maximum": 3, "multipleOf": m},
-                st.sampled_from([0.25, 0.5, 0.1, 1.5]))
-STR = st.one_of(st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 4)),
-                st.builds(lambda f: {"type": "string", "format": f}, st.sampled_from(["zip-code", "json-pointer"])))
+INT = st.builds(
+    lambda lo, span: {"type": "integer", "minimum": lo, "maximum": lo + span}, st.integers(0, 5), st.integers(0, 10)
+)
+NUM = st.builds(
+    lambda m: {"type": "number", "minimum": 0, "maximum": 3, "multipleOf": m}, st.sampled_from([0.25, 0.5, 0.1, 1.5])
+)
+STR = st.one_of(
+    st.builds(lambda n: {"type": "string", "maxLength": n}, st.integers(0, 4)),
+    st.builds(lambda f: {"type": "string", "format": f}, st.sampled_from(["zip-code", "json-pointer"])),
+)
 LEAF = st.one_of(st.just({"type": "boolean"}), INT, NUM, STR, st.builds(lambda v: {"const": v}, st.integers(0, 3)))
 
 
 def _object(a, b, required, dep):
-    schema = {"type": "object", "properties": {"a": a, "b": b}, "additionalProperties": False,
-              "required": required}
+    schema = {"type": "object", "properties": {"a": a, "b": b}, "additionalProperties": False, "required": required}
     if dep == "required":
         schema["dependentRequired"] = {"a": ["b"]}
     elif dep == "schemas":
@@ -47,8 +50,13 @@ def _array(items, unique, contains):
 
 def _extend(children):
     return st.one_of(
-        st.builds(_object, children, children, st.sampled_from([[], ["a"], ["a", "b"]]),
-                  st.sampled_from([None, "required", "schemas"])),
+        st.builds(
+            _object,
+            children,
+            children,
+            st.sampled_from([[], ["a"], ["a", "b"]]),
+            st.sampled_from([None, "required", "schemas"]),
+        ),
         st.builds(_array, children, st.booleans(), st.one_of(st.none(), LEAF)),
         st.builds(lambda c, n: {**c, "not": n}, children, LEAF),
         st.builds(lambda a, b: {"oneOf": [a, b]}, children, children),
@@ -57,10 +65,17 @@ def _extend(children):
 
 
 SCHEMAS = st.recursive(LEAF, _extend, max_leaves=4)
-SCALARS = st.one_of(st.booleans(), st.integers(0, 12), st.sampled_from([0.25, 0.5, 0.3, 1.5, 2.75, 0.1]),
-                    st.text(alphabet="ab/~1.", max_size=5))
-VALUES = st.recursive(SCALARS, lambda c: st.one_of(
-    st.lists(c, max_size=3), st.fixed_dictionaries({}, optional={"a": c, "b": c})), max_leaves=5)
+SCALARS = st.one_of(
+    st.booleans(),
+    st.integers(0, 12),
+    st.sampled_from([0.25, 0.5, 0.3, 1.5, 2.75, 0.1]),
+    st.text(alphabet="ab/~1.", max_size=5),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda c: st.one_of(st.lists(c, max_size=3), st.fixed_dictionaries({}, optional={"a": c, "b": c})),
+    max_leaves=5,
+)
 
 
 def _compile(schema, tok):
@@ -78,8 +93,9 @@ def _plain_accepts(grammar, text: str) -> bool:
     return state.accept_tokens(ids) == len(ids) and state.is_accepting()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(schema=SCHEMAS, value=VALUES)
 def test_replay_sound_and_checks_never_reject_a_valid_value(stories, schema, value):
     grammar = _compile(schema, stories[1])
@@ -95,13 +111,15 @@ def test_replay_sound_and_checks_never_reject_a_valid_value(stories, schema, val
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # sampled rows: one float path
 
+
 @pytest.fixture(scope="module")
 def random_llama(stories):
     return tiny_model("llama", vocab_size=512, seed=5)
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                  HealthCheck.too_slow])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(schema=SCHEMAS, seed=st.integers(0, 1000))
 def test_generated_rows_that_end_validate(stories, random_llama, schema, seed):
     """A random model sampling under the processor: every row that ends with EOS validates, unless its finish

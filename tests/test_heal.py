@@ -80,8 +80,16 @@ def test_resume_continues_where_it_stopped(setup, tmp_path, dtype):
             return source(ids)
 
     with pytest.raises(RuntimeError, match="simulated crash"):
-        heal(interrupted, CrashingTeacher(), train, steps=6, lr=1e-3, checkpoint_dir=tmp_path, checkpoint_every=3,
-             progress=False)  # fmt: skip
+        heal(
+            interrupted,
+            CrashingTeacher(),
+            train,
+            steps=6,
+            lr=1e-3,
+            checkpoint_dir=tmp_path,
+            checkpoint_every=3,
+            progress=False,
+        )
     resumed = AutoModelForCausalLM.from_pretrained(out).to(dtype)
     result = heal(resumed, source, train, steps=6, lr=1e-3, checkpoint_dir=tmp_path, resume=True, progress=False)
     assert len(result.losses) == 3  # steps 4..6 only
@@ -104,8 +112,9 @@ def test_bad_heal_options(setup):
 
 
 def test_convert_with_healing_reports_it(tmp_path):
-    report = convert("default", tmp_path / "healed", to="mla", kv_budget=0.5, method="mha2mla", heal_steps=8,
-                     heal_lr=1e-3, **FAST)  # fmt: skip
+    report = convert(
+        "default", tmp_path / "healed", to="mla", kv_budget=0.5, method="mha2mla", heal_steps=8, heal_lr=1e-3, **FAST
+    )
     assert report["heal"]["steps"] == 8 and report["heal"]["last_loss"] < report["heal"]["first_loss"]
     assert (tmp_path / "healed" / "model.safetensors").exists()
 
@@ -139,9 +148,18 @@ def test_convert_heals_with_checkpoints_and_resumes(tmp_path, monkeypatch):
     with monkeypatch.context() as patch:
         patch.setattr(heal_module, "tqdm", lambda steps, **_: CrashAfterTwoSteps(steps))
         with pytest.raises(RuntimeError, match="simulated crash"):
-            convert("default", tmp_path / "first", checkpoint_dir=str(tmp_path / "ckpt"), checkpoint_every=2, **options, **FAST)
+            convert(
+                "default",
+                tmp_path / "first",
+                checkpoint_dir=str(tmp_path / "ckpt"),
+                checkpoint_every=2,
+                **options,
+                **FAST,
+            )
     assert not (tmp_path / "first").exists()  # nothing half-written
-    report = convert("default", tmp_path / "resumed", checkpoint_dir=str(tmp_path / "ckpt"), resume=True, **options, **FAST)
+    report = convert(
+        "default", tmp_path / "resumed", checkpoint_dir=str(tmp_path / "ckpt"), resume=True, **options, **FAST
+    )
     assert report["heal"]["steps"] == 4
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "straight")
     b = AutoModelForCausalLM.from_pretrained(tmp_path / "resumed")
@@ -164,20 +182,61 @@ def test_two_process_data_parallel_healing_equals_one_process_with_twice_the_bat
     # As the library call below: no reconstruction, and no layer-wise stage (every process runs that one whole, on
     # its own thread count, so it is not what this test compares); healing data: the teacher's samples (the default),
     # as many as both processes' batches need.
-    options = ["--to", "mla", "--kv-budget", "0.5", "--method", "mha2mla", "--heal-steps", "3", "--heal-lr", "1e-3",
-               "--reconstruct-steps", "0", "--calib-source", "text", "--heal-layerwise-steps", "0"]
+    options = [
+        "--to",
+        "mla",
+        "--kv-budget",
+        "0.5",
+        "--method",
+        "mha2mla",
+        "--heal-steps",
+        "3",
+        "--heal-lr",
+        "1e-3",
+        "--reconstruct-steps",
+        "0",
+        "--calib-source",
+        "text",
+        "--heal-layerwise-steps",
+        "0",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     with socket.socket() as probe:  # a port free on this machine now, not a fixed one another program may hold
         probe.bind(("127.0.0.1", 0))
         port = str(probe.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", port,
-           "-m", "hf_attn_patch.cli", "convert", "default", str(tmp_path / "ddp"), *options, "--heal-batch-size", "1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        port,
+        "-m",
+        "hf_attn_patch.cli",
+        "convert",
+        "default",
+        str(tmp_path / "ddp"),
+        *options,
+        "--heal-batch-size",
+        "1",
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("wrote ") == 1
-    single = convert("default", tmp_path / "single", to="mla", kv_budget=0.5, method="mha2mla", heal_steps=3,
-                     heal_lr=1e-3, heal_batch_size=2, heal_layerwise_steps=0, reconstruct_steps=0,
-                     calib_source="text")  # fmt: skip
+    single = convert(
+        "default",
+        tmp_path / "single",
+        to="mla",
+        kv_budget=0.5,
+        method="mha2mla",
+        heal_steps=3,
+        heal_lr=1e-3,
+        heal_batch_size=2,
+        heal_layerwise_steps=0,
+        reconstruct_steps=0,
+        calib_source="text",
+    )
     report = json.loads((tmp_path / "ddp" / "conversion_report.json").read_text())
     assert report["heal"]["tokens"] == single["heal"]["tokens"] == 3 * 2 * 256
     assert report["heal"]["data"] == single["heal"]["data"] == "teacher"
@@ -224,10 +283,25 @@ def test_teacher_samples_are_reproducible(stories, one_torch_thread):
 
 
 def test_convert_heals_on_teacher_samples_and_writes_the_curve(tmp_path, one_torch_thread):
-    report = convert("default", tmp_path / "o", to="mqa", method="pca", heal_steps=3, heal_data="mix",
-                     heal_batch_size=2, heal_held_in=2, calib_samples=4, calib_len=64, **FAST)  # fmt: skip
+    report = convert(
+        "default",
+        tmp_path / "o",
+        to="mqa",
+        method="pca",
+        heal_steps=3,
+        heal_data="mix",
+        heal_batch_size=2,
+        heal_held_in=2,
+        calib_samples=4,
+        calib_len=64,
+        **FAST,
+    )
     heal_report = report["heal"]
-    assert heal_report["data"] == "mix" and heal_report["windows"] == 2 * (3 * 2 + 2) - 2 and heal_report["held_in_windows"] == 2
+    assert (
+        heal_report["data"] == "mix"
+        and heal_report["windows"] == 2 * (3 * 2 + 2) - 2
+        and heal_report["held_in_windows"] == 2
+    )
     assert heal_report["lr"] in AUTO_LRS and (tmp_path / "o" / "heal_curve.png").stat().st_size > 1000
     layerwise = report["heal_layerwise"]  # the first stage, by default: every decoder layer, never worse held-in
     assert layerwise["steps"] == 40 and len(layerwise["layers"]) == 5
@@ -241,8 +315,18 @@ def test_layerwise_healing_stage_options(tmp_path, one_torch_thread):
         ConvertOptions.from_flat(to="mqa", heal_steps=1, heal_layerwise_steps=-1)
     with pytest.raises(ValueError, match="heal_layerwise_steps=5 applies to healing only"):
         ConvertOptions.from_flat(to="mqa", heal_layerwise_steps=5)
-    report = convert("default", tmp_path / "o", to="mqa", method="pca", heal_steps=1, heal_lr=1e-4,
-                     heal_layerwise_steps=0, calib_samples=4, calib_len=64, **FAST)  # fmt: skip
+    report = convert(
+        "default",
+        tmp_path / "o",
+        to="mqa",
+        method="pca",
+        heal_steps=1,
+        heal_lr=1e-4,
+        heal_layerwise_steps=0,
+        calib_samples=4,
+        calib_len=64,
+        **FAST,
+    )
     assert "heal_layerwise" not in report and report["heal"]["steps"] == 1
 
 
@@ -255,8 +339,18 @@ def test_layerwise_healing_stage_runs_before_a_deepseek_v3_export(tmp_path, one_
     for name, tag in (("heal_layerwise", "layerwise"), ("to_deepseek_v3", "export")):
         original = getattr(heal_stage, name)
         monkeypatch.setattr(heal_stage, name, lambda *a, _f=original, _t=tag, **k: calls.append(_t) or _f(*a, **k))
-    report = convert("default", tmp_path / "ds", to="mla", kv_budget=0.5, format="deepseek_v3", heal_steps=1,
-                     heal_lr=1e-4, calib_samples=4, calib_len=64, **FAST)  # fmt: skip
+    report = convert(
+        "default",
+        tmp_path / "ds",
+        to="mla",
+        kv_budget=0.5,
+        format="deepseek_v3",
+        heal_steps=1,
+        heal_lr=1e-4,
+        calib_samples=4,
+        calib_len=64,
+        **FAST,
+    )
     assert calls == ["layerwise", "export"]
     layerwise = report["heal_layerwise"]  # the default 40 steps, every decoder layer, never worse held-in
     assert layerwise["steps"] == 40 and len(layerwise["layers"]) == 5

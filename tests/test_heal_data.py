@@ -41,8 +41,11 @@ def test_windows_ask_for_what_they_weigh(stream):
         targets = weights.nonzero()[:, 0] + 1
         if kind == "repeat":  # every target token is the one |S| + G positions earlier, that distance >= S + MIN_GAP
             copied = targets[0] - 1  # the copy's first token is not predicted (it follows the gap)
-            distances = [d for d in range(SEGMENT[0] + MIN_GAP, copied + 1)
-                         if torch.equal(row[copied - d : copied - d + len(targets) + 1], row[copied : targets[-1] + 1])]
+            distances = [
+                d
+                for d in range(SEGMENT[0] + MIN_GAP, copied + 1)
+                if torch.equal(row[copied - d : copied - d + len(targets) + 1], row[copied : targets[-1] + 1])
+            ]
             assert distances, "the weighted tokens do not repeat an earlier segment"
             assert SEGMENT[0] - 1 <= len(targets) <= SEGMENT[1] - 1
         elif kind == "facts":  # each recalled value was stated earlier, right after the same key
@@ -78,16 +81,22 @@ def test_held_in_windows_ask_far_and_weigh_each_window_alike(stream):
     held = held_in_windows(ids, tokenizer, 8, 512, seed=2)
     assert held.ids.shape == (8, 512)
     torch.testing.assert_close(held.weights.sum(1), torch.ones(8))  # each window counts the same
-    kinds = [_kind(i, (w > 0).float() if not bool((w == w.max()).all()) else torch.ones_like(w))
-             for i, w in zip(held.ids, held.weights)]  # fmt: skip
+    kinds = [
+        _kind(i, (w > 0).float() if not bool((w == w.max()).all()) else torch.ones_like(w))
+        for i, w in zip(held.ids, held.weights)
+    ]
     assert kinds == ["repeat", "facts", "repeat", "plain"] * 2
     for row, w, kind in zip(held.ids, held.weights, kinds):
         if kind == "repeat":  # the gap lies in the far half of what the window holds: the copies >= ~1/3 apart
             assert _copy_distance(row, w) >= (MIN_GAP + 512 - 2 * SEGMENT[1]) // 2
         elif kind == "facts":  # every fact told in the first half of the text before the questions
             text = tokenizer.decode(row)
-            for value in {tokenizer.decode(row[r]).strip() for r in torch.tensor_split(
-                    w.nonzero()[:, 0] + 1, (torch.diff(w.nonzero()[:, 0]) > 1).nonzero()[:, 0] + 1)}:  # fmt: skip
+            for value in {
+                tokenizer.decode(row[r]).strip()
+                for r in torch.tensor_split(
+                    w.nonzero()[:, 0] + 1, (torch.diff(w.nonzero()[:, 0]) > 1).nonzero()[:, 0] + 1
+                )
+            }:
                 assert text.index(value) < len(text) * 0.6, value
 
 
@@ -126,8 +135,7 @@ def converted(tmp_path_factory):
     folders = {}
     for to in ("latent_kv", "mla"):
         folders[to] = tmp_path_factory.mktemp(to) / "out"
-        convert("default", folders[to], to=to, kv_budget=0.5, calib_source="text", calib_samples=4,
-                reconstruct_steps=0)  # fmt: skip
+        convert("default", folders[to], to=to, kv_budget=0.5, calib_source="text", calib_samples=4, reconstruct_steps=0)
     return folders
 
 
@@ -173,8 +181,19 @@ def test_retrieval_healing_lowers_the_held_in_kl(converted, stream, to, lr):
     cut = len(ids) * 3 // 4
     train = retrieval_windows(ids[:cut], tokenizer, 24, 384, seed=0)
     held = held_in_windows(ids[cut:], tokenizer, 4, 384, seed=1)
-    result = heal(student, source, train.ids, weights=train.weights, held_in=held.ids, held_in_weights=held.weights,
-                  steps=24, lr=lr, batch_size=1, eval_every=8, progress=False)  # fmt: skip
+    result = heal(
+        student,
+        source,
+        train.ids,
+        weights=train.weights,
+        held_in=held.ids,
+        held_in_weights=held.weights,
+        steps=24,
+        lr=lr,
+        batch_size=1,
+        eval_every=8,
+        progress=False,
+    )
     start, best = result.held_in[0][1], min(kl for _, kl in result.held_in)
     assert best < 0.97 * start and result.best_step > 0 and result.improved, result.held_in
 
@@ -209,8 +228,16 @@ def test_the_long_context_preset_heals_every_target_and_format(tmp_path, target)
     """--context long: the whole recipe from one option (text calibration, no reconstruction, retrieval healing);
     healing beats its start on the held-in retrieval windows, and the written model loads (for the served format a
     stock DeepSeek-V3, exported from the healed native model: healing never steps the export's scaled factors)."""
-    report = convert("default", tmp_path / "out", context="long", heal_steps=10, heal_len=384, heal_lr=1e-4,
-                     calib_samples=4, **target)  # fmt: skip
+    report = convert(
+        "default",
+        tmp_path / "out",
+        context="long",
+        heal_steps=10,
+        heal_len=384,
+        heal_lr=1e-4,
+        calib_samples=4,
+        **target,
+    )
     heal = report["heal"]
     assert heal["data"] == "retrieval" and heal["length"] == 384 and heal["steps"] == 10
     assert heal["improved"] and min(kl for _, kl in heal["held_in_kl"]) < heal["held_in_kl"][0][1]

@@ -36,8 +36,17 @@ def _launch(sharded: bool, *args: str, processes: int = 2, timeout: int = 300, o
     for name in [k for k in env if k.startswith(("ACCELERATE_", "FSDP_"))]:
         del env[name]  # only the launcher decides
     if sharded:
-        head = ["-m", "accelerate.commands.launch", "--config_file", str(CONFIG), "--num_processes", str(processes),
-                "--main_process_port", _port(), *options]  # fmt: skip
+        head = [
+            "-m",
+            "accelerate.commands.launch",
+            "--config_file",
+            str(CONFIG),
+            "--num_processes",
+            str(processes),
+            "--main_process_port",
+            _port(),
+            *options,
+        ]
     else:
         head = ["-m", "torch.distributed.run", "--nproc_per_node", str(processes), "--master_port", _port()]
     result = subprocess.run([sys.executable, *head, *args], capture_output=True, text=True, env=env, timeout=timeout)
@@ -81,12 +90,21 @@ def test_sharded_healing_on_cuda(student_dir, tmp_path):
     gathered in bf16 from fp32 shards, checkpoints of CUDA shards; the models stay on the CPU."""
     processes = min(2, torch.cuda.device_count())
     _launch(False, __file__, str(student_dir), str(tmp_path / "ddp"), "straight", processes=processes, timeout=120)
-    _launch(True, __file__, str(student_dir), str(tmp_path / "fsdp"), "straight", "resume", processes=processes,
-            timeout=120)  # fmt: skip
+    _launch(
+        True, __file__, str(student_dir), str(tmp_path / "fsdp"), "straight", "resume", processes=processes, timeout=120
+    )
     _compare(tmp_path, deterministic=False)
     # fsdp_offload_params: the shards, their gradients and Adam on the CPU; the same elementwise fp32 arithmetic
-    _launch(True, __file__, str(student_dir), str(tmp_path / "offload"), "straight", processes=processes,
-            timeout=120, options=("--fsdp_offload_params", "true"))  # fmt: skip
+    _launch(
+        True,
+        __file__,
+        str(student_dir),
+        str(tmp_path / "offload"),
+        "straight",
+        processes=processes,
+        timeout=120,
+        options=("--fsdp_offload_params", "true"),
+    )
     for dtype in DTYPES:
         offload, fsdp = (load_file(tmp_path / run / f"straight_{dtype}.safetensors") for run in ("offload", "fsdp"))
         for name, weight in fsdp.items():  # the bounds of _compare's sharded / data-parallel comparison
@@ -105,8 +123,9 @@ def _compare(runs: Path, deterministic: bool) -> None:
         ddp = load_file(runs / "ddp" / f"straight_{dtype}.safetensors")
         fsdp = load_file(runs / "fsdp" / f"straight_{dtype}.safetensors")
         resumed = load_file(runs / "fsdp" / f"resume_{dtype}.safetensors")
-        curve, resumed_curve = (json.loads((runs / "fsdp" / f"{run}_{dtype}.json").read_text())
-                                for run in ("straight", "resume"))  # fmt: skip
+        curve, resumed_curve = (
+            json.loads((runs / "fsdp" / f"{run}_{dtype}.json").read_text()) for run in ("straight", "resume")
+        )
         # the held-in KL of every step: the resumed run's first two are the interrupted run's, from the checkpoint
         assert [s for s, _ in resumed_curve] == list(range(STEPS + 1))
         if deterministic:
@@ -123,8 +142,9 @@ def _compare(runs: Path, deterministic: bool) -> None:
                 # (fp32 eps 1.2e-7 < 1e-6); measured 0
                 torch.testing.assert_close(resumed[name], fsdp[name], atol=1e-6, rtol=0, msg=name)
             else:  # a varying summation order: the bounds of the sharded / data-parallel comparison
-                torch.testing.assert_close(resumed[name], fsdp[name], atol=1e-5 if dtype == "fp32" else ulp, rtol=0,
-                                           msg=name)  # fmt: skip
+                torch.testing.assert_close(
+                    resumed[name], fsdp[name], atol=1e-5 if dtype == "fp32" else ulp, rtol=0, msg=name
+                )
             if dtype == "fp32":
                 # FSDP gathers the same weights and reduce-scatters the gradients the all-reduce of DDP averages:
                 # the same sums of 2 terms, at most a reduction-order difference, a relative eps 1.2e-7 per gradient.
@@ -147,16 +167,55 @@ def test_convert_under_an_fsdp_launch_writes_the_healed_model_once(student_dir, 
 
     from ._training import assert_same_adam_training  # here: the launched processes run this file as a script
 
-    options = ["--to", "mla", "--kv-budget", "0.5", "--method", "mha2mla", "--heal-steps", "3", "--heal-lr", "1e-3",
-               "--reconstruct-steps", "0", "--calib-source", "text", "--heal-layerwise-steps", "0"]
-    result = _launch(True, "-m", "hf_attn_patch.cli", "convert", "default", str(tmp_path / "fsdp"), *options,
-                     "--heal-batch-size", "1", "--checkpoint-dir", str(tmp_path / "ckpt"), "--checkpoint-every", "1")
+    options = [
+        "--to",
+        "mla",
+        "--kv-budget",
+        "0.5",
+        "--method",
+        "mha2mla",
+        "--heal-steps",
+        "3",
+        "--heal-lr",
+        "1e-3",
+        "--reconstruct-steps",
+        "0",
+        "--calib-source",
+        "text",
+        "--heal-layerwise-steps",
+        "0",
+    ]
+    result = _launch(
+        True,
+        "-m",
+        "hf_attn_patch.cli",
+        "convert",
+        "default",
+        str(tmp_path / "fsdp"),
+        *options,
+        "--heal-batch-size",
+        "1",
+        "--checkpoint-dir",
+        str(tmp_path / "ckpt"),
+        "--checkpoint-every",
+        "1",
+    )
     assert result.stdout.count("wrote ") == 1
     assert (tmp_path / "ckpt" / "heal_fsdp" / "step_3" / "__1_0.distcp").exists()  # it healed sharded; the last only
     assert [p.name for p in (tmp_path / "ckpt" / "heal_fsdp").iterdir()] == ["step_3"]
-    single = convert("default", tmp_path / "single", to="mla", kv_budget=0.5, method="mha2mla", heal_steps=3,
-                     heal_lr=1e-3, heal_batch_size=2, heal_layerwise_steps=0, reconstruct_steps=0,
-                     calib_source="text")  # fmt: skip
+    single = convert(
+        "default",
+        tmp_path / "single",
+        to="mla",
+        kv_budget=0.5,
+        method="mha2mla",
+        heal_steps=3,
+        heal_lr=1e-3,
+        heal_batch_size=2,
+        heal_layerwise_steps=0,
+        reconstruct_steps=0,
+        calib_source="text",
+    )
     report = json.loads((tmp_path / "fsdp" / "conversion_report.json").read_text())
     assert report["heal"]["tokens"] == single["heal"]["tokens"] == 3 * 2 * 256
     a = AutoModelForCausalLM.from_pretrained(tmp_path / "fsdp")
@@ -246,8 +305,7 @@ def _run(student_dir: str, out: str, *modes: str) -> None:
                 (out / f"{mode}_{dtype_name}.json").write_text(json.dumps(result.held_in))
                 if mode == "auto":
                     (out / "auto_lr.json").write_text(json.dumps([result.lr, list(result.range_test.items())]))
-                trained = {n: p.detach().cpu().contiguous() for n, p in student.named_parameters()
-                           if "self_attn" in n}  # fmt: skip
+                trained = {n: p.detach().cpu().contiguous() for n, p in student.named_parameters() if "self_attn" in n}
                 save_file(trained, str(out / f"{mode}_{dtype_name}.safetensors"))
 
 
@@ -267,14 +325,18 @@ def _shards(student, teacher) -> dict:
     local = lambda model: sum(p.to_local().numel() for p in model.parameters())  # noqa: E731
     # FSDP2 cuts dim 0 in 2: a process holds at most ceil(rows / 2) rows of each weight
     most = lambda model: sum(-(-p.shape[0] // 2) * p[0].numel() for p in model.parameters())  # noqa: E731
-    untouched = all(p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]) and p.dtype == student.dtype
-                    for n, p in student.named_parameters())  # fmt: skip
-    return {"student": [local(sharded.student), most(sharded.student), sum(p.numel() for p in student.parameters())],
-            "teacher": [local(sharded.teacher), most(sharded.teacher), sum(p.numel() for p in teacher.parameters())],
-            "untouched": untouched,
-            "trainable": sorted({str(p.dtype) for p in sharded.params}),
-            "frozen": sorted({str(p.dtype) for p in sharded.student.parameters() if not p.requires_grad}),
-            "layers": sum(type(m).__name__.startswith("FSDP") for m in sharded.student.modules())}
+    untouched = all(
+        p.data_ptr() == before[n][0] and torch.equal(p, before[n][1]) and p.dtype == student.dtype
+        for n, p in student.named_parameters()
+    )
+    return {
+        "student": [local(sharded.student), most(sharded.student), sum(p.numel() for p in student.parameters())],
+        "teacher": [local(sharded.teacher), most(sharded.teacher), sum(p.numel() for p in teacher.parameters())],
+        "untouched": untouched,
+        "trainable": sorted({str(p.dtype) for p in sharded.params}),
+        "frozen": sorted({str(p.dtype) for p in sharded.student.parameters() if not p.requires_grad}),
+        "layers": sum(type(m).__name__.startswith("FSDP") for m in sharded.student.modules()),
+    }
 
 
 if __name__ == "__main__":

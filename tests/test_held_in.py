@@ -50,9 +50,13 @@ def test_items_from_windows_stay_inside_one_window():
 
 def test_items_refuse_bad_arguments():
     ids = torch.arange(500)
-    for kwargs, match in ((dict(segment=1), "segment=1"), (dict(items=0), "items=0"),
-                          (dict(distances=(8,)), "distances \\[8\\]"), (dict(distances=(64, 64)), "distinct"),
-                          (dict(distances=(600,)), "distance 600: an item holds D \\+ segment = 616 tokens")):  # fmt: skip
+    for kwargs, match in (
+        (dict(segment=1), "segment=1"),
+        (dict(items=0), "items=0"),
+        (dict(distances=(8,)), "distances \\[8\\]"),
+        (dict(distances=(64, 64)), "distinct"),
+        (dict(distances=(600,)), "distance 600: an item holds D \\+ segment = 616 tokens"),
+    ):
         with pytest.raises(ValueError, match=match):
             repeat_items(ids, **{"distances": (64,), "items": 1, "segment": 16, **kwargs})
     with pytest.raises(ValueError, match="held_in: token ids"):

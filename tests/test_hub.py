@@ -45,8 +45,10 @@ def test_model_card_has_hub_metadata_and_loading(converted):
 def test_push_creates_repo_and_uploads(converted):
     client = RecordingClient()
     result = push(converted, "me/stories-mqa", private=True, client=client)
-    assert client.calls == [("create_repo", "me/stories-mqa", True, True),
-                            ("upload_folder", str(converted), "me/stories-mqa")]  # fmt: skip
+    assert client.calls == [
+        ("create_repo", "me/stories-mqa", True, True),
+        ("upload_folder", str(converted), "me/stories-mqa"),
+    ]
     assert "model.safetensors" in result["files"] and result["url"].endswith("me/stories-mqa")
 
 
@@ -67,8 +69,16 @@ def test_push_cli_dry_run(converted):
 
 def test_convert_pushes_when_asked_and_checks_the_repo_first(tmp_path):
     client = RecordingClient()
-    report = convert("default", tmp_path / "gqa", to="gqa", kv_heads=2, push_to_hub="me/stories-gqa", private=True,
-                     hub_client=client, **FAST)  # fmt: skip
+    report = convert(
+        "default",
+        tmp_path / "gqa",
+        to="gqa",
+        kv_heads=2,
+        push_to_hub="me/stories-gqa",
+        private=True,
+        hub_client=client,
+        **FAST,
+    )
     assert client.calls[0] == ("create_repo", "me/stories-gqa", True, True)
     assert client.calls[1] == ("upload_folder", str(tmp_path / "gqa"), "me/stories-gqa")
     assert report["hub"]["url"] == "https://huggingface.co/me/stories-gqa"

@@ -38,16 +38,20 @@ def test_cli_and_python_build_the_same_options(argv, python):
 
 def test_missing_extra_is_one_line_naming_it(monkeypatch):
     monkeypatch.setitem(extras.EXTRAS, "serve", ("fastapi", "no_such_module_xyz"))
-    with pytest.raises(extras.MissingExtraError, match=r"needs no_such_module_xyz: pip install 'hf-attn-patch\[serve\]'"):
+    with pytest.raises(
+        extras.MissingExtraError, match=r"needs no_such_module_xyz: pip install 'hf-attn-patch\[serve\]'"
+    ):
         extras.require("serve", "hf-attn serve")
     assert extras.available("plot") == (extras.missing("plot") == [])
 
 
 def test_serve_without_its_extra_names_it_before_loading():
     """A plain install has no fastapi: `hf-attn serve` says which extra to install, in one line, no traceback."""
-    code = ("import importlib.util, sys; real = importlib.util.find_spec\n"
-            "importlib.util.find_spec = lambda n, *a: None if n in ('fastapi', 'uvicorn') else real(n, *a)\n"
-            "from hf_attn_patch.cli import main; main(['serve', 'no/such/model'])")  # fmt: skip
+    code = (
+        "import importlib.util, sys; real = importlib.util.find_spec\n"
+        "importlib.util.find_spec = lambda n, *a: None if n in ('fastapi', 'uvicorn') else real(n, *a)\n"
+        "from hf_attn_patch.cli import main; main(['serve', 'no/such/model'])"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
     assert result.stderr.strip() == "error: hf-attn serve needs fastapi, uvicorn: pip install 'hf-attn-patch[serve]'"
@@ -96,7 +100,9 @@ def test_health_reports_the_pool(one_torch_thread):
     with running(engine) as (port, _):
         status, before = http(port, "/health")
         assert status == 200 and before["kv_cache"]["blocks_used"] == 0
-        assert before["kv_cache"]["bytes_total"] == (before["kv_cache"]["blocks_total"] + 1) * engine.block_bytes <= 2**20
+        assert (
+            before["kv_cache"]["bytes_total"] == (before["kv_cache"]["blocks_total"] + 1) * engine.block_bytes <= 2**20
+        )
         status, _ = http(port, "/v1/completions", {"prompt": "Once upon a time", "max_tokens": 20, "temperature": 0})
         status, after = http(port, "/health")
         pool = after["kv_cache"]

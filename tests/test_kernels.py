@@ -38,8 +38,7 @@ ODD_LENGTHS = (1, 15, 17, 63, 500)  # one row each: every call sees all of them
 GQA = [(4, 4), (8, 2), (8, 1), (16, 2)]  # (H_q, H_kv): ratios 1, 4, 8 (MQA), 8
 
 
-def make_paged(context_lens, heads_kv, d_k, d_v, block_size, dtype=torch.float32, seed=0, device="cpu",
-               table_pad=-1):  # fmt: skip
+def make_paged(context_lens, heads_kv, d_k, d_v, block_size, dtype=torch.float32, seed=0, device="cpu", table_pad=-1):
     """Random K/V in a KVStorage laid out as PagedKVCache and the engine keep it (head-major; one KV head: keys and
     values fused, as for MLA's [c | k_rope] with d_v = 0), rows scattered over shuffled blocks (block 0 unused, like
     the null block), table entries past a row's end = table_pad, and each row's dense K [L, H_kv, d_k],
@@ -65,10 +64,15 @@ def make_paged(context_lens, heads_kv, d_k, d_v, block_size, dtype=torch.float32
         dense_k.append(keys.transpose(0, 1)[row_slots])  # on CPU
         dense_v.append(values.transpose(0, 1)[row_slots])
     return SimpleNamespace(
-        storage=kv.rows if kv.fused else None, key=kv.key_cache, value=kv.value_cache,  # views of the storage
-        tables=tables.to(device), context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
-        dense_k=dense_k, dense_v=dense_v, block_size=block_size,
-    )  # fmt: skip
+        storage=kv.rows if kv.fused else None,
+        key=kv.key_cache,
+        value=kv.value_cache,  # views of the storage
+        tables=tables.to(device),
+        context_lens=torch.tensor(context_lens, dtype=torch.int32, device=device),
+        dense_k=dense_k,
+        dense_v=dense_v,
+        block_size=block_size,
+    )
 
 
 def dense_attention(q, k, v, scale, allowed=None, softcap=None):
@@ -98,8 +102,9 @@ def test_reference_paged_decode_matches_dense_sdpa(dtype, block_size, heads_q, h
     d = 32
     pages = make_paged(ODD_LENGTHS, heads_kv, d, d, block_size, dtype)
     query = torch.randn(len(ODD_LENGTHS), heads_q, d).to(dtype)
-    out = reference.paged_decode_attention(query, pages.key, pages.value, pages.tables, pages.context_lens,
-                                           block_size=block_size)  # fmt: skip
+    out = reference.paged_decode_attention(
+        query, pages.key, pages.value, pages.tables, pages.context_lens, block_size=block_size
+    )
     assert out.shape == (len(ODD_LENGTHS), heads_q, d) and out.dtype == dtype
     for b in range(len(ODD_LENGTHS)):
         want = dense_attention(query[b : b + 1], pages.dense_k[b], pages.dense_v[b], d**-0.5)[0]
@@ -114,9 +119,17 @@ def test_reference_paged_decode_options_match_dense():
     key_mask = torch.rand(3, 40) > 0.3
     key_mask[:, 8:] = True  # the query's own key (ctx - 1) stays visible
     key4 = pages.key.unflatten(0, (-1, bs))  # [num_blocks, block_size, H, d_k]: block_size from the shape
-    out = reference.paged_decode_attention(query, key4, pages.value.unflatten(0, (-1, bs)), pages.tables,
-                                           pages.context_lens, scale=scale, softcap=cap, sliding_window=window,
-                                           key_mask=key_mask)  # fmt: skip
+    out = reference.paged_decode_attention(
+        query,
+        key4,
+        pages.value.unflatten(0, (-1, bs)),
+        pages.tables,
+        pages.context_lens,
+        scale=scale,
+        softcap=cap,
+        sliding_window=window,
+        key_mask=key_mask,
+    )
     for b, n in enumerate(lengths):
         pos = torch.arange(n)
         allowed = (key_mask[b, :n] & (pos > n - 1 - window))[None]
@@ -133,8 +146,9 @@ def test_reference_mla_decode_matches_dense_sdpa(dtype, block_size):
     latent = pages.storage  # [slots, 1, d_c + d_r]
     q_latent, q_rope = torch.randn(len(ODD_LENGTHS), heads, d_c).to(dtype), torch.randn(5, heads, d_r).to(dtype)
     scale = 0.125
-    out = reference.mla_decode(q_latent, q_rope, latent, pages.tables, pages.context_lens, block_size=block_size,
-                               scale=scale)  # fmt: skip
+    out = reference.mla_decode(
+        q_latent, q_rope, latent, pages.tables, pages.context_lens, block_size=block_size, scale=scale
+    )
     assert out.shape == (5, heads, d_c)
     for b in range(5):
         rows = pages.dense_k[b]  # [L, 1, d_c + d_r]
@@ -152,15 +166,25 @@ def test_reference_paged_prefill_matches_dense_sdpa(block_size, heads_q, heads_k
     pages = make_paged(lengths, heads_kv, d, d, block_size)
     cu = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     query = torch.randn(int(cu[-1]), heads_q, d)
-    out = reference.paged_prefill_attention(query, pages.key, pages.value, pages.tables, cu, pages.context_lens,
-                                            block_size=block_size, sliding_window=window)  # fmt: skip
+    out = reference.paged_prefill_attention(
+        query,
+        pages.key,
+        pages.value,
+        pages.tables,
+        cu,
+        pages.context_lens,
+        block_size=block_size,
+        sliding_window=window,
+    )
     for b, (n, t) in enumerate(zip(lengths, q_lens)):
         qpos, kpos = torch.arange(n - t, n)[:, None], torch.arange(n)[None, :]
         allowed = kpos <= qpos
         if window is not None:
             allowed = allowed & (kpos > qpos - window)
         want = dense_attention(query[cu[b] : cu[b + 1]], pages.dense_k[b], pages.dense_v[b], d**-0.5, allowed)
-        torch.testing.assert_close(out[cu[b] : cu[b + 1]].double(), want, atol=REF_TOL[torch.float32], rtol=REF_TOL[torch.float32])
+        torch.testing.assert_close(
+            out[cu[b] : cu[b + 1]].double(), want, atol=REF_TOL[torch.float32], rtol=REF_TOL[torch.float32]
+        )
 
 
 @pytest.mark.parametrize("vocab", [1, 31, 32, 33, 1000])
@@ -189,8 +213,9 @@ def _small_decode():
 def test_auto_falls_back_to_torch_on_cpu():
     args, kw = _small_decode()
     assert torch.equal(kernels.paged_decode_attention(*args, **kw), reference.paged_decode_attention(*args, **kw))
-    assert torch.equal(kernels.paged_decode_attention(*args, **kw, backend="torch"),
-                       reference.paged_decode_attention(*args, **kw))  # fmt: skip
+    assert torch.equal(
+        kernels.paged_decode_attention(*args, **kw, backend="torch"), reference.paged_decode_attention(*args, **kw)
+    )
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter makes triton run on CPU")
@@ -204,21 +229,29 @@ def test_explicit_unavailable_backend_raises():
         kernels.apply_token_bitmask(torch.zeros(1, 8), torch.zeros(1, 1, dtype=torch.int32), backend="triton")
     with pytest.raises(ValueError, match="no backend='triton'"):
         q = torch.randn(3, 4, 8)
-        kernels.paged_prefill_attention(q, args[1], args[2], args[3], torch.tensor([0, 1, 3]), args[4], **kw,
-                                        backend="triton")  # fmt: skip
+        kernels.paged_prefill_attention(
+            q, args[1], args[2], args[3], torch.tensor([0, 1, 3]), args[4], **kw, backend="triton"
+        )
     with pytest.raises(ValueError, match="backend='cuda'"):
         kernels.paged_decode_attention(*args, **kw, backend="cuda")
 
 
 def _run(code: str, env=None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=ROOT, capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=120)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {})},
+        timeout=120,
+    )
 
 
 def test_cpu_import_and_auto_never_import_backends_or_touch_cuda():
     """With triton made unimportable, the package imports and every op runs on CPU; an explicit triton request
     names the import error. (torch itself may import triton: hence blocking it rather than checking sys.modules.)"""
-    result = _run("""
+    result = _run(
+        """
         import sys
         sys.modules["triton"] = sys.modules["flash_attn"] = None  # `import triton` now raises ImportError
         import torch
@@ -233,7 +266,9 @@ def test_cpu_import_and_auto_never_import_backends_or_touch_cuda():
             kernels.apply_token_bitmask(torch.zeros(1, 40), torch.zeros(1, 2, dtype=torch.int32), backend="triton")
         except kernels.BackendUnavailableError as error:
             print("raised:", error)
-        """, env={"TRITON_INTERPRET": "1"})  # fmt: skip
+        """,
+        env={"TRITON_INTERPRET": "1"},
+    )
     assert result.returncode == 0, result.stderr
     assert "raised:" in result.stdout and "could not be imported" in result.stdout
 
@@ -258,8 +293,7 @@ def test_bad_input_names_the_argument():
     with pytest.raises(ValueError, match="block_size=None"):
         kernels.paged_decode_attention(q, k, v, tables, lens)
     with pytest.raises(ValueError, match="blocks of 4 tokens"):
-        kernels.paged_decode_attention(q, k.unflatten(0, (-1, 4)), v.unflatten(0, (-1, 4)), tables, lens,
-                                       block_size=8)  # fmt: skip
+        kernels.paged_decode_attention(q, k.unflatten(0, (-1, 4)), v.unflatten(0, (-1, 4)), tables, lens, block_size=8)
     with pytest.raises(ValueError, match="latent_cache rows"):
         kernels.mla_decode(q, q[..., :2], k, tables, lens, block_size=4)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
@@ -323,7 +357,11 @@ def test_triton_kernels_under_the_interpreter():
     triton is imported, and must not leak into the other tests)."""
     result = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_kernels_backends.py"],
-        cwd=ROOT, capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "1"}, timeout=600,
-    )  # fmt: skip
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "TRITON_INTERPRET": "1"},
+        timeout=600,
+    )
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-2000:]
     assert " passed" in result.stdout and " failed" not in result.stdout

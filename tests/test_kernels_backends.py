@@ -40,8 +40,10 @@ def close(out, want, dtype):
 
 # (dtype, block_size, (H_q, H_kv), num_splits, lengths); interpreted: one case per dtype, every feature covered once
 if CUDA:
-    DECODE_CASES = [(dtype, bs, gqa, splits, ODD_LENGTHS)
-                    for dtype, bs, gqa, splits in itertools.product(DTYPES, [16, 32], GQA, [None, 1, 7])]  # fmt: skip
+    DECODE_CASES = [
+        (dtype, bs, gqa, splits, ODD_LENGTHS)
+        for dtype, bs, gqa, splits in itertools.product(DTYPES, [16, 32], GQA, [None, 1, 7])
+    ]
 else:
     DECODE_CASES = [
         (torch.float32, 16, (8, 2), None, ODD_LENGTHS),  # auto split plan over 500 tokens
@@ -79,18 +81,22 @@ def test_triton_paged_decode_options_match_reference(num_splits):
     want = reference.paged_decode_attention(query, key4, value4, pages.tables, pages.context_lens, **kw)
     from hf_attn_patch.kernels import triton_ops
 
-    out = triton_ops.paged_decode_attention(query, pages.key, pages.value, pages.tables, pages.context_lens,
-                                            block_size=bs, num_splits=num_splits, **kw)  # fmt: skip
+    out = triton_ops.paged_decode_attention(
+        query, pages.key, pages.value, pages.tables, pages.context_lens, block_size=bs, num_splits=num_splits, **kw
+    )
     close(out, want, torch.float32)
     slots = reference.token_slots(pages.tables.clamp(min=0), bs, 40)
-    out = kernels.paged_decode_attention(query, pages.key, pages.value, slots, pages.context_lens, block_size=1,
-                                         backend="triton", **kw)  # fmt: skip
+    out = kernels.paged_decode_attention(
+        query, pages.key, pages.value, slots, pages.context_lens, block_size=1, backend="triton", **kw
+    )
     close(out, want, torch.float32)
 
 
 if CUDA:  # (dtype, d_c, d_r, heads, block_size, num_splits): DeepSeek-V3's 512 + 64 with 16 and 128 heads
-    MLA_CASES = [(dtype, 512, 64, heads, bs, splits) for dtype, heads, bs, splits
-                 in itertools.product(DTYPES, [16, 128], [16, 64], [None, 1])] + [(torch.float32, 64, 16, 5, 32, 3)]
+    MLA_CASES = [
+        (dtype, 512, 64, heads, bs, splits)
+        for dtype, heads, bs, splits in itertools.product(DTYPES, [16, 128], [16, 64], [None, 1])
+    ] + [(torch.float32, 64, 16, 5, 32, 3)]
 else:
     MLA_CASES = [(torch.float32, 32, 8, 5, 16, None), (torch.bfloat16, 64, 16, 40, 32, 3)]  # 40 heads: 2 head blocks
 
@@ -134,8 +140,11 @@ def test_auto_picks_a_gpu_backend_and_matches():
     pages = make_paged(ODD_LENGTHS, 2, 64, 64, 16, torch.float16, device=DEVICE)
     query = torch.randn(5, 8, 64, device=DEVICE, dtype=torch.float16)
     args = (query, pages.key, pages.value, pages.tables, pages.context_lens)
-    close(kernels.paged_decode_attention(*args, block_size=16), reference.paged_decode_attention(*args, block_size=16),
-          torch.float16)  # fmt: skip
+    close(
+        kernels.paged_decode_attention(*args, block_size=16),
+        reference.paged_decode_attention(*args, block_size=16),
+        torch.float16,
+    )
 
 
 @flash_only
@@ -150,8 +159,11 @@ def test_flash_attn_decode_and_prefill_match_reference(dtype):
     cu = torch.tensor([0, 1, 41, 41 + 700], dtype=torch.int32, device=DEVICE)
     packed = torch.randn(741, 8, d, device=DEVICE, dtype=dtype)
     args = (packed, pages.key, pages.value, pages.tables, cu, pages.context_lens)
-    close(kernels.paged_prefill_attention(*args, block_size=bs, backend="flash_attn"),
-          reference.paged_prefill_attention(*args, block_size=bs), dtype)  # fmt: skip
+    close(
+        kernels.paged_prefill_attention(*args, block_size=bs, backend="flash_attn"),
+        reference.paged_prefill_attention(*args, block_size=bs),
+        dtype,
+    )
 
 
 @cuda_only

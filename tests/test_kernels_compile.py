@@ -33,19 +33,61 @@ def compile_for_sm90(kernel, pointers: dict, constexprs: dict, num_warps: int):
 
 
 def decode_case(dtype, split, options):
-    pointers = dict(Q=f"*{dtype}", K=f"*{dtype}", V=f"*{dtype}", BT="*i32", CTX="*i32", KMASK="*u8", O=f"*{dtype}",
-                    PO="*fp32", PL="*fp32")  # fmt: skip
-    constexprs = dict(PAGE=16, GROUP=4, BLOCK_G=16, BLOCK_N=32, D_K=128, D_V=128, BLOCK_DK=128, BLOCK_DV=128,
-                      HAS_MASK=options, HAS_SOFTCAP=options, HAS_WINDOW=options, SPLIT=split,
-                      PREC="ieee" if dtype == "fp32" else None, UPCAST=False)  # fmt: skip
+    pointers = dict(
+        Q=f"*{dtype}",
+        K=f"*{dtype}",
+        V=f"*{dtype}",
+        BT="*i32",
+        CTX="*i32",
+        KMASK="*u8",
+        O=f"*{dtype}",
+        PO="*fp32",
+        PL="*fp32",
+    )
+    constexprs = dict(
+        PAGE=16,
+        GROUP=4,
+        BLOCK_G=16,
+        BLOCK_N=32,
+        D_K=128,
+        D_V=128,
+        BLOCK_DK=128,
+        BLOCK_DV=128,
+        HAS_MASK=options,
+        HAS_SOFTCAP=options,
+        HAS_WINDOW=options,
+        SPLIT=split,
+        PREC="ieee" if dtype == "fp32" else None,
+        UPCAST=False,
+    )
     return triton_ops._paged_decode_kernel, pointers, constexprs, 8
 
 
 def mla_case(dtype):
-    pointers = dict(QL=f"*{dtype}", QR=f"*{dtype}", C=f"*{dtype}", BT="*i32", CTX="*i32", KMASK="*u8",
-                    O=f"*{dtype}", PO="*fp32", PL="*fp32")  # fmt: skip
-    constexprs = dict(PAGE=16, BLOCK_H=16, BLOCK_N=16, D_C=512, D_R=64, BLOCK_DC=512, BLOCK_DR=64, HAS_MASK=True,
-                      SPLIT=True, PREC=None, UPCAST=False)  # fmt: skip
+    pointers = dict(
+        QL=f"*{dtype}",
+        QR=f"*{dtype}",
+        C=f"*{dtype}",
+        BT="*i32",
+        CTX="*i32",
+        KMASK="*u8",
+        O=f"*{dtype}",
+        PO="*fp32",
+        PL="*fp32",
+    )
+    constexprs = dict(
+        PAGE=16,
+        BLOCK_H=16,
+        BLOCK_N=16,
+        D_C=512,
+        D_R=64,
+        BLOCK_DC=512,
+        BLOCK_DR=64,
+        HAS_MASK=True,
+        SPLIT=True,
+        PREC=None,
+        UPCAST=False,
+    )
     return triton_ops._mla_decode_kernel, pointers, constexprs, 8
 
 

@@ -132,8 +132,12 @@ def test_reserved_runs_keep_tables_consecutive_at_one_stride():
 # -- random operation sequences ----------------------------------------------------------------------------------
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["add", "grow", "fork", "commit", "crop", "free", "window", "reserve"]),
-              st.integers(0, 5), st.integers(0, 9), st.integers(1, 7)),  # fmt: skip
+    st.tuples(
+        st.sampled_from(["add", "grow", "fork", "commit", "crop", "free", "window", "reserve"]),
+        st.integers(0, 5),
+        st.integers(0, 9),
+        st.integers(1, 7),
+    ),
     max_size=60,
 )
 

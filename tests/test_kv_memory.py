@@ -9,7 +9,6 @@ import warnings
 import pytest
 import torch
 import transformers
-from transformers import DynamicCache
 
 import hf_attn_patch
 from hf_attn_patch.compat import get_cache

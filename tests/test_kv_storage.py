@@ -83,8 +83,9 @@ def test_block_aligned_padding_reads_whole_pages_and_matches():
     whole pages; the output is DynamicCache's."""
     model = tiny_model("llama")
     ids, mask = ragged(lengths=(5, 9, 13))
-    reference, paged, cache = generate_both(model, ids, mask, block_size=4, cache_kwargs=no_room_for_runs(mask, 12),
-                                            max_new_tokens=12, do_sample=False)  # fmt: skip
+    reference, paged, cache = generate_both(
+        model, ids, mask, block_size=4, cache_kwargs=no_room_for_runs(mask, 12), max_new_tokens=12, do_sample=False
+    )
     assert torch.equal(reference, paged)
     assert cache.slots.pages[None] is not None  # the last step read whole pages
 
@@ -92,8 +93,9 @@ def test_block_aligned_padding_reads_whole_pages_and_matches():
 def test_unaligned_padding_reads_slot_by_slot_and_matches():
     model = tiny_model("llama")
     ids, mask = ragged(lengths=(9, 4, 13))  # pads 4, 9, 0: row 2's pages would start mid-block
-    reference, paged, cache = generate_both(model, ids, mask, block_size=4, cache_kwargs=no_room_for_runs(mask, 12),
-                                            max_new_tokens=12, do_sample=False)  # fmt: skip
+    reference, paged, cache = generate_both(
+        model, ids, mask, block_size=4, cache_kwargs=no_room_for_runs(mask, 12), max_new_tokens=12, do_sample=False
+    )
     assert torch.equal(reference, paged)
     assert cache.slots.pages[None] is None and isinstance(cache, PagedKVCache)
 
@@ -122,8 +124,15 @@ def test_unpadded_batch_is_laid_out_and_read_as_one_view():
     assert tables == [list(range(first // 4 + 5 * r, first // 4 + 5 * r + 5)) for r in range(3)]
     steps = 12  # the prefill and 11 decode steps, every layer of each read through the view
     assert len(views) == steps * model.config.num_hidden_layers and not cache.slots.read
-    out = model.generate(ids, attention_mask=mask, pad_token_id=0, max_new_tokens=12, do_sample=False,
-                         cache_implementation="paged_kv", return_dict_in_generate=True)  # fmt: skip
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        pad_token_id=0,
+        max_new_tokens=12,
+        do_sample=False,
+        cache_implementation="paged_kv",
+        return_dict_in_generate=True,
+    )
     assert torch.equal(out.sequences, reference) and get_cache(out).slots.strided[None] is not None
 
 

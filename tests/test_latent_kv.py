@@ -143,7 +143,9 @@ def test_key_metric_sees_slow_frequencies_keep_their_direction():
     m = key_metric(w, shape, cov, context=4096)[0]
     half = shape.half
     fast = m[[0, half]][:, [0, half]]
-    assert abs(float(fast[0, 1])) < 0.05 * float(fast[0, 0]) and abs(float(fast[0, 0] - fast[1, 1])) < 0.05 * float(fast[0, 0])
+    assert abs(float(fast[0, 1])) < 0.05 * float(fast[0, 0]) and abs(float(fast[0, 0] - fast[1, 1])) < 0.05 * float(
+        fast[0, 0]
+    )
 
 
 @pytest.mark.parametrize("field, value, message", [
@@ -199,15 +201,20 @@ def test_convert_writes_a_latent_kv_model_that_loads_and_generates(tmp_path, sto
     out = converted.generate(ids, max_new_tokens=8, do_sample=False)
     assert torch.equal(out, converted.generate(ids, max_new_tokens=8, do_sample=False, cache_implementation="paged_kv"))
     with torch.no_grad():  # the closed form is close to the source, not equal (half the KV values)
-        kl = torch.nn.functional.kl_div(converted(ids).logits.log_softmax(-1), model(ids).logits.log_softmax(-1),
-                                        log_target=True, reduction="batchmean")  # fmt: skip
+        kl = torch.nn.functional.kl_div(
+            converted(ids).logits.log_softmax(-1),
+            model(ids).logits.log_softmax(-1),
+            log_target=True,
+            reduction="batchmean",
+        )
     assert 0 < float(kl) < 2.0
 
     original = retrieval.COPY_THRESHOLD
     retrieval.COPY_THRESHOLD = -1.0  # every KV head counts as a copy head: as many exact keys as the budget allows
     try:
-        report = convert("default", tmp_path / "retrieval", to="latent_kv", kv_budget=0.5,
-                         rank_allocation="retrieval", **options)  # fmt: skip
+        report = convert(
+            "default", tmp_path / "retrieval", to="latent_kv", kv_budget=0.5, rank_allocation="retrieval", **options
+        )
     finally:
         retrieval.COPY_THRESHOLD = original
     budgets = report["budgets"]
@@ -232,10 +239,26 @@ def test_reconstruction_and_healing_train_the_latent_layers(tmp_path):
 
     from hf_attn_patch.converters.convert import convert
 
-    closed = convert("default", tmp_path / "closed", to="latent_kv", kv_budget=0.5, calib_source="text",
-                     calib_samples=4, reconstruct_steps=0)  # fmt: skip
-    fitted = convert("default", tmp_path / "fitted", to="latent_kv", kv_budget=0.5, calib_source="text",
-                     calib_samples=4, reconstruct_steps=3, heal_steps=2, heal_data="calib")  # fmt: skip
+    closed = convert(
+        "default",
+        tmp_path / "closed",
+        to="latent_kv",
+        kv_budget=0.5,
+        calib_source="text",
+        calib_samples=4,
+        reconstruct_steps=0,
+    )
+    fitted = convert(
+        "default",
+        tmp_path / "fitted",
+        to="latent_kv",
+        kv_budget=0.5,
+        calib_source="text",
+        calib_samples=4,
+        reconstruct_steps=3,
+        heal_steps=2,
+        heal_data="calib",
+    )
     assert fitted["layerwise"]["reconstruct_steps"] == 3 and fitted["heal"]
     a, b = load_file(tmp_path / "closed" / "model.safetensors"), load_file(tmp_path / "fitted" / "model.safetensors")
     name = "model.layers.0.self_attn.k_a_proj.weight"

@@ -50,9 +50,16 @@ def tiny_qwen2(folder: Path, shard: str | None = None) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     model = Qwen2ForCausalLM(config)
     with torch.no_grad():  # biases start at zero: make them count
         for p in model.parameters():
@@ -67,8 +74,15 @@ def tiny_qwen3(folder: Path) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(2)
-    config = Qwen3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    config = Qwen3Config(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+    )
     Qwen3ForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -78,8 +92,15 @@ def tiny_mistral_sliding(folder: Path) -> Path:
     from transformers import MistralConfig, MistralForCausalLM
 
     torch.manual_seed(1)
-    config = MistralConfig(vocab_size=61, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=1, sliding_window=5)  # fmt: skip
+    config = MistralConfig(
+        vocab_size=61,
+        hidden_size=32,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        sliding_window=5,
+    )
     MistralForCausalLM(config).save_pretrained(folder)
     return folder
 
@@ -99,8 +120,11 @@ def streamed_logits(folder, ids, **kw):
 
 
 def sources(tmp_path):
-    out = {"default": "default", "qwen2-sharded": tiny_qwen2(tmp_path / "qwen2", shard="20KB"),
-           "qwen3": tiny_qwen3(tmp_path / "qwen3")}
+    out = {
+        "default": "default",
+        "qwen2-sharded": tiny_qwen2(tmp_path / "qwen2", shard="20KB"),
+        "qwen3": tiny_qwen3(tmp_path / "qwen3"),
+    }
     assert (out["qwen2-sharded"] / "model.safetensors.index.json").exists()
     if STORIES15M.exists():
         out["stories15m"] = STORIES15M
@@ -189,8 +213,14 @@ def test_disk_placement_is_memory_mapped_and_equal(tmp_path):
     want = whole_logits(resolve_folder("default"), ids)
     src = LayerSource.open("default")
     seen = []
-    with stream_forward(src, ids, chunk_size=4, cpu_budget=0, tmp_root=tmp_path,
-                        on_layer=lambda i, layer, x, y: seen.append((i, x.shape, y.shape))) as result:  # fmt: skip
+    with stream_forward(
+        src,
+        ids,
+        chunk_size=4,
+        cpu_budget=0,
+        tmp_root=tmp_path,
+        on_layer=lambda i, layer, x, y: seen.append((i, x.shape, y.shape)),
+    ) as result:
         assert result.placement == "disk"
         assert len(list(tmp_path.glob("hf-attn-activations-*/*.bin"))) == 2
         assert torch.equal(stream_logits(src, result), want)

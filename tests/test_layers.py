@@ -20,8 +20,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = {"hf_attn_patch": ROOT / "hf_attn_patch", "hf_attn_patch.converters": ROOT / "converters",
-            "hf_attn_patch.kernels": ROOT / "kernels"}  # fmt: skip
+PACKAGES = {
+    "hf_attn_patch": ROOT / "hf_attn_patch",
+    "hf_attn_patch.converters": ROOT / "converters",
+    "hf_attn_patch.kernels": ROOT / "kernels",
+}
 LEVEL = {"kernels": 0, "extras": 0, "compat": 0, "assets": 0, "variants": 0, "kv_memory": 1, "devices": 1, "cache": 1, "attention": 2,
          "models": 2, "grammar": 3, "speculative": 3, "engine": 4, "serving": 5, "evaluation": 5, "hub": 5,
          "converters": 6, "cli": 6, "demo": 6, "draft": 6, "_patching": 6}  # fmt: skip
@@ -31,8 +34,17 @@ SUBLEVEL = {("assets", "lm_eval_tasks"): LEVEL["evaluation"]}
 ROOT_LEVEL = 6  # the package root loads every layer's public names (and patch()): importing it is importing the top
 # inside hf_attn_patch.converters, by role (its package root, like the package's, may load anything); drafting builds a
 # drafter from the source's samples (io) and trains it, beside fitting
-CONVERTER_LEVEL = {"io": 0, "methods": 1, "fitting": 2, "export": 2, "drafting": 2, "options": 3, "targets": 4,
-                   "stages": 5, "convert": 6}  # fmt: skip
+CONVERTER_LEVEL = {
+    "io": 0,
+    "methods": 1,
+    "fitting": 2,
+    "export": 2,
+    "drafting": 2,
+    "options": 3,
+    "targets": 4,
+    "stages": 5,
+    "convert": 6,
+}
 # the attention modules that register a variant (attention/gqa.py, mla.py, latent_kv.py)
 VARIANT_MODULES = {
     path.stem
@@ -68,11 +80,17 @@ def violations(name: list[str], is_package: bool, source: str) -> list[str]:
         if name[1:2] == target[1:2] == ["converters"] and len(name) > 2 and len(target) > 2:
             mine, theirs = CONVERTER_LEVEL.get(name[2], 0), CONVERTER_LEVEL.get(target[2])
             if theirs is not None and theirs > mine:
-                found.append(f"line {line} imports {'.'.join(target)}: converters/{target[2]} sits above "
-                             f"converters/{name[2]}")  # fmt: skip
-        if (name[:2] == target[:2] == ["hf_attn_patch", "attention"] and len(name) == 3 and len(target) == 4
-                and name[2] in VARIANT_MODULES and target[2] in VARIANT_MODULES - {name[2]}
-                and target[3].startswith("_")):  # fmt: skip
+                found.append(
+                    f"line {line} imports {'.'.join(target)}: converters/{target[2]} sits above converters/{name[2]}"
+                )
+        if (
+            name[:2] == target[:2] == ["hf_attn_patch", "attention"]
+            and len(name) == 3
+            and len(target) == 4
+            and name[2] in VARIANT_MODULES
+            and target[2] in VARIANT_MODULES - {name[2]}
+            and target[3].startswith("_")
+        ):
             found.append(f"line {line} imports {'.'.join(target)}: a private name of another variant")
     return found
 
@@ -87,7 +105,7 @@ def imported(tree: ast.AST, name: list[str], is_package: bool):
             else:
                 target = (node.module or "").split(".")
             if target[0] == "hf_attn_patch":  # from p import x: the module p.x, or a name x of p (a namespace
-                for alias in node.names:     # package such as kernels has none: its modules are what is imported)
+                for alias in node.names:  # package such as kernels has none: its modules are what is imported)
                     yield target + [alias.name], node.lineno
         elif isinstance(node, ast.Import):
             for alias in node.names:
@@ -191,10 +209,13 @@ def test_no_god_file(name, is_package, path):
     assert lines <= MAX_LINES, f"{path.relative_to(ROOT)} has {lines} lines: find the concepts it holds"
 
 
-@pytest.mark.parametrize("package", ["cache", "attention", "kv_memory", "models", "grammar", "speculative", "evaluation",
-                                     "hub"])  # fmt: skip
+@pytest.mark.parametrize(
+    "package", ["cache", "attention", "kv_memory", "models", "grammar", "speculative", "evaluation", "hub"]
+)
 def test_lower_layers_load_without_the_engine(package):
-    code = (f"import hf_attn_patch.{package}, sys; "
-            "assert not [m for m in sys.modules if m.startswith('hf_attn_patch.engine')]")  # fmt: skip
+    code = (
+        f"import hf_attn_patch.{package}, sys; "
+        "assert not [m for m in sys.modules if m.startswith('hf_attn_patch.engine')]"
+    )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]

@@ -44,8 +44,10 @@ SRC = _llama_cpp_source()
 HAVE_SRC = SRC is not None and (SRC / "convert_hf_to_gguf.py").is_file()
 if REQUIRED and not HAVE_SRC:
     raise FileNotFoundError(f"LLAMACPP_SRC={str(SRC)!r} has no convert_hf_to_gguf.py")
-pytestmark = [pytest.mark.llamacpp,
-              pytest.mark.skipif(not HAVE_SRC, reason="llama.cpp sources not unpacked (make test-llamacpp)")]  # fmt: skip
+pytestmark = [
+    pytest.mark.llamacpp,
+    pytest.mark.skipif(not HAVE_SRC, reason="llama.cpp sources not unpacked (make test-llamacpp)"),
+]
 GGML_TYPE_F32 = 0  # ggml_type enum: the K/V cache in f32, like transformers here
 
 # stories260k's tokenizer.json is a BPE with merges; llama.cpp's converter writes it as a sentencepiece vocab whose
@@ -74,8 +76,15 @@ def to_gguf(model_dir: Path, out: Path, llama_vocab: bool = False) -> Path:
     if llama_vocab:
         cmd = [sys.executable, "-c", DEEPSEEK_WITH_LLAMA_VOCAB, str(model_dir), str(out)]
     else:
-        cmd = [sys.executable, str(SRC / "convert_hf_to_gguf.py"), str(model_dir), "--outtype", "f32", "--outfile",
-               str(out)]  # fmt: skip
+        cmd = [
+            sys.executable,
+            str(SRC / "convert_hf_to_gguf.py"),
+            str(model_dir),
+            "--outtype",
+            "f32",
+            "--outfile",
+            str(out),
+        ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return out
@@ -83,8 +92,16 @@ def to_gguf(model_dir: Path, out: Path, llama_vocab: bool = False) -> Path:
 
 def llama_cpp_logits(gguf_file: Path, ids: list[int]) -> tuple[np.ndarray, int]:
     """(logits [T, V] of one prompt, K/V cache bytes per token) from llama.cpp."""
-    llm = llama_cpp.Llama(str(gguf_file), n_ctx=256, n_batch=256, logits_all=True, type_k=GGML_TYPE_F32,
-                          type_v=GGML_TYPE_F32, n_threads=2, verbose=False)  # fmt: skip
+    llm = llama_cpp.Llama(
+        str(gguf_file),
+        n_ctx=256,
+        n_batch=256,
+        logits_all=True,
+        type_k=GGML_TYPE_F32,
+        type_v=GGML_TYPE_F32,
+        n_threads=2,
+        verbose=False,
+    )
     llm.eval(ids)
     return np.array(llm.scores[: len(ids)]), llm
 
@@ -109,8 +126,9 @@ def compare(model_dir: Path, gguf_file: Path, text: str, steps: int, atol: float
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
         with torch.no_grad():
             ref = model(torch.tensor([ids])).logits[0].numpy()
-            greedy = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False,
-                                    min_new_tokens=steps)[0, len(ids):].tolist()  # fmt: skip
+            greedy = model.generate(torch.tensor([ids]), max_new_tokens=steps, do_sample=False, min_new_tokens=steps)[
+                0, len(ids) :
+            ].tolist()
     got, llm = llama_cpp_logits(gguf_file, ids)
     if same_tokens:
         plain = AutoTokenizer.from_pretrained(model_dir)(text, add_special_tokens=False).input_ids
@@ -152,16 +170,26 @@ def test_smollm2_exports_run_in_llama_cpp(tmp_path, target):
     """SmolLM2-135M through llama.cpp's unmodified command line, both export formats."""
     convert("smollm2", tmp_path / "hf", calib_samples=4, calib_len=128, **target, **FAST)
     gguf_file = to_gguf(tmp_path / "hf", tmp_path / "model.gguf")
-    print(compare(tmp_path / "hf", gguf_file, "The capital of France is Paris. The capital of Italy is", steps=16,
-                  atol=SMOLLM2_ATOL))  # fmt: skip
+    print(
+        compare(
+            tmp_path / "hf",
+            gguf_file,
+            "The capital of France is Paris. The capital of Italy is",
+            steps=16,
+            atol=SMOLLM2_ATOL,
+        )
+    )
 
 
 stories15m = pytest.mark.skipif(not STORIES15M.is_dir(), reason=f"{STORIES15M} is not there")
 
 
 @stories15m
-@pytest.mark.parametrize("target", [dict(to="gqa", kv_heads=3), dict(to="gqa", kv_heads=2), dict(to="mqa")],
-                         ids=["gqa-6to3", "gqa-6to2", "mqa"])  # fmt: skip
+@pytest.mark.parametrize(
+    "target",
+    [dict(to="gqa", kv_heads=3), dict(to="gqa", kv_heads=2), dict(to="mqa")],
+    ids=["gqa-6to3", "gqa-6to2", "mqa"],
+)
 def test_stories15m_stock_exports_run_in_llama_cpp(tmp_path, target):
     """A real MHA model's GQA / MQA exports (stock llama configs) through llama.cpp's unmodified command line."""
     convert(str(STORIES15M), tmp_path / "hf", calib_samples=4, **target, **FAST)
@@ -175,8 +203,9 @@ def test_stories15m_stock_exports_run_in_llama_cpp(tmp_path, target):
 def test_stories15m_deepseek_v3_export_runs_in_llama_cpp(tmp_path):
     """stories15M MLA 50% as stock DeepSeek-V3 (the linear latent norm: latent rows of kv_a_proj scaled to ~1e-8,
     llama.cpp's f32 RMSNorm keeps them exact) through llama.cpp, its SentencePiece vocab by the Llama step."""
-    report = convert(str(STORIES15M), tmp_path / "hf", to="mla", kv_budget=0.5, format="deepseek_v3", calib_samples=4,
-                     **FAST)  # fmt: skip
+    report = convert(
+        str(STORIES15M), tmp_path / "hf", to="mla", kv_budget=0.5, format="deepseek_v3", calib_samples=4, **FAST
+    )
     ds = report["deepseek_v3"]
     assert ds["latent_norm"]["mode"] == "linear" and ds["kl_to_native_per_token"] < 1e-8  # measured ~1e-10
     config = json.loads((tmp_path / "hf" / "config.json").read_text())

@@ -51,10 +51,24 @@ def table_rows(output: str) -> dict[str, list[float]]:
 
 
 def test_tasks_side_by_side_with_the_reference(tmp_path, capsys):
-    convert("default", tmp_path / "mqa", to="mqa", method="mean", **FAST)  # the baseline merge: far worse than the source
+    convert(
+        "default", tmp_path / "mqa", to="mqa", method="mean", **FAST
+    )  # the baseline merge: far worse than the source
     limit = 8
-    cli.main(["eval", str(tmp_path / "mqa"), "--tasks", "tiny_stories_cloze", "--limit", str(limit),
-              "--include-path", str(TASKS), "--reference", "default"])  # fmt: skip
+    cli.main(
+        [
+            "eval",
+            str(tmp_path / "mqa"),
+            "--tasks",
+            "tiny_stories_cloze",
+            "--limit",
+            str(limit),
+            "--include-path",
+            str(TASKS),
+            "--reference",
+            "default",
+        ]
+    )
     out = capsys.readouterr().out
     header = out.strip().splitlines()[0].split()
     assert header == ["task", "metric", str(tmp_path / "mqa"), "default", "difference"]
@@ -71,7 +85,9 @@ def test_unknown_task_fails_before_any_model_loads(monkeypatch):
         raise AssertionError(f"load_source({source!r}) ran before the task names were checked")
 
     monkeypatch.setattr("hf_attn_patch.models.pretrained.load_source", refuse)
-    with pytest.raises(SystemExit, match=r"unknown lm-eval task\(s\): 'tiny_stories_clozee' \(did you mean tiny_stories_cloze"):
+    with pytest.raises(
+        SystemExit, match=r"unknown lm-eval task\(s\): 'tiny_stories_clozee' \(did you mean tiny_stories_cloze"
+    ):
         cli.main(["eval", "default", "--tasks", "tiny_stories_clozee", "--include-path", str(TASKS)])
 
 

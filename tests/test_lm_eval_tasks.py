@@ -23,8 +23,13 @@ pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install hf-
 EVALS = Path(__file__).resolve().parents[2] / "shared" / "evals"
 needs_data = pytest.mark.skipif(not EVALS.exists(), reason="../shared/evals not present")
 LIMIT = 4
-ROWS = {"hellaswag_offline": 10042, "arc_easy_offline": 2376, "arc_challenge_offline": 1172, "piqa_offline": 1838,
-        "winogrande_offline": 1267}  # fmt: skip (the SOURCE.md counts)
+ROWS = {
+    "hellaswag_offline": 10042,
+    "arc_easy_offline": 2376,
+    "arc_challenge_offline": 1172,
+    "piqa_offline": 1838,
+    "winogrande_offline": 1267,
+}  # the SOURCE.md counts
 
 
 def logprob(model, tokenizer, context: str, continuation: str) -> float:

@@ -65,7 +65,9 @@ def test_passage_score_is_the_greedy_accuracy_and_the_model_copies(stories, one_
     assert second > score(model, Batch(batch.ids, first, exact=False)) + 0.05  # it reads the earlier copy
     result = evaluate_passages(model, tokenizer, {"stories": TEXT, "again": TEXT}, gaps=(20, 60), items=2)
     again = evaluate_passages(model, tokenizer, {"stories": TEXT}, gaps=(20, 60), items=2)
-    assert set(result.accuracy) == {"passage:stories", "passage:again"} and list(result.accuracy["passage:stories"]) == [20, 60]
+    assert set(result.accuracy) == {"passage:stories", "passage:again"} and list(
+        result.accuracy["passage:stories"]
+    ) == [20, 60]
     assert result.accuracy["passage:stories"] == again.accuracy["passage:stories"]  # the same items every run
     with pytest.raises(ValueError, match="over the model's context"):
         evaluate_passages(model, tokenizer, {"stories": TEXT}, gaps=(10_000,), items=1)
@@ -105,9 +107,21 @@ def test_heal_len_options():
 
 
 def test_healing_on_windows_longer_than_the_calibration(tmp_path, one_torch_thread):
-    report = convert("default", tmp_path / "o", to="mqa", method="pca", heal_steps=2, heal_len=160, heal_lr=1e-4,
-                     heal_batch_size=1, heal_held_in=1, heal_layerwise_steps=0, calib_samples=4, calib_len=64,
-                     **FAST)  # fmt: skip
+    report = convert(
+        "default",
+        tmp_path / "o",
+        to="mqa",
+        method="pca",
+        heal_steps=2,
+        heal_len=160,
+        heal_lr=1e-4,
+        heal_batch_size=1,
+        heal_held_in=1,
+        heal_layerwise_steps=0,
+        calib_samples=4,
+        calib_len=64,
+        **FAST,
+    )
     heal = report["heal"]
     assert heal["length"] == 160 and heal["tokens"] == 2 * 160 and heal["windows"] == 2
     assert report["options"]["heal_len"] == 160

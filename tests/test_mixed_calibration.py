@@ -78,15 +78,17 @@ def test_mixed_calibration_equals_the_same_samples_as_separate_windows(tmp_path,
     convert("default", tmp_path / "unpacked", calib_samples=2, calib_len=128, **kw)
     ids = calibration_windows(read_calibration_text(None), tokenizer, 6, 96)[4:]  # after the calibration text
     with torch.no_grad():
-        logits = {n: AutoModelForCausalLM.from_pretrained(tmp_path / n)(ids).logits for n in ("packed", "plain",
-                                                                                            "unpacked")}
+        logits = {
+            n: AutoModelForCausalLM.from_pretrained(tmp_path / n)(ids).logits for n in ("packed", "plain", "unpacked")
+        }
     # fp32 logits of order 10 from fp64 closed forms: 1e-3 (measured ~1e-5); unpacked windows differ by ~0.1
     assert (logits["packed"] - logits["plain"]).abs().max() < 1e-3
     assert (logits["unpacked"] - logits["plain"]).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("lengths, error", [("64,32", "summing to calib_len=128"), ("a,b", "comma-separated"),
-                                            ("127,1", "lengths >= 2")])  # fmt: skip
+@pytest.mark.parametrize(
+    "lengths, error", [("64,32", "summing to calib_len=128"), ("a,b", "comma-separated"), ("127,1", "lengths >= 2")]
+)
 def test_calib_lengths_refused(lengths, error):
     with pytest.raises(ValueError, match=error):
         ConvertOptions.from_flat(to="mla", kv_lora_rank=8, calib_len=128, calib_lengths=lengths)

@@ -16,7 +16,9 @@ from .test_paged_cache import ragged
 MLA = dict(attention_variant="mla", kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8)
 
 
-@pytest.mark.parametrize("model_type, overrides", [("llama", MLA), ("deepseek_v3", {})], ids=["llama-mla", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "model_type, overrides", [("llama", MLA), ("deepseek_v3", {})], ids=["llama-mla", "deepseek_v3"]
+)
 def test_mla_decode_goes_through_the_kernel_entry(model_type, overrides, monkeypatch):
     model = tiny_model(model_type, **overrides)
     ids, mask = ragged(lengths=(9, 4, 13))

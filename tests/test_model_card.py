@@ -64,12 +64,17 @@ def test_licence_carried_from_a_local_source(tmp_path):
     src = tmp_path / "src"
     model.save_pretrained(src)
     tokenizer.save_pretrained(src)
-    (src / "README.md").write_text("---\nlicense: other\nlicense_name: my-licence\n"
-                                   "license_link: https://example.com/licence\n---\n# a model\n")  # fmt: skip
+    (src / "README.md").write_text(
+        "---\nlicense: other\nlicense_name: my-licence\nlicense_link: https://example.com/licence\n---\n# a model\n"
+    )
     convert(str(src), tmp_path / "out", to="mqa", **FAST)
     text, _ = read(tmp_path / "out")
     data = ModelCard(text).data
-    assert (data.license, data.license_name, data.license_link) == ("other", "my-licence", "https://example.com/licence")
+    assert (data.license, data.license_name, data.license_link) == (
+        "other",
+        "my-licence",
+        "https://example.com/licence",
+    )
     assert data.base_model is None  # a local folder: its Hub origin is not known
     (src / "README.md").unlink()
     convert(str(src), tmp_path / "out2", to="mqa", **FAST)
@@ -88,11 +93,16 @@ def test_deepseek_v3_card_loads_without_the_patch(tmp_path):
 def test_update_card_records_perplexity_and_accuracy(mla, tmp_path):
     folder = tmp_path / "mla"
     shutil.copytree(mla, folder)
-    update_card(folder, {"text": "held_out.txt", "tokens": 1024, "perplexity": 6.9, "source_perplexity": 5.4,
-                         "kl_to_reference": 0.26})  # fmt: skip
+    update_card(
+        folder,
+        {"text": "held_out.txt", "tokens": 1024, "perplexity": 6.9, "source_perplexity": 5.4, "kl_to_reference": 0.26},
+    )
     update_card(folder, {"accuracy": {"arc_easy acc": [0.30, 0.40]}})
     text, report = read(folder)
-    assert "perplexity 6.90 against the source's 5.40 (1.278x)" in text and "| arc_easy acc | 0.300 | 0.400 | 75.0% |" in text
+    assert (
+        "perplexity 6.90 against the source's 5.40 (1.278x)" in text
+        and "| arc_easy acc | 0.300 | 0.400 | 75.0% |" in text
+    )
     assert set(report["evaluation"]) >= {"perplexity", "accuracy"}
     ModelCard(text)
     with pytest.raises(ValueError, match="needs all of"):
@@ -106,8 +116,21 @@ def test_eval_cli_updates_the_card(mla, tmp_path):
     shutil.copytree(mla, folder)
     text_file = tmp_path / "held_out.txt"
     text_file.write_text("Once upon a time, there was a little girl named Lily. She liked to play outside. " * 40)
-    main(["eval", str(folder), "--text", str(text_file), "--reference", "default", "--ctx", "64", "--max-tokens",
-          "256", "--update-card"])  # fmt: skip
+    main(
+        [
+            "eval",
+            str(folder),
+            "--text",
+            str(text_file),
+            "--reference",
+            "default",
+            "--ctx",
+            "64",
+            "--max-tokens",
+            "256",
+            "--update-card",
+        ]
+    )
     text, report = read(folder)
     assert report["evaluation"]["tokens"] == 4 * 63 and "Measured on `held_out.txt` (252 tokens" in text
 
@@ -119,8 +142,21 @@ def test_eval_tasks_cli_updates_the_card(mla, tmp_path):
     folder = tmp_path / "mla"
     shutil.copytree(mla, folder)
     tasks = Path(__file__).parent / "data" / "lm_eval"
-    main(["eval", str(folder), "--tasks", "tiny_stories_cloze", "--limit", "4", "--include-path", str(tasks),
-          "--reference", "default", "--update-card"])  # fmt: skip
+    main(
+        [
+            "eval",
+            str(folder),
+            "--tasks",
+            "tiny_stories_cloze",
+            "--limit",
+            "4",
+            "--include-path",
+            str(tasks),
+            "--reference",
+            "default",
+            "--update-card",
+        ]
+    )
     text, report = read(folder)
     assert "tiny_stories_cloze acc" in report["evaluation"]["accuracy"] and "| tiny_stories_cloze acc |" in text
     with pytest.raises(SystemExit, match="--update-card needs --reference"):
@@ -144,8 +180,24 @@ def test_eval_long_context_prints_and_records_the_shares_of_the_source(mla, tmp_
     (folder / "config.json").write_text(json.dumps({**config, "max_position_embeddings": 2400}))
     text_file = tmp_path / "own.txt"
     text_file.write_text(read_calibration_text(None)[:40_000])
-    main(["eval", str(folder), "--text", str(text_file), "--reference", str(reference), "--ctx", "64",
-          "--max-tokens", "128", "--long-context", "--long-context-items", "2", "--update-card"])  # fmt: skip
+    main(
+        [
+            "eval",
+            str(folder),
+            "--text",
+            str(text_file),
+            "--reference",
+            str(reference),
+            "--ctx",
+            "64",
+            "--max-tokens",
+            "128",
+            "--long-context",
+            "--long-context-items",
+            "2",
+            "--update-card",
+        ]
+    )
     text, report = read(folder)
     lc = report["evaluation"]["long_context"]
     assert lc["gaps"] == [1024, 2048] and lc["text"] == "own.txt" and lc["items"] == 2
@@ -167,8 +219,16 @@ def test_eval_long_context_prints_and_records_the_shares_of_the_source(mla, tmp_
 def test_the_card_names_the_text_that_calibrated_and_healed_the_model(mla, tmp_path):
     text, _ = read(mla)
     assert "Calibrated on the package's default corpus (a TinyStories sample" in text and "--calib-data" in text
-    report = convert("default", tmp_path / "long", to="latent_kv", kv_budget=0.5, context="long", heal_steps=2,
-                     heal_len=384, calib_samples=4)  # fmt: skip
+    report = convert(
+        "default",
+        tmp_path / "long",
+        to="latent_kv",
+        kv_budget=0.5,
+        context="long",
+        heal_steps=2,
+        heal_len=384,
+        calib_samples=4,
+    )
     card = (tmp_path / "long" / "README.md").read_text()
     assert report["options"]["calib_data"] == "general"
     assert "Calibrated and healed on the package's general-domain corpus (WikiText-2" in card

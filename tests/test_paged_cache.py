@@ -100,8 +100,14 @@ def test_cache_implementation_name_and_sampling():
 def test_beam_search_same_beams_and_scores():
     model = tiny_model("llama")
     ids, mask = ragged()
-    kw = dict(num_beams=3, num_return_sequences=2, max_new_tokens=10, do_sample=False, output_scores=True,
-              return_dict_in_generate=True)  # fmt: skip
+    kw = dict(
+        num_beams=3,
+        num_return_sequences=2,
+        max_new_tokens=10,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
     reference, paged, cache = generate_both(model, ids, mask, **kw)
     assert torch.equal(reference.sequences, paged.sequences)
     # beam scores sum 10 log-probs of size <= 10 each computed in fp32 from the same K/V read another way
@@ -115,8 +121,9 @@ def test_forked_rows_share_prompt_blocks():
     ids, mask = ragged(lengths=(16, 16))
     cache = PagedKVCache(model.config, block_size=4)
     torch.manual_seed(0)
-    model.generate(ids, attention_mask=mask, cache=cache, do_sample=True, num_return_sequences=4,
-                   max_new_tokens=3, pad_token_id=0)  # fmt: skip
+    model.generate(
+        ids, attention_mask=mask, cache=cache, do_sample=True, num_return_sequences=4, max_new_tokens=3, pad_token_id=0
+    )
     prompt_blocks = 16 // 4
     # 8 rows; each holds 4 prompt blocks (shared by its 4 forks) and 1 private block for the 3 new tokens
     assert cache.stats()["blocks_used"] == 2 * prompt_blocks + 8
@@ -132,8 +139,7 @@ def test_padding_takes_no_memory(laid_out):
     options = {} if laid_out else no_room_for_runs(mask, 1)
     cache = PagedKVCache(model.config, block_size=4, **options)
     with torch.no_grad():
-        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=1, do_sample=False,
-                       pad_token_id=0)  # fmt: skip
+        model.generate(ids, attention_mask=mask, cache=cache, max_new_tokens=1, do_sample=False, pad_token_id=0)
     stored = [n + (17 - n) % 4 if laid_out else n for n in lengths]  # width 17: pads 14, 0, 8
     assert cache.stats()["blocks_used"] == sum(-(-n // 4) for n in stored) == (10 if laid_out else 9)
     dynamic = DynamicCache(config=model.config)
@@ -305,11 +311,15 @@ def test_steady_decode_steps_reuse_the_slots_and_match(lengths, laid_out, monkey
     ids, mask = ragged(lengths=lengths)
     planned = []
     original = PagedKVCache._plan_step
-    monkeypatch.setattr(PagedKVCache, "_plan_step", lambda self, start, new, device: (
-        planned.append(start), original(self, start, new, device))[1])  # fmt: skip
+    monkeypatch.setattr(
+        PagedKVCache,
+        "_plan_step",
+        lambda self, start, new, device: (planned.append(start), original(self, start, new, device))[1],
+    )
     options = None if laid_out else no_room_for_runs(mask, 24)
-    reference, paged, cache = generate_both(model, ids, mask, block_size=4, cache_kwargs=options, max_new_tokens=24,
-                                            do_sample=False)  # fmt: skip
+    reference, paged, cache = generate_both(
+        model, ids, mask, block_size=4, cache_kwargs=options, max_new_tokens=24, do_sample=False
+    )
     assert torch.equal(reference, paged)
     assert (cache.slots.strided[None] is not None) == laid_out
     width, pads = ids.shape[1], [ids.shape[1] - n - (ids.shape[1] - n) % 4 * laid_out for n in lengths]

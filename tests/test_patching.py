@@ -66,8 +66,10 @@ def test_every_row_of_the_table_is_installed_and_is_ours():
 def _transformers_state() -> dict[str, dict]:
     """Every attribute of every loaded transformers module and of each class defined there, and the attention
     and mask registries: name -> {attribute: object}."""
-    state = {"AttentionInterface": dict(AttentionInterface._global_mapping),
-             "AttentionMaskInterface": dict(AttentionMaskInterface._global_mapping)}  # fmt: skip
+    state = {
+        "AttentionInterface": dict(AttentionInterface._global_mapping),
+        "AttentionMaskInterface": dict(AttentionMaskInterface._global_mapping),
+    }
     for module_name, module in list(sys.modules.items()):
         if module is None or not module_name.startswith("transformers"):
             continue
@@ -182,12 +184,15 @@ def test_the_repository_root_imports():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    code = ("import sys, transformers, hf_attn_patch, hf_attn_patch.kernels.ops; import kernels; "
-            "assert sys.path[0] == '', sys.path[0]; "
-            "print(getattr(kernels, '__file__', None) or 'namespace', hf_attn_patch.kernels.ops.__name__)")  # fmt: skip
+    code = (
+        "import sys, transformers, hf_attn_patch, hf_attn_patch.kernels.ops; import kernels; "
+        "assert sys.path[0] == '', sys.path[0]; "
+        "print(getattr(kernels, '__file__', None) or 'namespace', hf_attn_patch.kernels.ops.__name__)"
+    )
     env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
-    result = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True,
-                            timeout=300)  # fmt: skip
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     found, _ = result.stdout.split()
     assert not found.startswith(str(root / "kernels")), found

@@ -9,8 +9,15 @@ from transformers import AutoModelForCausalLM
 from hf_attn_patch.converters.io.calibration import calibration_windows, read_calibration_text
 from hf_attn_patch.converters.convert import convert
 from hf_attn_patch.converters.options import ConvertOptions
-from hf_attn_patch.converters.fitting.reconstruct import (_additive_mask, _attention_inputs, _call, _first_layer_inputs, _kl,
-                                                  _with_weights, sequential)
+from hf_attn_patch.converters.fitting.reconstruct import (
+    _additive_mask,
+    _attention_inputs,
+    _call,
+    _first_layer_inputs,
+    _kl,
+    _with_weights,
+    sequential,
+)
 
 from ._fast import FAST
 from ._inmemory_reference import collect_stats
@@ -19,8 +26,9 @@ from ._inmemory_reference import collect_stats
 @pytest.fixture(scope="module")
 def mla25(tmp_path_factory, stories):
     out = tmp_path_factory.mktemp("rec") / "out"
-    convert("default", out, to="mla", kv_budget=0.25, calib_samples=8, calib_len=128,
-            rank_allocation="uniform", **FAST)  # the closed form these margins were measured from
+    convert(
+        "default", out, to="mla", kv_budget=0.25, calib_samples=8, calib_len=128, rank_allocation="uniform", **FAST
+    )  # the closed form these margins were measured from
     windows = calibration_windows(read_calibration_text(None), stories[1], 8, 128)
     return out, windows
 
@@ -77,8 +85,17 @@ def test_propagated_statistics_differ_and_are_kept_only_where_better(mla25, stor
 
 
 def test_propagated_closed_form_lowers_the_local_error(tmp_path, stories, one_torch_thread):
-    report = convert("default", tmp_path / "p", to="mla", kv_budget=0.25, calib_samples=8, calib_len=128,
-                     propagate=True, reconstruct_target="local", **FAST)  # fmt: skip
+    report = convert(
+        "default",
+        tmp_path / "p",
+        to="mla",
+        kv_budget=0.25,
+        calib_samples=8,
+        calib_len=128,
+        propagate=True,
+        reconstruct_target="local",
+        **FAST,
+    )
     layers = report["layerwise"]["layers"]
     assert layers[0]["propagated_error"] is not None
     # kept only where it measured lower; measured: kept in most layers
@@ -119,7 +136,9 @@ def test_attention_kl_in_the_objective_brings_the_patterns_closer(mla25, stories
         fits = sequential(source, model, windows, steps=80, attention_kl=weight, progress=False)
         assert all((f.attention_kl is None) == (weight == 0) for f in fits)  # the pattern term ran only when asked
         # each layer's held-in attention KL as it leaves (0 steps: measured, not fitted)
-        measured[weight] = [f.attention_kl for f in sequential(source, model, windows, attention_kl=1.0, progress=False)]
+        measured[weight] = [
+            f.attention_kl for f in sequential(source, model, windows, attention_kl=1.0, progress=False)
+        ]
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert mean(measured[1.0]) < 0.85 * mean(measured[0.0]), measured  # measured 0.37 vs 0.54
 
@@ -133,8 +152,16 @@ def test_attention_kl_needs_an_attention_target():
         ConvertOptions.from_flat(to="mla", kv_budget=0.5, reconstruct_steps=0, reconstruct_attention_kl=1.0)
 
 
-@pytest.mark.parametrize("field, value", [("reconstruct_steps", -1), ("reconstruct_steps", 1.5), ("reconstruct_lr", 0),
-                                          ("reconstruct_target", "global"), ("calib_samples", 0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("reconstruct_steps", -1),
+        ("reconstruct_steps", 1.5),
+        ("reconstruct_lr", 0),
+        ("reconstruct_target", "global"),
+        ("calib_samples", 0),
+    ],
+)
 def test_bad_reconstruction_options_name_the_value(field, value):
     with pytest.raises(ValueError, match=f"{field}={value!r}"):
         ConvertOptions.from_flat(to="mla", kv_budget=0.5, **{"reconstruct_steps": 1, field: value})

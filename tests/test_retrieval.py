@@ -11,8 +11,18 @@ import pytest
 import torch
 
 from hf_attn_patch.evaluation import retrieval
-from hf_attn_patch.evaluation.retrieval import (Batch, copy_batch, distances, evaluate_retrieval, induction_batch,
-                                                RetrievalResult, known_vocabulary, passkey_batch, score, vocabulary)  # fmt: skip
+from hf_attn_patch.evaluation.retrieval import (
+    Batch,
+    copy_batch,
+    distances,
+    evaluate_retrieval,
+    induction_batch,
+    RetrievalResult,
+    known_vocabulary,
+    passkey_batch,
+    score,
+    vocabulary,
+)
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +66,11 @@ def test_items_hold_the_answer_at_the_distance(stories, vocab):
 def test_score_matches_the_full_logits_and_every_model_answers_the_same_items(stories, vocab):
     model, tokenizer = stories
     gen = torch.Generator().manual_seed(1)
-    for batch in (copy_batch(vocab, 30, 3, gen, [1]), induction_batch(vocab, 20, 5, gen, [1]),
-                  passkey_batch(tokenizer, 64, 3, gen)):  # fmt: skip
+    for batch in (
+        copy_batch(vocab, 30, 3, gen, [1]),
+        induction_batch(vocab, 20, 5, gen, [1]),
+        passkey_batch(tokenizer, 64, 3, gen),
+    ):
         assert score(model, batch) == pytest.approx(reference_score(model, batch), abs=1e-12)
     first = evaluate_retrieval(model, tokenizer, items=2, vocab=vocab, largest=64)
     again = evaluate_retrieval(model, tokenizer, items=2, vocab=vocab, largest=64)

@@ -35,8 +35,10 @@ def _batch(params, generators=None, drafts=None):
 
 def test_process_matches_one_row_reference():
     torch.manual_seed(0)
-    params = [SamplingParams(temperature=t, top_k=k, top_p=p)
-              for t, k, p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.6), (2.0, 1, 1.0), (1.0, 0, 0.05)]]  # fmt: skip
+    params = [
+        SamplingParams(temperature=t, top_k=k, top_p=p)
+        for t, k, p in [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.6), (2.0, 1, 1.0), (1.0, 0, 0.05)]
+    ]
     logits = torch.randn(len(params), V) * 3
     got = process(logits[:, None], _batch(params))[:, 0]
     for row, p in zip(range(len(params)), params):
@@ -107,7 +109,9 @@ def test_token_logprobs_are_of_the_raw_distribution():
     for row, e in enumerate(entries):
         assert e.token_id == int(tokens[row]) and abs(e.logprob - float(logp[row, tokens[row]])) < 1e-6
         values, ids = logp[row].topk(3)
-        assert [t for t, _ in e.top] == ids.tolist() and all(abs(a - b) < 1e-6 for (_, a), b in zip(e.top, values.tolist()))
+        assert [t for t, _ in e.top] == ids.tolist() and all(
+            abs(a - b) < 1e-6 for (_, a), b in zip(e.top, values.tolist())
+        )
 
 
 def test_seeded_speculative_rows_do_not_depend_on_the_others_drafts():
@@ -118,6 +122,10 @@ def test_seeded_speculative_rows_do_not_depend_on_the_others_drafts():
     for seed in range(20):  # with the longest draft's worth drawn, most of these would differ
         p = SamplingParams(temperature=1.0, seed=seed)
         alone = sample(logits, _batch([p], [torch.Generator().manual_seed(seed)], [[3]]))
-        both = sample(torch.cat([logits, other]), _batch([p, SamplingParams(temperature=0.7)],
-                                                         [torch.Generator().manual_seed(seed), None], [[3], [1, 2, 3, 4]]))  # fmt: skip
+        both = sample(
+            torch.cat([logits, other]),
+            _batch(
+                [p, SamplingParams(temperature=0.7)], [torch.Generator().manual_seed(seed), None], [[3], [1, 2, 3, 4]]
+            ),
+        )
         assert both.tokens[0] == alone.tokens[0]

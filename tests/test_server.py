@@ -71,8 +71,14 @@ def test_chat_with_the_shipped_template(server):
     assert tok.chat_template  # the embedded model serves chat without a template from the caller
     messages = [{"role": "user", "content": "Tell me a story about a cat."}]
     whole = client.chat.completions.create(model="stories260k", messages=messages, max_tokens=20, temperature=0)
-    chunks = client.chat.completions.create(model="stories260k", messages=messages, max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True})  # fmt: skip
+    chunks = client.chat.completions.create(
+        model="stories260k",
+        messages=messages,
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     chunks = list(chunks)
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == whole.choices[0].message.content and streamed
@@ -83,8 +89,9 @@ def test_completion_logprobs_and_echo_match_transformers(server):
     client, model, tok, _ = server
     ids = tok(NAMED).input_ids
     for max_tokens in (0, 1, 3):
-        result = client.completions.create(model="stories260k", prompt=NAMED, max_tokens=max_tokens, temperature=0,
-                                           echo=True, logprobs=2)  # fmt: skip
+        result = client.completions.create(
+            model="stories260k", prompt=NAMED, max_tokens=max_tokens, temperature=0, echo=True, logprobs=2
+        )
         choice = result.choices[0]
         lp = choice.logprobs
         generated = _greedy(model, ids, max_tokens) if max_tokens else []
@@ -107,15 +114,19 @@ def test_prompt_forms_and_n(server):
     client, model, tok, _ = server
     a, b = "Once upon a time", "The dog ran"
     ids_a, ids_b = tok(a).input_ids, tok(b).input_ids
-    one = {p: client.completions.create(model="stories260k", prompt=p, max_tokens=6, temperature=0).choices[0].text
-           for p in (a, b)}  # fmt: skip
+    one = {
+        p: client.completions.create(model="stories260k", prompt=p, max_tokens=6, temperature=0).choices[0].text
+        for p in (a, b)
+    }
     for prompt in ([a, b], [ids_a, ids_b]):
         result = client.completions.create(model="stories260k", prompt=prompt, max_tokens=6, temperature=0)
         assert [c.index for c in result.choices] == [0, 1]
         assert [c.text for c in result.choices] == [one[a], one[b]]
         assert result.usage.prompt_tokens == len(ids_a) + len(ids_b)
-    assert client.completions.create(model="stories260k", prompt=ids_a, max_tokens=6,
-                                     temperature=0).choices[0].text == one[a]  # fmt: skip
+    assert (
+        client.completions.create(model="stories260k", prompt=ids_a, max_tokens=6, temperature=0).choices[0].text
+        == one[a]
+    )
     # n > 1: seed s gives choice i the seed s + i, so a seed reproduces every choice and n=1 is choice 0 of n=3
     args = dict(model="stories260k", prompt=a, max_tokens=12, temperature=1.0, seed=7)
     three = [c.text for c in client.completions.create(n=3, **args).choices]
@@ -128,8 +139,16 @@ def test_prompt_forms_and_n(server):
 
 def test_streamed_n_and_usage(server):
     _, _, tok, port = server
-    body = {"prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.0, "seed": 3, "n": 2, "stream": True,
-            "stream_options": {"include_usage": True}, "logprobs": 1}  # fmt: skip
+    body = {
+        "prompt": "Once upon a time",
+        "max_tokens": 8,
+        "temperature": 1.0,
+        "seed": 3,
+        "n": 2,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "logprobs": 1,
+    }
     events = sse(port, "/v1/completions", body)
     assert events[-1] == "[DONE]" and events[-2]["choices"] == []
     texts, tokens = {0: "", 1: ""}, {0: [], 1: []}
@@ -155,12 +174,14 @@ def test_streamed_n_and_usage(server):
 def test_chat_logprobs(server):
     client, model, tok, _ = server
     messages = [{"role": "user", "content": "Hi"}]
-    result = client.chat.completions.create(model="stories260k", messages=messages, max_tokens=5, temperature=0,
-                                            logprobs=True, top_logprobs=3)  # fmt: skip
+    result = client.chat.completions.create(
+        model="stories260k", messages=messages, max_tokens=5, temperature=0, logprobs=True, top_logprobs=3
+    )
     content = result.choices[0].logprobs.content
     assert len(content) == result.usage.completion_tokens
-    prompt = tok(tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
-                 add_special_tokens=False).input_ids  # fmt: skip
+    prompt = tok(
+        tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True), add_special_tokens=False
+    ).input_ids
     generated = _greedy(model, prompt, len(content))
     reference = _logprobs(model, prompt + generated)
     for i, entry in enumerate(content):
@@ -193,16 +214,25 @@ def test_clear_errors(server):
     with pytest.raises(openai.BadRequestError, match="messages"):
         client.chat.completions.create(model="stories260k", messages=[])
     cases = [
-        (b"{not json", None), (b"[1, 2]", None), (b'{"prompt": "Hi", "temperature": NaN}', "temperature"),
-        (b'{"prompt": "Hi", "top_p": Infinity}', "top_p"), (b'{"prompt": "Hi", "max_tokens": 1e400}', "max_tokens"),
-        (b'{"prompt": "Hi", "seed": ' + b"9" * 40 + b"}", "seed"), (b'{"prompt": "Hi", "frobnicate": 1}', "frobnicate"),
-        (b'{"prompt": "Hi", "frequency_penalty": 0.5}', "frequency_penalty"), (b'{"prompt": [1, 99999]}', "prompt"),
-        (b'{"prompt": "Hi", "max_tokens": 0}', "max_tokens"), (b'{"prompt": "Hi", "logprobs": 21}', "logprobs"),
+        (b"{not json", None),
+        (b"[1, 2]", None),
+        (b'{"prompt": "Hi", "temperature": NaN}', "temperature"),
+        (b'{"prompt": "Hi", "top_p": Infinity}', "top_p"),
+        (b'{"prompt": "Hi", "max_tokens": 1e400}', "max_tokens"),
+        (b'{"prompt": "Hi", "seed": ' + b"9" * 40 + b"}", "seed"),
+        (b'{"prompt": "Hi", "frobnicate": 1}', "frobnicate"),
+        (b'{"prompt": "Hi", "frequency_penalty": 0.5}', "frequency_penalty"),
+        (b'{"prompt": [1, 99999]}', "prompt"),
+        (b'{"prompt": "Hi", "max_tokens": 0}', "max_tokens"),
+        (b'{"prompt": "Hi", "logprobs": 21}', "logprobs"),
         (b'{"prompt": "Hi", "stream_options": {"include_usage": true}}', "stream_options"),
-        (b'{"prompt": "Hi", "n": true}', "n"), (b'{"prompt": "Hi", "suffix": "x"}', "suffix"),
-        (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", None), (b'{"prompt": "Hi", "stop": [""]}', "stop"),
+        (b'{"prompt": "Hi", "n": true}', "n"),
+        (b'{"prompt": "Hi", "suffix": "x"}', "suffix"),
+        (b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),
+        (b'{"prompt": "Hi", "stop": [""]}', "stop"),
         (b'{"prompt": "Hi", "\\ud800": null}', None),  # found by test_server_fuzz: a lone surrogate (was a 500)
-        (b'{"prompt": "\\udfff"}', None), (b'{"prompt": "Hi", "max_tokens": 1' + b"0" * 5000 + b"}", None),
+        (b'{"prompt": "\\udfff"}', None),
+        (b'{"prompt": "Hi", "max_tokens": 1' + b"0" * 5000 + b"}", None),
     ]
     for raw, param in cases:
         status, body = call(port, "/v1/completions", raw)

@@ -64,8 +64,10 @@ def test_disconnected_client_aborts_its_request(stories):
     with running(engine) as (port, _):
         body = json.dumps({"prompt": "Once upon a time", "max_tokens": 400}).encode()
         client = socket.create_connection(("127.0.0.1", port))
-        client.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                       b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        client.sendall(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         assert _wait(lambda: http(port, "/health")[1]["in_flight"] == 1)
         client.close()
         assert _wait(lambda: http(port, "/health")[1]["in_flight"] == 0, timeout=5)
@@ -79,9 +81,12 @@ def test_sigterm_drains_then_aborts(stories):
         results = {}
         long = {"prompt": "Once upon a time", "max_tokens": 400}
         short = {"prompt": "The dog", "max_tokens": 5}
-        threads = [threading.Thread(target=lambda: results.__setitem__("stream", sse(port, "/v1/completions",
-                                                                                    dict(long, stream=True)))),
-                   threading.Thread(target=lambda: results.__setitem__("wait", http(port, "/v1/completions", long)))]
+        threads = [
+            threading.Thread(
+                target=lambda: results.__setitem__("stream", sse(port, "/v1/completions", dict(long, stream=True)))
+            ),
+            threading.Thread(target=lambda: results.__setitem__("wait", http(port, "/v1/completions", long))),
+        ]
         for t in threads:
             t.start()
         # both in the engine: /health's in_flight alone also reads 2 while the first is being added (its reserved

@@ -23,17 +23,25 @@ BASES = {
     "/v1/chat/completions": ({"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}, CHAT_FIELDS),
 }
 numbers = st.one_of(
-    st.integers(-(2**70), 2**70), st.integers(-3, 600), st.floats(allow_nan=True, allow_infinity=True),
+    st.integers(-(2**70), 2**70),
+    st.integers(-3, 600),
+    st.floats(allow_nan=True, allow_infinity=True),
     st.sampled_from([0, 1, -1, 0.5, 2**63, 2**64, -(2**63) - 1, 1e308, -0.0, 10**30]),
-)  # fmt: skip
+)
 texts = st.one_of(st.text(max_size=20), st.sampled_from(["\ud800", "\x00", "</s>", "<s>", "🙂" * 5, "a" * 300]))
 scalars = st.one_of(st.none(), st.booleans(), numbers, texts)
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                        st.dictionaries(texts, inner, max_size=4)), max_leaves=12)  # fmt: skip
-messages = st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "tool", "system", "x"]),
-                                           "content": st.one_of(texts, values)},
-                                          optional={"tool_calls": values, "tool_call_id": values, "name": values}),
-                    max_size=3)  # fmt: skip
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(texts, inner, max_size=4)),
+    max_leaves=12,
+)
+messages = st.lists(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "assistant", "tool", "system", "x"]), "content": st.one_of(texts, values)},
+        optional={"tool_calls": values, "tool_call_id": values, "name": values},
+    ),
+    max_size=3,
+)
 
 
 @st.composite
@@ -57,8 +65,9 @@ def port(one_torch_thread):
 
 
 def _post(port: int, path: str, raw: bytes) -> tuple[int, str, bytes]:
-    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=raw,
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    request = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=raw, headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as reply:
             return reply.status, reply.headers.get("content-type", ""), reply.read()
@@ -66,8 +75,9 @@ def _post(port: int, path: str, raw: bytes) -> tuple[int, str, bytes]:
         return error.code, error.headers.get("content-type", ""), error.read()
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                   HealthCheck.too_slow])  # fmt: skip
+@settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(case=bodies())
 def test_no_input_gives_a_5xx(port, case):
     path, body = case

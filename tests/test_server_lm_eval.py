@@ -25,10 +25,19 @@ LOGLIKELIHOOD_ATOL = 1e-3
 def _evaluate(model: str, model_args: str):
     with pytest.MonkeyPatch.context() as patch:
         patch.chdir(TASKS)  # the task YAMLs name their jsonl files relative to this folder
-        return lm_eval.simple_evaluate(model=model, model_args=model_args, tasks=["stories_mc", "stories_gen"],
-                                       task_manager=TaskManager(include_path=str(TASKS)), batch_size=1, device="cpu",
-                                       log_samples=True, random_seed=0, numpy_random_seed=0, torch_random_seed=0,
-                                       fewshot_random_seed=0)  # fmt: skip
+        return lm_eval.simple_evaluate(
+            model=model,
+            model_args=model_args,
+            tasks=["stories_mc", "stories_gen"],
+            task_manager=TaskManager(include_path=str(TASKS)),
+            batch_size=1,
+            device="cpu",
+            log_samples=True,
+            random_seed=0,
+            numpy_random_seed=0,
+            torch_random_seed=0,
+            fewshot_random_seed=0,
+        )
 
 
 def _responses(result, task):
@@ -44,11 +53,17 @@ def reference(one_torch_thread):
 def test_local_completions_matches_hf(reference, tokenized, one_torch_thread):
     model, tok = load_default()
     with running(Engine(model, tok, block_size=8)) as (port, _):
-        args = (f"model=stories260k,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={DEFAULT_MODEL_DIR},"
-                f"tokenizer_backend=huggingface,tokenized_requests={tokenized},max_length=512,num_concurrent=2,"
-                f"max_retries=1")  # fmt: skip
+        args = (
+            f"model=stories260k,base_url=http://127.0.0.1:{port}/v1/completions,tokenizer={DEFAULT_MODEL_DIR},"
+            f"tokenizer_backend=huggingface,tokenized_requests={tokenized},max_length=512,num_concurrent=2,"
+            f"max_retries=1"
+        )
         ours = _evaluate("local-completions", args)
-    for task, metric in (("stories_mc", "acc,none"), ("stories_mc", "acc_norm,none"), ("stories_gen", "exact_match,none")):
+    for task, metric in (
+        ("stories_mc", "acc,none"),
+        ("stories_mc", "acc_norm,none"),
+        ("stories_gen", "exact_match,none"),
+    ):
         assert ours["results"][task][metric] == reference["results"][task][metric], (task, metric)
     assert 0 < reference["results"]["stories_gen"]["exact_match,none"] < 1  # the task can tell outputs apart
     for mine, theirs in zip(_responses(ours, "stories_mc"), _responses(reference, "stories_mc")):

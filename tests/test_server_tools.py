@@ -18,10 +18,16 @@ from ._server import http, running, sse
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "days": {"type": "integer", "minimum": 1, "maximum": 7}},
            "required": ["city", "days"], "additionalProperties": False}  # fmt: skip
-NOTE = {"type": "object", "properties": {"text": {"type": "string", "maxLength": 10}}, "required": ["text"],
-        "additionalProperties": False}  # fmt: skip
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "take_note", "parameters": NOTE}}]  # fmt: skip
+NOTE = {
+    "type": "object",
+    "properties": {"text": {"type": "string", "maxLength": 10}},
+    "required": ["text"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather", "parameters": WEATHER}},
+    {"type": "function", "function": {"name": "take_note", "parameters": NOTE}},
+]
 SCHEMAS = {"get_weather": WEATHER, "take_note": NOTE}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
@@ -44,11 +50,18 @@ def _check_calls(choice, names):
 def test_named_and_required_tool_choice(client):
     client, _ = client
     for seed in range(3):
-        named = client.chat.completions.create(model="stories260k", messages=ASK, tools=TOOLS, max_tokens=60, seed=seed,
-                                               tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        named = client.chat.completions.create(
+            model="stories260k",
+            messages=ASK,
+            tools=TOOLS,
+            max_tokens=60,
+            seed=seed,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
         _check_calls(named.choices[0], {"get_weather"})
-        required = client.chat.completions.create(model="stories260k", messages=ASK, tools=TOOLS, max_tokens=80,
-                                                  tool_choice="required", seed=seed)  # fmt: skip
+        required = client.chat.completions.create(
+            model="stories260k", messages=ASK, tools=TOOLS, max_tokens=80, tool_choice="required", seed=seed
+        )
         _check_calls(required.choices[0], set(SCHEMAS))
 
 
@@ -65,27 +78,44 @@ def test_auto_and_none(client):
             assert choice.message.content and not choice.message.content.startswith("<")
             seen.add("text")
     assert seen
-    none = client.chat.completions.create(model="stories260k", messages=ASK, tools=TOOLS, tool_choice="none",
-                                          max_tokens=10, temperature=0)  # fmt: skip
+    none = client.chat.completions.create(
+        model="stories260k", messages=ASK, tools=TOOLS, tool_choice="none", max_tokens=10, temperature=0
+    )
     assert none.choices[0].message.tool_calls is None and none.choices[0].finish_reason in ("stop", "length")
 
 
 def test_history_with_tool_calls_and_results(client):
     client, _ = client
     history = ASK + [
-        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
-            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 1})}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "days": 1})},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
-    ]  # fmt: skip
-    reply = client.chat.completions.create(model="stories260k", messages=history, tools=TOOLS, tool_choice="none",
-                                           max_tokens=8, temperature=0)  # fmt: skip
+    ]
+    reply = client.chat.completions.create(
+        model="stories260k", messages=history, tools=TOOLS, tool_choice="none", max_tokens=8, temperature=0
+    )
     assert reply.choices[0].message.role == "assistant" and reply.choices[0].message.content
 
 
 def test_streamed_tool_call(client):
     _, port = client
-    body = {"messages": ASK, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "take_note"}},
-            "max_tokens": 40, "stream": True, "seed": 1}  # fmt: skip
+    body = {
+        "messages": ASK,
+        "tools": TOOLS,
+        "tool_choice": {"type": "function", "function": {"name": "take_note"}},
+        "max_tokens": 40,
+        "stream": True,
+        "seed": 1,
+    }
     events = sse(port, "/v1/chat/completions", body)
     deltas = [e["choices"][0] for e in events[:-1]]
     calls = [d["delta"]["tool_calls"] for d in deltas if d["delta"].get("tool_calls")]
@@ -102,14 +132,30 @@ class Pet(pydantic.BaseModel):
 def test_parse_with_a_pydantic_model(client):
     client, _ = client
     for seed in range(3):
-        result = client.chat.completions.parse(model="stories260k", response_format=Pet, max_tokens=40, seed=seed,
-                                               messages=[{"role": "user", "content": "Describe a pet."}])  # fmt: skip
+        result = client.chat.completions.parse(
+            model="stories260k",
+            response_format=Pet,
+            max_tokens=40,
+            seed=seed,
+            messages=[{"role": "user", "content": "Describe a pet."}],
+        )
         pet = result.choices[0].message.parsed
         assert isinstance(pet, Pet) and 0 <= pet.age <= 20
 
 
-@pytest.mark.parametrize("schema", [{"type": "foo"}, {"$ref": "#/nope"}, {"type": "string", "pattern": "("},
-                                    {"type": "string", "minLength": -1}, {"enum": []}, {"not": {}}, 5, "x"])
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "foo"},
+        {"$ref": "#/nope"},
+        {"type": "string", "pattern": "("},
+        {"type": "string", "minLength": -1},
+        {"enum": []},
+        {"not": {}},
+        5,
+        "x",
+    ],
+)
 def test_unusable_schemas_are_400s(client, schema):
     _, port = client
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}}]

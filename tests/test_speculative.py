@@ -103,8 +103,13 @@ def test_early_exit_leaves_the_model_untouched(stories):
     assert [type(m) for m in model.modules()].count(type(layers)) == 1
 
 
-FINAL_NORM = {"llama": "model.norm", "gpt2": "transformer.ln_f", "opt": "model.decoder.final_layer_norm",
-              "gpt_neox": "gpt_neox.final_layer_norm", "deepseek_v3": "model.norm"}  # fmt: skip
+FINAL_NORM = {
+    "llama": "model.norm",
+    "gpt2": "transformer.ln_f",
+    "opt": "model.decoder.final_layer_norm",
+    "gpt_neox": "gpt_neox.final_layer_norm",
+    "deepseek_v3": "model.norm",
+}
 
 
 @pytest.mark.parametrize("model_type", list(FINAL_NORM))
@@ -133,8 +138,7 @@ def test_eos_inside_a_draft_and_max_new_tokens(stories):
     eos = int(plain[1, enc.input_ids.shape[1] + 5])  # a token row 1 emits mid-way: rows now end at different steps
     for max_new in (30, 7):
         reference = model.generate(**enc, do_sample=False, max_new_tokens=max_new, eos_token_id=eos)
-        out, _ = _generate(model, enc, max_new_tokens=max_new, eos_token_id=eos, assistant_model=model,
-                           draft_length=6)  # fmt: skip
+        out, _ = _generate(model, enc, max_new_tokens=max_new, eos_token_id=eos, assistant_model=model, draft_length=6)
         assert torch.equal(out, reference)
     assert (reference == eos).any()
 
@@ -236,9 +240,18 @@ def assert_second_token_marginal(target, drafter) -> None:
     n = 4000
     torch.manual_seed(0)
     stats = SpeculativeStats()
-    out = target.generate(prompt.expand(n, -1), max_new_tokens=2, do_sample=True, temperature=0.7, top_k=12,
-                          top_p=1.0, assistant_model=drafter, draft_length=2, pad_token_id=0,
-                          speculative_stats=stats)  # fmt: skip
+    out = target.generate(
+        prompt.expand(n, -1),
+        max_new_tokens=2,
+        do_sample=True,
+        temperature=0.7,
+        top_k=12,
+        top_p=1.0,
+        assistant_model=drafter,
+        draft_length=2,
+        pad_token_id=0,
+        speculative_stats=stats,
+    )
     assert stats.proposed > 0 and 0 < stats.acceptance_rate < 1  # drafts were verified, some rejected
     tv = _tv(out[:, -1], marginal)
     noise = _tv(torch.multinomial(marginal, n, replacement=True), marginal)
@@ -280,8 +293,9 @@ def test_adaptive_draft_length_remembers_what_drafting_costs():
     for _ in range(200):
         k = lengths.choose()
         chosen.append(k)
-        lengths.update(k, torch.zeros(4, dtype=torch.long), torch.full((4,), k), verify_seconds=1.0 + k,
-                       draft_seconds=0.5 * k)  # fmt: skip
+        lengths.update(
+            k, torch.zeros(4, dtype=torch.long), torch.full((4,), k), verify_seconds=1.0 + k, draft_seconds=0.5 * k
+        )
     probes = [i for i, k in enumerate(chosen) if k]
     assert probes[0] == 0 and all(b - a >= 75 for a, b in zip(probes, probes[1:])) and len(probes) <= 3, probes
 
@@ -311,7 +325,9 @@ def test_smollm2_batch_prompt_lookup_identical():
     model, tok = hf_attn_patch.models.pretrained.load_smollm2()
     tok.padding_side = "left"
     text = "The quick brown fox jumps over the lazy dog near the river bank. It was a sunny day."
-    chats = [[{"role": "user", "content": f"{task}: {text}"}] for task in ("Repeat this text exactly", "Fix the grammar")]
+    chats = [
+        [{"role": "user", "content": f"{task}: {text}"}] for task in ("Repeat this text exactly", "Fix the grammar")
+    ]
     prompts = [tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True) for chat in chats]
     enc = tok(prompts, return_tensors="pt", padding=True)
     reference = model.generate(**enc, max_new_tokens=24, do_sample=False)
@@ -356,8 +372,9 @@ def test_grammar_speculative_sampling_validates(stories):
     model, tok = stories
     enc = tok(PROMPTS, return_tensors="pt", padding=True)
     torch.manual_seed(0)
-    out = model.generate(**enc, max_new_tokens=48, do_sample=True, response_format=FORMAT, tokenizer=tok,
-                         assistant_early_exit=3)  # fmt: skip
+    out = model.generate(
+        **enc, max_new_tokens=48, do_sample=True, response_format=FORMAT, tokenizer=tok, assistant_early_exit=3
+    )
     for row in out[:, enc.input_ids.shape[1] :]:
         jsonschema.validate(json.loads(tok.decode(row, skip_special_tokens=True)), SCHEMA)
 
@@ -365,8 +382,13 @@ def test_grammar_speculative_sampling_validates(stories):
 def test_generate_grammar_keywords(stories):
     model, tok = stories
     enc = tok(PROMPTS[:2], return_tensors="pt", padding=True)
-    out = model.generate(**enc, max_new_tokens=20, do_sample=False, tokenizer=tok,
-                         grammar=[{"type": "regex", "pattern": "(yes|no)!"}, {"type": "choice", "choices": ["red", "blue"]}])  # fmt: skip
+    out = model.generate(
+        **enc,
+        max_new_tokens=20,
+        do_sample=False,
+        tokenizer=tok,
+        grammar=[{"type": "regex", "pattern": "(yes|no)!"}, {"type": "choice", "choices": ["red", "blue"]}],
+    )
     texts = tok.batch_decode(out[:, enc.input_ids.shape[1] :], skip_special_tokens=True)
     assert texts[0] in ("yes!", "no!") and texts[1] in ("red", "blue")
     with pytest.raises(ValueError, match="tokenizer: required"):

@@ -79,8 +79,9 @@ def test_stories260k_streamed_equals_in_memory(tmp_path, case, one_torch_thread)
 
 
 @pytest.mark.skipif(not STORIES15M.exists(), reason="../shared/models/stories15m not present")
-@pytest.mark.parametrize("case", ["gqa-propagate", "mqa-teacher-local", "mla-uniform", "mla-sensitivity",
-                                  "deepseek_v3"])  # fmt: skip
+@pytest.mark.parametrize(
+    "case", ["gqa-propagate", "mqa-teacher-local", "mla-uniform", "mla-sensitivity", "deepseek_v3"]
+)
 def test_stories15m_streamed_equals_in_memory(tmp_path, case, one_torch_thread):
     options = {**CASES[case], "calib_samples": 4, "calib_len": 32}
     if options["to"] == "gqa":
@@ -93,8 +94,16 @@ def test_stories15m_streamed_equals_in_memory(tmp_path, case, one_torch_thread):
 def test_smollm2_streamed_within_fp32_noise(tmp_path, one_torch_thread):
     """One SmolLM2-135M case (kept short): MLA 50% with uniform ranks, text calibration, propagated statistics and one
     reconstruction step per layer."""
-    options = dict(to="mla", kv_budget=0.5, rank_allocation="uniform", calib_source="text", calib_samples=2,
-                   calib_len=64, reconstruct_steps=1, propagate=True)  # fmt: skip
+    options = dict(
+        to="mla",
+        kv_budget=0.5,
+        rank_allocation="uniform",
+        calib_source="text",
+        calib_samples=2,
+        calib_len=64,
+        reconstruct_steps=1,
+        propagate=True,
+    )
     (got, got_config), (want, want_config), *_ = both("smollm2", tmp_path, options)
     assert got.keys() == want.keys() and got_config == want_config
     for name in want:  # fp32: the same ops; a differing reduction order would stay within a few ulps of the values

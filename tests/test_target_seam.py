@@ -38,8 +38,15 @@ class HalfKVTarget(ConversionTarget):
         if source.shape.kv_heads % 2:
             raise ValueError(f"to='half_kv' needs an even number of KV heads, not {source.shape.kv_heads}")
         opts = resolve_steps(opts, 0.5)
-        return Target(opts, source.shape.kv_heads, source.shape.head_dim, stock_format, kv_share=0.5,
-                      needs_stats=False, layerwise=bool(opts.reconstruction.steps))  # fmt: skip
+        return Target(
+            opts,
+            source.shape.kv_heads,
+            source.shape.head_dim,
+            stock_format,
+            kv_share=0.5,
+            needs_stats=False,
+            layerwise=bool(opts.reconstruction.steps),
+        )
 
     def closed_form(self, opts, w, shape, stats, choice) -> LayerResult:
         return LayerResult(mean_pool(w, shape, w.k_w.shape[0] // shape.head_dim // 2))
@@ -52,8 +59,10 @@ class HalfKVTarget(ConversionTarget):
 
     def card(self, report: dict) -> dict:
         kv = report["half_kv"]
-        return {"shape": f" KV heads averaged in pairs: {kv['before']} -> {kv['after']}.",
-                "sections": ["Each pair of the source's KV heads became one, their mean.", ""]}  # fmt: skip
+        return {
+            "shape": f" KV heads averaged in pairs: {kv['before']} -> {kv['after']}.",
+            "sections": ["Each pair of the source's KV heads became one, their mean.", ""],
+        }
 
 
 @pytest.fixture
@@ -91,8 +100,11 @@ def test_it_converts_and_writes_its_card(half_kv, tmp_path):
 
 
 def test_a_format_it_does_not_declare_is_refused(half_kv, tmp_path):
-    with pytest.raises(ValueError, match=r"format='stock' exists for to='gqa' / 'mqa' only, not to='half_kv' "
-                                         r"\(its formats: auto, native\)"):  # fmt: skip
+    with pytest.raises(
+        ValueError,
+        match=r"format='stock' exists for to='gqa' / 'mqa' only, not to='half_kv' "
+        r"\(its formats: auto, native\)",
+    ):
         convert("default", tmp_path / "out", to="half_kv", format="stock", **FAST)
     with pytest.raises(ValueError, match="format='deepseek_v3' exists for to='mla' only, not to='half_kv'"):
         ConvertOptions.from_flat(to="half_kv", format="deepseek_v3")

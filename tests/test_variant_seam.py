@@ -57,8 +57,9 @@ class SharedKVAttention(VariantAttention):
         q, k = apply_rope(q, cos, sin), apply_rope(v, cos, sin)
         if cache is not None:
             k, v = cache.update(k, v, self.layer_idx)
-        out, weights = attention_function(self.config)(self, q, k, v, attention_mask, dropout=0.0,
-                                                       scaling=self.scaling, **kwargs)  # fmt: skip
+        out, weights = attention_function(self.config)(
+            self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+        )
         return self.o_proj(out.reshape(batch, length, -1)), weights
 
 
@@ -82,8 +83,11 @@ def shared_kv(monkeypatch):
     for name, module in source.named_modules():
         if name.endswith("self_attn"):
             module.v_proj.weight.data.copy_(module.k_proj.weight)  # the stock model computes the same function
-            lifted[name] = {"q_proj.weight": module.q_proj.weight, "kv_proj.weight": module.k_proj.weight,
-                            "o_proj.weight": module.o_proj.weight}  # fmt: skip
+            lifted[name] = {
+                "q_proj.weight": module.q_proj.weight,
+                "kv_proj.weight": module.k_proj.weight,
+                "o_proj.weight": module.o_proj.weight,
+            }
     model = rebuild(source, "shared_kv", {}, lifted)
     layers = [m for m in model.modules() if isinstance(m, SharedKVAttention)]
     assert len(layers) == model.config.num_hidden_layers  # the registered module is what the patched build made
@@ -172,8 +176,9 @@ class OneLatentAttention(VariantAttention):
         if cache is not None:
             c, _ = cache.update(c, c[..., :0], self.layer_idx)  # the latent is the key row; nothing beside it
         k, v = self.expand(c)
-        out, weights = attention_function(self.config)(self, q, k, v, attention_mask, dropout=0.0,
-                                                       scaling=self.scaling, **kwargs)  # fmt: skip
+        out, weights = attention_function(self.config)(
+            self, q, k, v, attention_mask, dropout=0.0, scaling=self.scaling, **kwargs
+        )
         return self.o_proj(out.reshape(batch, length, -1)), weights
 
 
@@ -239,8 +244,9 @@ def test_a_variant_with_its_own_cache_layout_runs_everywhere(one_latent, padded_
     outputs = engine.generate(prompts, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
     model.generation_config.eos_token_id = None  # as the engine's ignore_eos
     for prompt, out in zip(prompts, outputs):
-        alone = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0,
-                               use_cache=False)  # fmt: skip
+        alone = model.generate(
+            torch.tensor([prompt]), max_new_tokens=8, do_sample=False, pad_token_id=0, use_cache=False
+        )
         assert out.token_ids == alone[0, len(prompt) :].tolist()
     storage = engine.runner.storage[0]
     assert storage.keys.shape[-1] == 12 and storage.values.shape[-1] == 0  # one row of d_c values per token

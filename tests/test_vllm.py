@@ -41,9 +41,11 @@ VLLM_PYTHON = Path(os.environ.get("VLLM_PYTHON", ROOT / "build" / "vllm-venv" / 
 if REQUIRED and not VLLM_PYTHON.is_file():
     raise FileNotFoundError(f"VLLM_PYTHON={str(VLLM_PYTHON)!r} does not exist (scripts/vllm_env.sh builds it)")
 STORIES15M = ROOT.parent / "shared" / "models" / "stories15m"  # llama2.c stories15M (MHA, 6 heads of 48)
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="vLLM's venv is not built (make test-vllm)"),
-              pytest.mark.skipif(not STORIES15M.is_dir(), reason=f"{STORIES15M} is not there")]  # fmt: skip
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(not VLLM_PYTHON.is_file(), reason="vLLM's venv is not built (make test-vllm)"),
+    pytest.mark.skipif(not STORIES15M.is_dir(), reason=f"{STORIES15M} is not there"),
+]
 PROMPT = "Once upon a time, there was a little girl named Lily. She liked to play outside with her friends. One day"
 STEPS = 24
 
@@ -60,9 +62,20 @@ def random_llama(path: Path) -> Path:
     """A random-weight Llama wide enough for vLLM-CPU's one MLA shape (kv_lora_rank 512 + RoPE 64 needs hidden
     >= 512 and >= 576 KV values per token per layer): 8 heads of 64, 2 layers, stories15M's tokenizer. Init std
     0.06 (not 0.02) so attention is far from uniform and a wrong score shows in the logprobs."""
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
-                         num_attention_heads=8, num_key_value_heads=8, head_dim=64, max_position_embeddings=256,
-                         initializer_range=0.06, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)  # fmt: skip
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=256,
+        initializer_range=0.06,
+        bos_token_id=1,
+        eos_token_id=2,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -78,7 +91,7 @@ def reference(model_dir: Path, ids: list[int], patched: bool = False) -> dict:
         logits = model(torch.tensor([ids])).logits[0].double()
         logprobs = torch.log_softmax(logits, -1)[:-1].gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
         greedy = model.generate(torch.tensor([ids]), max_new_tokens=STEPS, min_new_tokens=STEPS, do_sample=False)
-    return {"prompt_logprobs": logprobs.tolist(), "greedy": greedy[0, len(ids):].tolist()}
+    return {"prompt_logprobs": logprobs.tolist(), "greedy": greedy[0, len(ids) :].tolist()}
 
 
 EAGER = {"enforce_eager": True}  # no torch.compile: loads in about half the time
@@ -87,8 +100,13 @@ EAGER = {"enforce_eager": True}  # no torch.compile: loads in about half the tim
 CPU_MLA = {"attention_config": {"backend": "CPU_MLA"}}
 NATIVE_ROTARY = {"enforce_eager": True, "compilation_config": {"custom_ops": ["-rotary_embedding"]}}
 # name: (model folder, vLLM engine options). Stock Llama exports: eager (their q/k are 2-D: the C++ rotary is right).
-JOBS = {"gqa-6to3": ("gqa", EAGER), "mqa": ("mqa", EAGER), "mla-default": ("mla", CPU_MLA),
-        "mla-eager-native-rotary": ("mla", {**CPU_MLA, **NATIVE_ROTARY}), "mla-eager": ("mla", {**CPU_MLA, **EAGER})}  # fmt: skip
+JOBS = {
+    "gqa-6to3": ("gqa", EAGER),
+    "mqa": ("mqa", EAGER),
+    "mla-default": ("mla", CPU_MLA),
+    "mla-eager-native-rotary": ("mla", {**CPU_MLA, **NATIVE_ROTARY}),
+    "mla-eager": ("mla", {**CPU_MLA, **EAGER}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -105,9 +123,20 @@ def exports(gqa_export, tmp_path_factory) -> dict[str, Path]:
     out["mqa"] = root / "mqa"
     convert(str(STORIES15M), out["mqa"], to="mqa", calib_samples=4, **FAST)
     out["mla"] = root / "mla"
-    report = convert(str(random_llama(root / "src")), out["mla"], to="mla", kv_budget=0.6, format="deepseek_v3",
-                     engine="vllm", calib_samples=4, **FAST)  # fmt: skip
-    assert report["deepseek_v3"]["shape"]["kv_lora_rank"] == 512 and report["deepseek_v3"]["shape"]["qk_rope_head_dim"] == 64
+    report = convert(
+        str(random_llama(root / "src")),
+        out["mla"],
+        to="mla",
+        kv_budget=0.6,
+        format="deepseek_v3",
+        engine="vllm",
+        calib_samples=4,
+        **FAST,
+    )
+    assert (
+        report["deepseek_v3"]["shape"]["kv_lora_rank"] == 512
+        and report["deepseek_v3"]["shape"]["qk_rope_head_dim"] == 64
+    )
     return out
 
 
@@ -119,12 +148,24 @@ def runs(exports, tmp_path_factory) -> dict[str, dict]:
     refs = {name: reference(path, ids) for name, path in exports.items()}
     refs["mla-ours"] = reference(exports["mla"], ids, patched=True)
     common = {"dtype": "float32", "skip_tokenizer_init": True, "max_model_len": 256, "seed": 0}
-    jobs = [{"name": name, "model": str(exports[folder]), "engine": {**common, **options},
-             "requests": [{"ids": ids, "max_tokens": STEPS}]} for name, (folder, options) in JOBS.items()]  # fmt: skip
+    jobs = [
+        {
+            "name": name,
+            "model": str(exports[folder]),
+            "engine": {**common, **options},
+            "requests": [{"ids": ids, "max_tokens": STEPS}],
+        }
+        for name, (folder, options) in JOBS.items()
+    ]
     (root / "jobs.json").write_text(json.dumps(jobs))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    done = subprocess.run([str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_run.py"), str(root / "jobs.json"),
-                           str(root / "out.json")], env=env, capture_output=True, text=True, timeout=1800)  # fmt: skip
+    done = subprocess.run(
+        [str(VLLM_PYTHON), str(ROOT / "scripts" / "vllm_run.py"), str(root / "jobs.json"), str(root / "out.json")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     got = {r["name"]: r["requests"][0] for r in json.loads((root / "out.json").read_text())}
     return {"ids": ids, "refs": refs, "vllm": got}
@@ -190,12 +231,29 @@ def test_vllm_serve_answers_the_openai_client(gqa_export, tmp_path):
     port = _free_port()
     (tmp_path / "chat.jinja").write_text(CHAT_TEMPLATE)
     # the `vllm` command beside VLLM_PYTHON (scripts/vllm_env.sh gives it the "vllm" metadata it looks up)
-    cmd = [str(VLLM_PYTHON.parent / "vllm"), "serve", str(gqa_export), "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--max-model-len", "256", "--served-model-name", "stories15m-gqa",
-           # eager (no torch.compile) and the model run inside the engine process, not a third one: a faster start
-           "--enforce-eager", "--distributed-executor-backend", "uni",
-           "--chat-template", str(tmp_path / "chat.jinja"), "--structured-outputs-config",
-           '{"backend": "xgrammar", "disable_any_whitespace": true}']  # compact JSON: a story model loves newlines
+    cmd = [
+        str(VLLM_PYTHON.parent / "vllm"),
+        "serve",
+        str(gqa_export),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "256",
+        "--served-model-name",
+        "stories15m-gqa",
+        # eager (no torch.compile) and the model run inside the engine process, not a third one: a faster start
+        "--enforce-eager",
+        "--distributed-executor-backend",
+        "uni",
+        "--chat-template",
+        str(tmp_path / "chat.jinja"),
+        "--structured-outputs-config",
+        '{"backend": "xgrammar", "disable_any_whitespace": true}',
+    ]  # compact JSON: a story model loves newlines
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     log = open(tmp_path / "serve.log", "w")
     server = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -215,12 +273,15 @@ def test_vllm_serve_answers_the_openai_client(gqa_export, tmp_path):
         ids = tok(PROMPT).input_ids
         with hf_attn_patch.unpatched(), torch.no_grad():
             model = AutoModelForCausalLM.from_pretrained(gqa_export, dtype=torch.float32).eval()
-            greedy = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids):]
+            greedy = model.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False)[0, len(ids) :]
         assert text.choices[0].text == tok.decode(greedy, skip_special_tokens=True)
         chat = client.chat.completions.create(
-            model="stories15m-gqa", messages=[{"role": "user", "content": "Lily is a little girl. As JSON:"}],
-            max_tokens=128, temperature=0,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}})  # fmt: skip
+            model="stories15m-gqa",
+            messages=[{"role": "user", "content": "Lily is a little girl. As JSON:"}],
+            max_tokens=128,
+            temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}},
+        )
         assert chat.choices[0].finish_reason == "stop", chat.choices[0]  # the grammar closed the object
         answer = json.loads(chat.choices[0].message.content)
         jsonschema.validate(answer, SCHEMA)

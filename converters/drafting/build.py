@@ -27,13 +27,32 @@ logger = logging.getLogger(__name__)
 CHECK_SHARE = 0.05  # share of the teacher samples kept out of training for the held-in agreement check
 
 
-def build_drafter(source: str, out: str | Path, *, samples: int = 256, length: int = 224, draft_vocab: int = 8192,
-                  steps: int = 200, rows: int = 6, lr: float = 1e-3, depth: int = 2, calib_data=None, seed: int = 0,
-                  overwrite: bool = False, progress: bool = True) -> dict:  # fmt: skip
+def build_drafter(
+    source: str,
+    out: str | Path,
+    *,
+    samples: int = 256,
+    length: int = 224,
+    draft_vocab: int = 8192,
+    steps: int = 200,
+    rows: int = 6,
+    lr: float = 1e-3,
+    depth: int = 2,
+    calib_data=None,
+    seed: int = 0,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> dict:
     """Build a drafter for `source` into `out` (see the module docstring); returns the report (also in
     OUT/drafter_report.json)."""
-    for name, value, low in (("samples", samples, 8), ("length", length, 16), ("draft_vocab", draft_vocab, 16),
-                             ("steps", steps, 1), ("rows", rows, 1), ("depth", depth, 1)):  # fmt: skip
+    for name, value, low in (
+        ("samples", samples, 8),
+        ("length", length, 16),
+        ("draft_vocab", draft_vocab, 16),
+        ("steps", steps, 1),
+        ("rows", rows, 1),
+        ("depth", depth, 1),
+    ):
         if not isinstance(value, int) or value < low:
             raise ValueError(f"{name}={value!r}: must be an integer >= {low}")
     if not lr > 0:
@@ -54,8 +73,9 @@ def build_drafter(source: str, out: str | Path, *, samples: int = 256, length: i
     vocab = target.config.get_text_config(decoder=True).vocab_size
     ids = draft_vocabulary(tokens[held:], draft_vocab, vocab, always=eos)
     drafter = new_drafter(target, ids)
-    losses = train_drafter(drafter, tokens[held:], hidden[held:], steps, rows=rows, lr=lr, depth=depth, seed=seed,
-                           progress=progress)  # fmt: skip
+    losses = train_drafter(
+        drafter, tokens[held:], hidden[held:], steps, rows=rows, lr=lr, depth=depth, seed=seed, progress=progress
+    )
     trained = time.perf_counter()
     check = agreement(drafter, tokens[:held], hidden[:held], depth)
     report = {

@@ -33,8 +33,9 @@ def chat_frame(tokenizer) -> tuple[list[int], list[int]] | None:
     if not getattr(tokenizer, "chat_template", None):
         return None
     marker = "\u2063MESSAGE\u2063"
-    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False,
-                                         add_generation_prompt=True)  # fmt: skip
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
     before, _, after = text.partition(marker)
     encode = lambda s: tokenizer(s, add_special_tokens=False).input_ids  # noqa: E731
     return encode(before), encode(after)
@@ -63,8 +64,9 @@ def prompt_groups(ids: torch.Tensor, tokenizer, samples: int, seed: int = 0) -> 
 
 
 @torch.no_grad()
-def teacher_samples(target, tokenizer, text: str, samples: int, length: int, seed: int = 0,
-                    progress: bool = True) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def teacher_samples(
+    target, tokenizer, text: str, samples: int, length: int, seed: int = 0, progress: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [n, length], hidden [n, length - 1, D]): target samples and its final hidden state h_i at each
     position i < length - 1 (the last token is sampled, never run)."""
     ids = held_in_ids(text, tokenizer)
@@ -76,14 +78,17 @@ def teacher_samples(target, tokenizer, text: str, samples: int, length: int, see
         raise ValueError(f"length={length}: must exceed the longest prompt ({longest} tokens)")
     captured: list[torch.Tensor] = []
     hook = target.get_decoder().register_forward_hook(
-        lambda module, args, out: captured.append((out.last_hidden_state if hasattr(out, "last_hidden_state")
-                                                   else out[0]).float().cpu()))  # fmt: skip
+        lambda module, args, out: captured.append(
+            (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]).float().cpu()
+        )
+    )
     tokens, hidden = [], []
     try:
         for group in groups:
             captured.clear()
-            tokens.append(sample_from_teacher(target, group, length, seed=seed, batch_size=SAMPLE_BATCH,
-                                              progress=progress))  # fmt: skip
+            tokens.append(
+                sample_from_teacher(target, group, length, seed=seed, batch_size=SAMPLE_BATCH, progress=progress)
+            )
             hidden.append(_stitch(captured, len(group), length))
     finally:
         hook.remove()

@@ -37,17 +37,25 @@ def new_drafter(target, ids: torch.Tensor, max_draft_tokens: int = 6) -> Feature
     text = target.config.get_text_config(decoder=True)
     dim, heads = text.hidden_size, text.num_attention_heads
     config = FeatureDrafterConfig(
-        vocab_size=text.vocab_size, hidden_size=dim, num_hidden_layers=1,
-        intermediate_size=getattr(text, "intermediate_size", None) or 4 * dim, num_attention_heads=heads,
+        vocab_size=text.vocab_size,
+        hidden_size=dim,
+        num_hidden_layers=1,
+        intermediate_size=getattr(text, "intermediate_size", None) or 4 * dim,
+        num_attention_heads=heads,
         num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
         head_dim=getattr(text, "head_dim", None) or dim // heads,
         rms_norm_eps=getattr(text, "rms_norm_eps", None) or 1e-6,
         rope_parameters=getattr(text, "rope_parameters", None),
         max_position_embeddings=getattr(text, "max_position_embeddings", None) or 4096,
-        draft_vocab_size=len(ids), max_draft_tokens=max_draft_tokens,
-        drafts_for={"name_or_path": str(getattr(target.config, "name_or_path", "")),
-                    "model_type": target.config.model_type, "hidden_size": dim, "vocab_size": text.vocab_size},
-    )  # fmt: skip
+        draft_vocab_size=len(ids),
+        max_draft_tokens=max_draft_tokens,
+        drafts_for={
+            "name_or_path": str(getattr(target.config, "name_or_path", "")),
+            "model_type": target.config.model_type,
+            "hidden_size": dim,
+            "vocab_size": text.vocab_size,
+        },
+    )
     drafter = FeatureDrafterForCausalLM(config)
     drafter.draft_token_ids.copy_(ids)
     last = target.get_decoder().layers[-1] if hasattr(target.get_decoder(), "layers") else None
@@ -61,9 +69,17 @@ def new_drafter(target, ids: torch.Tensor, max_draft_tokens: int = 6) -> Feature
     return drafter
 
 
-def train_drafter(drafter: FeatureDrafterForCausalLM, tokens: torch.Tensor, hidden: torch.Tensor, steps: int,
-                  rows: int = 8, lr: float = 1e-3, depth: int = 3, seed: int = 0,
-                  progress: bool = True) -> list[float]:  # fmt: skip
+def train_drafter(
+    drafter: FeatureDrafterForCausalLM,
+    tokens: torch.Tensor,
+    hidden: torch.Tensor,
+    steps: int,
+    rows: int = 8,
+    lr: float = 1e-3,
+    depth: int = 3,
+    seed: int = 0,
+    progress: bool = True,
+) -> list[float]:
     """Train on teacher samples tokens [n, T] / hidden [n, T - 1, D]; returns the loss of every step."""
     generator = torch.Generator().manual_seed(seed)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)

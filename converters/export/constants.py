@@ -12,6 +12,11 @@ Q_SCALE = 32.0  # q_a_proj = Q_SCALE * I: rms(u) ~ 1, so the query latent's rms 
 ENGINES = ("llama.cpp", "transformers", "vllm", "sglang", "flashmla")
 # (kv_lora_rank, qk_rope_head_dim) each engine's MLA kernels take, largest first; None: any shape. vLLM: the shapes
 # its backends name (vllm_backends.py; the CPU build's is 512 + 64, tested); SGLang, FlashMLA: read from their sources.
-ENGINE_SHAPES = {"vllm": ((512, 64), (256, 64)), "sglang": ((512, 64), (256, 64)), "flashmla": ((512, 64),),
-                 "llama.cpp": None, "transformers": None}  # fmt: skip
+ENGINE_SHAPES = {
+    "vllm": ((512, 64), (256, 64)),
+    "sglang": ((512, 64), (256, 64)),
+    "flashmla": ((512, 64),),
+    "llama.cpp": None,
+    "transformers": None,
+}
 RUN_HERE = ("llama.cpp", "transformers")  # engines the test suite runs every export in (vLLM: 512 + 64 only)

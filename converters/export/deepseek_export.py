@@ -52,26 +52,39 @@ import math
 import torch
 
 from ...models.architectures import head_dim, rotary_dim
-from .constants import (ENGINE_SHAPES, ENGINES, EXPORT_EPS, LATENT_NORMS, QK_NORM_TYPES, ROPE_TYPES, RUN_HERE,
-                        SOURCE_TYPES)
+from .constants import (
+    ENGINE_SHAPES,
+    ENGINES,
+    EXPORT_EPS,
+    LATENT_NORMS,
+    QK_NORM_TYPES,
+    ROPE_TYPES,
+    RUN_HERE,
+    SOURCE_TYPES,
+)
 from .deepseek_layers import LatentStats, export_config, export_layer, export_resident, export_shape
 from .vllm_backends import VLLM_CPU_SHAPES, vllm_backends, vllm_shape_names, vllm_support
 
 logger = logging.getLogger(__name__)
 
+
 def check_source(config, rope_dim: int | None = None) -> None:
     """Raise (naming the field) unless the source's layers map 1:1 onto stock DeepSeek-V3 ones and rope_dim gives
     one component to each of 1 .. d_rot/2 distinct frequencies (None: the sizes are not known yet)."""
     if config.model_type in QK_NORM_TYPES:
-        raise ValueError(f"format='deepseek_v3': model_type {config.model_type!r} has per-head q/k norms (QK-norm); "
-                         "each head's key is normalized after W_k and before RoPE, a per-token, per-head division "
-                         "that one shared latent and one shared RoPE key cannot carry: use format='native'")  # fmt: skip
+        raise ValueError(
+            f"format='deepseek_v3': model_type {config.model_type!r} has per-head q/k norms (QK-norm); "
+            "each head's key is normalized after W_k and before RoPE, a per-token, per-head division "
+            "that one shared latent and one shared RoPE key cannot carry: use format='native'"
+        )
     if config.model_type not in SOURCE_TYPES:
         raise ValueError(f"format='deepseek_v3' needs a llama-family source {SOURCE_TYPES}, not {config.model_type!r}")
     if config.model_type == "qwen2":  # q/k/v biases always: the query bias has no place in a stock layer
-        raise ValueError("format='deepseek_v3': model_type 'qwen2' has q/k/v biases; a query bias adds q-dependent "
-                         "terms to every score that no bias-free stock DeepSeek-V3 weight can hold (vLLM and "
-                         "llama.cpp build its projections without biases): use format='native'")  # fmt: skip
+        raise ValueError(
+            "format='deepseek_v3': model_type 'qwen2' has q/k/v biases; a query bias adds q-dependent "
+            "terms to every score that no bias-free stock DeepSeek-V3 weight can hold (vLLM and "
+            "llama.cpp build its projections without biases): use format='native'"
+        )
     for field in ("attention_bias", "mlp_bias"):
         if getattr(config, field, False):
             raise ValueError(f"format='deepseek_v3': {field}=True has no place in a stock DeepSeek-V3 layer")
@@ -83,12 +96,14 @@ def check_source(config, rope_dim: int | None = None) -> None:
     if rope_dim is not None:
         half = rotary_dim(config) // 2
         if not 1 <= rope_dim // 2 <= half:
-            raise ValueError(f"rope_dim={rope_dim}: format='deepseek_v3' keeps one component per frequency, "
-                             f"1..{half} of them")  # fmt: skip
+            raise ValueError(
+                f"rope_dim={rope_dim}: format='deepseek_v3' keeps one component per frequency, 1..{half} of them"
+            )
 
 
-def engine_shape(engine: str, config, kv_budget: float | None, kv_lora_rank: int | None,
-                 rope_dim: int | None) -> tuple[int, int] | None:  # fmt: skip
+def engine_shape(
+    engine: str, config, kv_budget: float | None, kv_lora_rank: int | None, rope_dim: int | None
+) -> tuple[int, int] | None:
     """(kv_lora_rank, qk_rope_head_dim) of `engine`'s MLA kernels for this source and budget (the largest that
     fits), or None when the engine takes any shape. Raises, naming the budgets that would fit, when none does."""
     shapes = ENGINE_SHAPES[engine]
@@ -103,26 +118,36 @@ def engine_shape(engine: str, config, kv_budget: float | None, kv_lora_rank: int
     rank_cap = min(values, config.hidden_size)  # a latent spans at most the stacked [K; V] rows and the input dims
     usable = [(c, r) for c, r in shapes if c + r <= values and c <= rank_cap]
     if not usable:
-        raise ValueError(f"engine={engine!r} runs MLA only with kv_lora_rank + qk_rope_head_dim = {names}; the "
-                         f"source has {values} KV values per token per layer (hidden_size {config.hidden_size}), too "
-                         f"few for any of them: use engine='llama.cpp' or 'transformers' (any shape)")  # fmt: skip
+        raise ValueError(
+            f"engine={engine!r} runs MLA only with kv_lora_rank + qk_rope_head_dim = {names}; the "
+            f"source has {values} KV values per token per layer (hidden_size {config.hidden_size}), too "
+            f"few for any of them: use engine='llama.cpp' or 'transformers' (any shape)"
+        )
     fits = ", ".join(f"kv_budget >= {math.ceil((c + r) / values * 1000) / 1000} ({c} + {r})" for c, r in usable)
     if rope_dim is not None and rope_dim not in {r for _, r in usable}:
         raise ValueError(f"rope_dim={rope_dim}: engine={engine!r} runs MLA only with {names}")
     if kv_lora_rank is not None:
         if kv_lora_rank not in {c for c, _ in usable}:
-            raise ValueError(f"kv_lora_rank={kv_lora_rank}: engine={engine!r} runs MLA only with {names}; for this "
-                             f"source: {fits}")  # fmt: skip
+            raise ValueError(
+                f"kv_lora_rank={kv_lora_rank}: engine={engine!r} runs MLA only with {names}; for this source: {fits}"
+            )
         return next((c, r) for c, r in usable if c == kv_lora_rank)
     budget = int(round(kv_budget * values))
     for c, r in usable:
         if c + r <= budget:
             if engine == "vllm" and (c, r) not in VLLM_CPU_SHAPES:
-                logger.warning("engine='vllm': %d + %d runs on vLLM's GPU backends only (%s); vLLM's CPU build "
-                               "takes 512 + 64 only", c, r, ", ".join(vllm_backends(c, r, limited=True)))  # fmt: skip
+                logger.warning(
+                    "engine='vllm': %d + %d runs on vLLM's GPU backends only (%s); vLLM's CPU build "
+                    "takes 512 + 64 only",
+                    c,
+                    r,
+                    ", ".join(vllm_backends(c, r, limited=True)),
+                )
             return c, r
-    raise ValueError(f"kv_budget={kv_budget} gives {budget} of {values} KV values per token per layer: engine="
-                     f"{engine!r} runs MLA only with {names}; this source fits {fits}")  # fmt: skip
+    raise ValueError(
+        f"kv_budget={kv_budget} gives {budget} of {values} KV values per token per layer: engine="
+        f"{engine!r} runs MLA only with {names}; this source fits {fits}"
+    )
 
 
 def engine_support(kv_lora_rank: int, rope_dim: int, q_lora: bool, num_layers: int) -> dict[str, dict]:
@@ -132,25 +157,42 @@ def engine_support(kv_lora_rank: int, rope_dim: int, q_lora: bool, num_layers: i
     for engine in ENGINES:
         shapes = ENGINE_SHAPES[engine]
         if engine == "llama.cpp" and not q_lora and num_layers not in (26, 27):
-            status = "refuses to load: llama.cpp needs q_lora_rank for this layer count (export with engine='llama.cpp')"
+            status = (
+                "refuses to load: llama.cpp needs q_lora_rank for this layer count (export with engine='llama.cpp')"
+            )
         elif engine == "transformers":
-            status = "runs (stock DeepseekV3ForCausalLM caches the latent, re-expanded every step; with " \
-                     "hf_attn_patch imported, absorbed MLA decode)"  # fmt: skip
+            status = (
+                "runs (stock DeepseekV3ForCausalLM caches the latent, re-expanded every step; with "
+                "hf_attn_patch imported, absorbed MLA decode)"
+            )
         elif engine == "vllm":
             out[engine] = vllm_support(kv_lora_rank, rope_dim)
             continue
         elif shapes is None or (kv_lora_rank, rope_dim) in shapes:
             status = "MLA kernels (latent cache)"
         else:
-            status = (f"falls back to expanded attention (no KV memory saved): its MLA kernels take "
-                      f"{' or '.join(f'{c} + {r}' for c, r in shapes)}, not {kv_lora_rank} + {rope_dim}")  # fmt: skip
-        out[engine] = {"status": status, "evidence": "run here" if engine in RUN_HERE
-                       else "read from the engine's constraints (not installable here)"}  # fmt: skip
+            status = (
+                f"falls back to expanded attention (no KV memory saved): its MLA kernels take "
+                f"{' or '.join(f'{c} + {r}' for c, r in shapes)}, not {kv_lora_rank} + {rope_dim}"
+            )
+        out[engine] = {
+            "status": status,
+            "evidence": "run here"
+            if engine in RUN_HERE
+            else "read from the engine's constraints (not installable here)",
+        }
     return out
 
 
-def to_deepseek_v3(native, windows: torch.Tensor, stride: int, source_config=None, engine: str = "llama.cpp",
-                   rope_dim: int | None = None, latent_norm: str = "linear") -> tuple[torch.nn.Module, dict]:  # fmt: skip
+def to_deepseek_v3(
+    native,
+    windows: torch.Tensor,
+    stride: int,
+    source_config=None,
+    engine: str = "llama.cpp",
+    rope_dim: int | None = None,
+    latent_norm: str = "linear",
+) -> tuple[torch.nn.Module, dict]:
     """(stock DeepseekV3ForCausalLM, report) from a whole native MLA model whose every layer keeps frequencies
     0, s, ... (the streamed conversion builds the same tensors layer by layer: stages/export.py).
 
@@ -168,8 +210,10 @@ def to_deepseek_v3(native, windows: torch.Tensor, stride: int, source_config=Non
     model = AutoModelForCausalLM.from_config(config, dtype=next(native.parameters()).dtype)
     state = {k: v.cpu() for k, v in native.state_dict().items()}  # the export is built on the CPU
     stats = [LatentStats(shape.d_c, latent_norm) for _ in range(src.num_hidden_layers)]
-    handles = [layer.self_attn.kv_a_proj_with_mqa.register_forward_hook(lambda m, a, out, s=s: s.add(out))
-               for layer, s in zip(native.model.layers, stats)]  # fmt: skip
+    handles = [
+        layer.self_attn.kv_a_proj_with_mqa.register_forward_hook(lambda m, a, out, s=s: s.add(out))
+        for layer, s in zip(native.model.layers, stats)
+    ]
     try:
         with torch.no_grad():
             for window in windows:  # one window at a time
@@ -189,12 +233,27 @@ def to_deepseek_v3(native, windows: torch.Tensor, stride: int, source_config=Non
     model.eval()
     check = windows[: min(4, len(windows))]
     kl = evaluate(model, check, reference=native, progress=False).kl_to_reference
-    q_lora_kl = evaluate(model, check, reference=_with_q_proj(model, state, q_proj_state),
-                         progress=False).kl_to_reference if shape.q_lora else None  # fmt: skip
-    report = export_report(shape, src, engine, stride, rope, scales, deviations, kl, len(check), q_lora_kl,
-                           sum(p.numel() for p in native.parameters()))  # fmt: skip
-    logger.info("deepseek_v3 export (%s, latent norm %s): KL to the native conversion %.3g per token",
-                engine, latent_norm, kl)  # fmt: skip
+    q_lora_kl = (
+        evaluate(model, check, reference=_with_q_proj(model, state, q_proj_state), progress=False).kl_to_reference
+        if shape.q_lora
+        else None
+    )
+    report = export_report(
+        shape,
+        src,
+        engine,
+        stride,
+        rope,
+        scales,
+        deviations,
+        kl,
+        len(check),
+        q_lora_kl,
+        sum(p.numel() for p in native.parameters()),
+    )
+    logger.info(
+        "deepseek_v3 export (%s, latent norm %s): KL to the native conversion %.3g per token", engine, latent_norm, kl
+    )
     return model, report
 
 
@@ -205,8 +264,19 @@ def check_export(engine: str, latent_norm: str) -> None:
         raise ValueError(f"latent_norm={latent_norm!r} is not one of {LATENT_NORMS}")
 
 
-def export_report(shape, src, engine: str, stride: int, rope: dict, scales: list, deviations: list, kl: float,
-                  kl_windows: int, q_lora_kl: float | None, native_parameters: int) -> dict:  # fmt: skip
+def export_report(
+    shape,
+    src,
+    engine: str,
+    stride: int,
+    rope: dict,
+    scales: list,
+    deviations: list,
+    kl: float,
+    kl_windows: int,
+    q_lora_kl: float | None,
+    native_parameters: int,
+) -> dict:
     """The report's "deepseek_v3" section."""
     latent_norm = shape.latent_norm
     rope_report = {k: v for k, v in rope.items() if k != "theta"}
@@ -215,12 +285,15 @@ def export_report(shape, src, engine: str, stride: int, rope: dict, scales: list
         "exact": latent_norm == "linear" and rope_report["exact"],
         "latent_norm": {
             "mode": latent_norm,
-            "why": ("the latent scaled so that kv_a_layernorm is linear (fp32 / bf16 only: the scaled latent is "
-                    "subnormal in fp16; GGUF: --outtype f32 or bf16)" if latent_norm == "linear" else
-                    "fp16: what follows kv_a_layernorm fitted by least squares (approximate)"),
+            "why": (
+                "the latent scaled so that kv_a_layernorm is linear (fp32 / bf16 only: the scaled latent is "
+                "subnormal in fp16; GGUF: --outtype f32 or bf16)"
+                if latent_norm == "linear"
+                else "fp16: what follows kv_a_layernorm fitted by least squares (approximate)"
+            ),
             "scale_per_layer": scales,
             "max_relative_deviation_calibration": max(deviations) if latent_norm == "linear" else None,
-        },  # fmt: skip
+        },
         "eps": {"source": src.rms_norm_eps, "export": EXPORT_EPS, "residual_scale": shape.k},
         "kl_to_native_per_token": kl,
         "kl_windows": kl_windows,

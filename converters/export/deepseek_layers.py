@@ -60,9 +60,21 @@ def export_shape(src, engine: str, rope_dim: int | None, latent_norm: str) -> Ex
     # or renormalizing at Q_SCALE ("fit": fp16)
     q_in = Q_SCALE if latent_norm == "fit" else 2.0 ** math.floor(0.5 * math.log2(LINEAR_MARGIN * EXPORT_EPS))
     q_gain = 1.0 if latent_norm == "fit" else math.sqrt(EXPORT_EPS) / q_in
-    return ExportShape(d_r, d_c, d_h, d_out, src.hidden_size, q_index, kv_index,
-                       math.sqrt((d_h + d_out) / (d_h + d_r)), math.sqrt(EXPORT_EPS / src.rms_norm_eps), q_in, q_gain,
-                       engine == "llama.cpp", latent_norm)  # fmt: skip
+    return ExportShape(
+        d_r,
+        d_c,
+        d_h,
+        d_out,
+        src.hidden_size,
+        q_index,
+        kv_index,
+        math.sqrt((d_h + d_out) / (d_h + d_r)),
+        math.sqrt(EXPORT_EPS / src.rms_norm_eps),
+        q_in,
+        q_gain,
+        engine == "llama.cpp",
+        latent_norm,
+    )
 
 
 def export_config(src, source_config, shape: ExportShape, stride: int):
@@ -72,20 +84,39 @@ def export_config(src, source_config, shape: ExportShape, stride: int):
     n, n_out = shape.d_r // 2, shape.d_out // 2
     theta, rope_report = stock_rope_theta(source_config, [j * stride for j in range(n)], n_out)
     config = DeepseekV3Config(
-        vocab_size=src.vocab_size, hidden_size=src.hidden_size, intermediate_size=src.intermediate_size,
-        moe_intermediate_size=src.intermediate_size, num_hidden_layers=src.num_hidden_layers,
-        num_attention_heads=src.num_attention_heads, num_key_value_heads=src.num_attention_heads,
-        n_shared_experts=1, n_routed_experts=1, num_experts_per_tok=1, n_group=None, topk_group=None,
-        first_k_dense_replace=src.num_hidden_layers, routed_scaling_factor=1.0,
-        kv_lora_rank=shape.d_c, q_lora_rank=src.hidden_size if shape.q_lora else None,
-        qk_rope_head_dim=shape.d_out, qk_nope_head_dim=shape.d_h, v_head_dim=shape.d_h,
-        hidden_act=src.hidden_act, max_position_embeddings=src.max_position_embeddings,
-        initializer_range=src.initializer_range, rms_norm_eps=EXPORT_EPS,
-        pad_token_id=src.pad_token_id, bos_token_id=src.bos_token_id, eos_token_id=src.eos_token_id,
+        vocab_size=src.vocab_size,
+        hidden_size=src.hidden_size,
+        intermediate_size=src.intermediate_size,
+        moe_intermediate_size=src.intermediate_size,
+        num_hidden_layers=src.num_hidden_layers,
+        num_attention_heads=src.num_attention_heads,
+        num_key_value_heads=src.num_attention_heads,
+        n_shared_experts=1,
+        n_routed_experts=1,
+        num_experts_per_tok=1,
+        n_group=None,
+        topk_group=None,
+        first_k_dense_replace=src.num_hidden_layers,
+        routed_scaling_factor=1.0,
+        kv_lora_rank=shape.d_c,
+        q_lora_rank=src.hidden_size if shape.q_lora else None,
+        qk_rope_head_dim=shape.d_out,
+        qk_nope_head_dim=shape.d_h,
+        v_head_dim=shape.d_h,
+        hidden_act=src.hidden_act,
+        max_position_embeddings=src.max_position_embeddings,
+        initializer_range=src.initializer_range,
+        rms_norm_eps=EXPORT_EPS,
+        pad_token_id=src.pad_token_id,
+        bos_token_id=src.bos_token_id,
+        eos_token_id=src.eos_token_id,
         tie_word_embeddings=False,  # an lm_head of its own: engines differ on tied DeepSeek heads
-        rope_interleave=True, attention_bias=False, num_mtp_layers=0,
-        rope_parameters={"rope_type": "default", "rope_theta": theta}, architectures=["DeepseekV3ForCausalLM"],
-    )  # fmt: skip
+        rope_interleave=True,
+        attention_bias=False,
+        num_mtp_layers=0,
+        rope_parameters={"rope_type": "default", "rope_theta": theta},
+        architectures=["DeepseekV3ForCausalLM"],
+    )
     return config, {"theta": theta, **rope_report}
 
 
@@ -116,7 +147,11 @@ class LatentStats:
             return s, None, 1 - (1 + s * s * self.ms_max / EXPORT_EPS) ** -0.5
         ridge = 1e-9 * torch.trace(self.gram) / self.d_c * torch.eye(self.d_c, dtype=torch.float64)
         rms = max(self.total / self.count, 1e-30) ** 0.5
-        return float(2.0 ** round(math.log2(LATENT_RMS / rms))), torch.linalg.solve(self.gram + ridge, self.cross.t()).t(), None
+        return (
+            float(2.0 ** round(math.log2(LATENT_RMS / rms))),
+            torch.linalg.solve(self.gram + ridge, self.cross.t()).t(),
+            None,
+        )
 
 
 def export_layer(state: dict, layer: int, shape: ExportShape, scale: float, latent_map) -> dict:
@@ -140,8 +175,11 @@ def export_layer(state: dict, layer: int, shape: ExportShape, scale: float, late
         state[attn + "q_proj.weight"] = w_q
         state[attn + "kv_a_proj_with_mqa.weight"] = kv_a.to(dtype)
         return {}
-    q_proj_state = {attn + "q_proj.weight": w_q, attn + "kv_a_proj_with_mqa.weight": kv_a.to(dtype),
-                    prefix + "input_layernorm.weight": g.to(dtype)}  # fmt: skip
+    q_proj_state = {
+        attn + "q_proj.weight": w_q,
+        attn + "kv_a_proj_with_mqa.weight": kv_a.to(dtype),
+        prefix + "input_layernorm.weight": g.to(dtype),
+    }
     state[attn + "kv_a_proj_with_mqa.weight"] = (kv_a * g).to(dtype)  # input_layernorm's weight moved in
     state[prefix + "input_layernorm.weight"] = torch.ones_like(state[prefix + "input_layernorm.weight"])
     state[attn + "q_a_proj.weight"] = (shape.q_in * torch.eye(shape.hidden)).to(dtype)

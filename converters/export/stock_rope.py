@@ -50,6 +50,11 @@ def stock_rope_theta(config, frequencies: list[int], n_out: int) -> tuple[float,
         fitted = math.exp(float((x @ y) / (x @ x))) if len(x) else exact_theta
     got = fitted ** (-2 * j / (2 * n_out))
     err = float(((got - inv[kept]).abs() / inv[kept]).max())
-    return fitted, {"rope_type": rope_type, "exact": bool(unchanged), "max_relative_frequency_error": err,
-                    "why": "every kept frequency lies in the band the scaling leaves unchanged" if unchanged else
-                    "kept frequencies in the scaled band: theta' fitted to their log inverse frequencies"}  # fmt: skip
+    return fitted, {
+        "rope_type": rope_type,
+        "exact": bool(unchanged),
+        "max_relative_frequency_error": err,
+        "why": "every kept frequency lies in the band the scaling leaves unchanged"
+        if unchanged
+        else "kept frequencies in the scaled band: theta' fitted to their log inverse frequencies",
+    }

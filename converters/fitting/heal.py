@@ -76,12 +76,27 @@ class HealResult:
 
 
 @fast_linear.disabled()  # the teacher's and held-in passes run F.linear, as in convert() (models/fast_linear.py)
-def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str = 1e-4, batch_size: int = 1,
-         train: str = "attention", lm_weight: float = 0.0, gradient_checkpointing: bool = False,
-         checkpoint_dir: str | Path | None = None, checkpoint_every: int = 0, resume: bool = False,
-         held_in: torch.Tensor | None = None, eval_every: int | None = None, probe: int | None = None,
-         weights: torch.Tensor | None = None, held_in_weights: torch.Tensor | None = None,
-         progress: bool = True) -> HealResult:  # fmt: skip
+def heal(
+    student,
+    teacher,
+    windows: torch.Tensor,
+    *,
+    steps: int,
+    lr: float | str = 1e-4,
+    batch_size: int = 1,
+    train: str = "attention",
+    lm_weight: float = 0.0,
+    gradient_checkpointing: bool = False,
+    checkpoint_dir: str | Path | None = None,
+    checkpoint_every: int = 0,
+    resume: bool = False,
+    held_in: torch.Tensor | None = None,
+    eval_every: int | None = None,
+    probe: int | None = None,
+    weights: torch.Tensor | None = None,
+    held_in_weights: torch.Tensor | None = None,
+    progress: bool = True,
+) -> HealResult:
     """Train `student` in place for `steps` optimizer steps on token windows [n, L]; `teacher` stays frozen.
 
     train="attention" updates only the converted attention layers; "all" updates every weight.
@@ -117,8 +132,9 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
     sharded_launch = launch_mode(accelerator) == "fsdp"
     if resume and sharded_launch != (ckpt / FSDP_DIR).exists() and (ckpt / "step.txt").exists():
         kind = "a data-parallel" if sharded_launch else "a sharded (FSDP)"
-        raise ValueError(f"checkpoint_dir={str(ckpt)!r} holds {kind} healing state: resume it with the launch that "
-                         "wrote it")  # fmt: skip
+        raise ValueError(
+            f"checkpoint_dir={str(ckpt)!r} holds {kind} healing state: resume it with the launch that wrote it"
+        )
     params = _trainable(student, train)
     if not params:
         raise ValueError("the student has no attention layers to train (train='attention')")
@@ -180,12 +196,29 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
         result.held_in.append((0, start_kl))
         best_kl, best_state = start_kl, masters.copy()
     elif saved is not None:  # resumed: the best state and the rate of the first run
-        best_kl, result.best_step, result.held_in = saved["best_kl"], saved["best_step"], [tuple(x) for x in saved["held_in"]]
+        best_kl, result.best_step, result.held_in = (
+            saved["best_kl"],
+            saved["best_step"],
+            [tuple(x) for x in saved["held_in"]],
+        )
         result.range_test = {float(k): v for k, v in saved["range_test"].items()}
         lr = saved["lr"] if lr == "auto" else lr
     if lr == "auto":
-        lr = _range_test(student, teacher, optimizer, masters, windows, weights, batch_size, lm_weight, accelerator,
-                         probe or max(1, min(10, steps // 10)), result, best_state, measure)  # fmt: skip
+        lr = _range_test(
+            student,
+            teacher,
+            optimizer,
+            masters,
+            windows,
+            weights,
+            batch_size,
+            lm_weight,
+            accelerator,
+            probe or max(1, min(10, steps // 10)),
+            result,
+            best_state,
+            measure,
+        )
         schedule.base_lrs = [lr for _ in schedule.base_lrs]
         for group in optimizer.param_groups:
             group["initial_lr"], group["lr"] = lr, lr * schedule.lr_lambdas[0](schedule.last_epoch)
@@ -196,8 +229,16 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
     for step in bar:  # each process takes its own batch_size windows of every step: data parallel
         first = (step * accelerator.num_processes + accelerator.process_index) * batch_size
         rows = torch.arange(first, first + batch_size) % len(windows)
-        loss = _step(student, teacher, optimizer, masters, windows[rows].to(accelerator.device),
-                     _rows(weights, rows, accelerator.device), lm_weight, accelerator)  # fmt: skip
+        loss = _step(
+            student,
+            teacher,
+            optimizer,
+            masters,
+            windows[rows].to(accelerator.device),
+            _rows(weights, rows, accelerator.device),
+            lm_weight,
+            accelerator,
+        )
         schedule.step()
         result.losses.append(loss.item())
         result.tokens += len(rows) * windows.shape[1] * accelerator.num_processes
@@ -210,8 +251,17 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
             if best_state is not None and kl < best_kl:
                 best_kl, best_state, result.best_step = kl, masters.copy(), result.steps
         if ckpt is not None and checkpoint_every and result.steps % checkpoint_every == 0:
-            meta = None if best_state is None else {"best_kl": best_kl, "best_step": result.best_step, "lr": lr,
-                                                    "held_in": result.held_in, "range_test": result.range_test}
+            meta = (
+                None
+                if best_state is None
+                else {
+                    "best_kl": best_kl,
+                    "best_step": result.best_step,
+                    "lr": lr,
+                    "held_in": result.held_in,
+                    "range_test": result.range_test,
+                }
+            )
             if sharded is not None:  # step.txt too
                 sharded.save(ckpt, optimizer, result.steps, schedule, best_state, meta)
                 continue
@@ -226,12 +276,17 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
     student.eval()
     if best_state is not None and result.best_step != result.steps:
         masters.restore(best_state)
-        logger.info("healing: restored step %d (held-in KL %.4f; last %.4f)", result.best_step, best_kl,
-                    result.held_in[-1][1])  # fmt: skip
+        logger.info(
+            "healing: restored step %d (held-in KL %.4f; last %.4f)", result.best_step, best_kl, result.held_in[-1][1]
+        )
     if result.improved is False:
-        logger.warning("healing did not lower the held-in KL (start %.4f, then %s): the start is returned; lower the "
-                       "learning rate (lr %g)", result.held_in[0][1],
-                       ", ".join(f"{kl:.4f}" for _, kl in result.held_in[1:]), lr)  # fmt: skip
+        logger.warning(
+            "healing did not lower the held-in KL (start %.4f, then %s): the start is returned; lower the "
+            "learning rate (lr %g)",
+            result.held_in[0][1],
+            ", ".join(f"{kl:.4f}" for _, kl in result.held_in[1:]),
+            lr,
+        )
     if sharded is not None:
         sharded.copy_into(model)
     if unbalanced is not None and result.best_step == 0 and best_state is not None:  # the start, bit for bit
@@ -244,8 +299,13 @@ def heal(student, teacher, windows: torch.Tensor, *, steps: int, lr: float | str
     for p in model.parameters():
         p.requires_grad_(True)
     result.seconds = time.perf_counter() - started
-    logger.info("healed %d steps, %d tokens, %.1f s, last loss %.4f", result.steps, result.tokens, result.seconds,
-                result.losses[-1] if result.losses else float("nan"))  # fmt: skip
+    logger.info(
+        "healed %d steps, %d tokens, %.1f s, last loss %.4f",
+        result.steps,
+        result.tokens,
+        result.seconds,
+        result.losses[-1] if result.losses else float("nan"),
+    )
     return result
 
 
@@ -299,8 +359,21 @@ def logits_at(model, ids: torch.Tensor, positions: torch.Tensor | None) -> torch
     return model(ids).logits[:, positions.to(ids.device)]
 
 
-def _range_test(student, teacher, optimizer, masters, windows, weights, batch_size, lm_weight, accelerator, probe,
-                result: HealResult, start_state, measure) -> float:  # fmt: skip
+def _range_test(
+    student,
+    teacher,
+    optimizer,
+    masters,
+    windows,
+    weights,
+    batch_size,
+    lm_weight,
+    accelerator,
+    probe,
+    result: HealResult,
+    start_state,
+    measure,
+) -> float:
     """The rate of AUTO_LRS whose `probe` constant-rate steps from the start reach the lowest held-in KL; the
     weights and optimizer state go back to the start after every probe."""
     state = masters.copy() if start_state is None else start_state
@@ -310,8 +383,16 @@ def _range_test(student, teacher, optimizer, masters, windows, weights, batch_si
             group["lr"] = rate
         for step in range(probe):
             rows = torch.arange(step * batch_size, (step + 1) * batch_size) % len(windows)
-            _step(student, teacher, optimizer, masters, windows[rows].to(accelerator.device),
-                  _rows(weights, rows, accelerator.device), lm_weight, accelerator)  # fmt: skip
+            _step(
+                student,
+                teacher,
+                optimizer,
+                masters,
+                windows[rows].to(accelerator.device),
+                _rows(weights, rows, accelerator.device),
+                lm_weight,
+                accelerator,
+            )
         result.range_test[rate] = measure()
         masters.restore(state)
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -376,8 +457,15 @@ def plot_curve(losses: list[float], held_in: list[tuple[int, float]], best_step:
         ax.plot(*zip(*held_in), marker="o", color="tab:red", label="held-in KL")
         best = dict(held_in).get(best_step)
         if best is not None:
-            ax.plot([best_step], [best], marker="*", markersize=14, color="black", linestyle="",
-                    label=f"returned (step {best_step})")  # fmt: skip
+            ax.plot(
+                [best_step],
+                [best],
+                marker="*",
+                markersize=14,
+                color="black",
+                linestyle="",
+                label=f"returned (step {best_step})",
+            )
     ax.set(xlabel="step", ylabel="KL(source || converted) per token", title=f"healing, lr {lr:g}")
     ax.set_yscale("log")
     ax.grid(True, which="both", alpha=0.3)
@@ -393,6 +481,14 @@ def _trainable(model, train: str) -> list[torch.nn.Parameter]:
     if train == "all":
         return list(model.parameters())
     stock_name = architecture_of(model.config).attention_class
-    return [p for m in model.modules()
-            for p in (variant_of(m.variant).trainable(m) if isinstance(m, VariantAttention)
-                      else m.parameters() if type(m).__name__ == stock_name else ())]
+    return [
+        p
+        for m in model.modules()
+        for p in (
+            variant_of(m.variant).trainable(m)
+            if isinstance(m, VariantAttention)
+            else m.parameters()
+            if type(m).__name__ == stock_name
+            else ()
+        )
+    ]

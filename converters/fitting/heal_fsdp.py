@@ -40,21 +40,25 @@ LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def launch_mode(accelerator=None) -> str:
-    """"fsdp" (sharded) or "data_parallel" (DDP, or one process), from accelerate's launch environment (and the
+    """ "fsdp" (sharded) or "data_parallel" (DDP, or one process), from accelerate's launch environment (and the
     accelerator's state when given); raises for launches healing does not support."""
     env = lambda name, default="false": os.environ.get(name, default).lower()  # noqa: E731
     kind = getattr(getattr(accelerator, "distributed_type", None), "name", None)
     if env("ACCELERATE_USE_DEEPSPEED") == "true" or kind == "DEEPSPEED":
-        raise ValueError("healing under DeepSpeed (accelerate config distributed_type: DEEPSPEED, e.g. ZeRO-3) is not "
-                         "supported: launch with an FSDP config (distributed_type: FSDP, fsdp_version: 2) to shard, or "
-                         "data parallel (accelerate launch --multi_gpu, or torchrun)")  # fmt: skip
+        raise ValueError(
+            "healing under DeepSpeed (accelerate config distributed_type: DEEPSPEED, e.g. ZeRO-3) is not "
+            "supported: launch with an FSDP config (distributed_type: FSDP, fsdp_version: 2) to shard, or "
+            "data parallel (accelerate launch --multi_gpu, or torchrun)"
+        )
     if env("ACCELERATE_USE_FSDP") != "true" and kind != "FSDP":
         return "data_parallel"
     plugin = getattr(getattr(accelerator, "state", None), "fsdp_plugin", None)
     version = str(plugin.fsdp_version if plugin is not None else env("FSDP_VERSION", "1"))
     if version != "2":
-        raise ValueError(f"fsdp_version={version} in the accelerate config: healing shards with FSDP2 only; set "
-                         "fsdp_version: 2 (accelerate's default is 1)")  # fmt: skip
+        raise ValueError(
+            f"fsdp_version={version} in the accelerate config: healing shards with FSDP2 only; set "
+            "fsdp_version: 2 (accelerate's default is 1)"
+        )
     return "fsdp"
 
 
@@ -79,8 +83,12 @@ class Sharded:
         self.teacher = self._shard(_aliasing_copy(teacher), None)
         self.names = [n for n, p in self.student.named_parameters() if p.requires_grad]
         self.params = [self.student.get_parameter(n) for n in self.names]
-        logger.info("healing sharded over %d processes (FSDP2): %d trainable tensors%s", accelerator.num_processes,
-                    len(self.params), f", fp32 masters of {low}" if low else "")  # fmt: skip
+        logger.info(
+            "healing sharded over %d processes (FSDP2): %d trainable tensors%s",
+            accelerator.num_processes,
+            len(self.params),
+            f", fp32 masters of {low}" if low else "",
+        )
 
     def _shard(self, model, low: torch.dtype | None):
         """fully_shard every unit the config's wrap policy picks (default: the decoder layers), then the root."""
@@ -92,15 +100,20 @@ class Sharded:
 
             self.plugin.auto_wrap_policy = transformer_auto_wrap_policy  # not set: one unit per decoder layer
         policy = fsdp2_prepare_auto_wrap_policy(self.plugin, model)
-        kwargs = {"mesh": self.mesh, "reshard_after_forward": self.plugin.reshard_after_forward,
-                  "offload_policy": self.plugin.cpu_offload if self.mesh.device_type != "cpu" else OffloadPolicy(),
-                  "mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None)}
+        kwargs = {
+            "mesh": self.mesh,
+            "reshard_after_forward": self.plugin.reshard_after_forward,
+            "offload_policy": self.plugin.cpu_offload if self.mesh.device_type != "cpu" else OffloadPolicy(),
+            "mp_policy": MixedPrecisionPolicy(param_dtype=low, reduce_dtype=torch.float32 if low else None),
+        }
         units = [m for m in get_module_children_bottom_up(model)[:-1] if policy is not None and policy(m)]
         for module in units:
             fully_shard(module, **kwargs)
         if not units:
-            logger.warning("FSDP wrap policy picked no layer of %s: one unit, gathered whole for every forward",
-                           type(model).__name__)  # fmt: skip
+            logger.warning(
+                "FSDP wrap policy picked no layer of %s: one unit, gathered whole for every forward",
+                type(model).__name__,
+            )
         return fully_shard(model, **kwargs)
 
     def gathered(self):
@@ -109,8 +122,9 @@ class Sharded:
 
         device = self.accelerator.device
         for name, p in zip(self.names, self.params):  # offloaded shards are on the CPU: gathered on the device
-            local = DTensor.from_local(p.to_local().to(device), p.device_mesh, p.placements, shape=p.shape,
-                                       stride=p.stride())  # fmt: skip
+            local = DTensor.from_local(
+                p.to_local().to(device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride()
+            )
             yield name, local.full_tensor()
 
     @torch.no_grad()
@@ -139,8 +153,9 @@ class Sharded:
             state["best"] = {f"p{i}": t for i, t in enumerate(best)}
         dcp.save(state, checkpoint_id=str(folder))
         if accelerator.is_main_process:
-            (folder / STATE_FILE).write_text(json.dumps({"step": step, "schedule": schedule.state_dict(),
-                                                         "best": meta}))  # fmt: skip
+            (folder / STATE_FILE).write_text(
+                json.dumps({"step": step, "schedule": schedule.state_dict(), "best": meta})
+            )
             (ckpt / "step.txt.partial").write_text(str(step))
             (ckpt / "step.txt.partial").replace(ckpt / "step.txt")  # the switch to the new state: one rename
             for old in (ckpt / FSDP_DIR).glob("step_*"):

@@ -67,9 +67,20 @@ class _Stop(Exception):
     """Raised by a capture hook: the rest of the forward is not needed."""
 
 
-def sequential(source: nn.Module, new: nn.Module, windows: torch.Tensor, *, relift: Relift | None = None,
-               steps: int = 0, lr: float = 1e-2, batch_size: int = 4, held_in: float = 0.25, target: str = "source",
-               attention_kl: float = 0.0, progress: bool = True) -> list[LayerFit]:  # fmt: skip
+def sequential(
+    source: nn.Module,
+    new: nn.Module,
+    windows: torch.Tensor,
+    *,
+    relift: Relift | None = None,
+    steps: int = 0,
+    lr: float = 1e-2,
+    batch_size: int = 4,
+    held_in: float = 0.25,
+    target: str = "source",
+    attention_kl: float = 0.0,
+    progress: bool = True,
+) -> list[LayerFit]:
     """Propagate (relift != None) and / or reconstruct (steps > 0) every converted attention layer of `new` in place.
 
     windows: calibration tokens [n, T], n >= 2 (the last max(1, round(n * held_in)) are held in);
@@ -85,19 +96,49 @@ def sequential(source: nn.Module, new: nn.Module, windows: torch.Tensor, *, reli
     fits, shape = [], AttentionShape.of(source.config)
     for name in tqdm(names, desc="reconstruct" if steps else "propagate", disable=not progress):
         block_new, block_src = new.get_submodule(_parent(name)), source.get_submodule(_parent(name))
-        fits.append(fit_layer(name, block_src, block_new, h_src, h_new, src_layer_kw, layer_kw, shape,
-                              relift=relift, steps=steps, lr=lr, batch_size=batch_size, held_in=held_in,
-                              target=target, attention_kl=attention_kl))  # fmt: skip
+        fits.append(
+            fit_layer(
+                name,
+                block_src,
+                block_new,
+                h_src,
+                h_new,
+                src_layer_kw,
+                layer_kw,
+                shape,
+                relift=relift,
+                steps=steps,
+                lr=lr,
+                batch_size=batch_size,
+                held_in=held_in,
+                target=target,
+                attention_kl=attention_kl,
+            )
+        )
         h_new = _run_block(block_new, h_new, layer_kw, batch_size)
         if target != "local":
             h_src = _run_block(block_src, h_src, src_layer_kw, batch_size)
     return fits
 
 
-def fit_layer(name: str, block_src: nn.Module, block_new: nn.Module, h_src: torch.Tensor, h_new: torch.Tensor,
-              src_kw: dict, new_kw: dict, shape: AttentionShape, *, relift: Relift | None = None, steps: int = 0, lr: float = 1e-2,
-              batch_size: int = 4, held_in: float = 0.25, target: str = "source",
-              attention_kl: float = 0.0) -> LayerFit:  # fmt: skip
+def fit_layer(
+    name: str,
+    block_src: nn.Module,
+    block_new: nn.Module,
+    h_src: torch.Tensor,
+    h_new: torch.Tensor,
+    src_kw: dict,
+    new_kw: dict,
+    shape: AttentionShape,
+    *,
+    relift: Relift | None = None,
+    steps: int = 0,
+    lr: float = 1e-2,
+    batch_size: int = 4,
+    held_in: float = 0.25,
+    target: str = "source",
+    attention_kl: float = 0.0,
+) -> LayerFit:
     """Propagate and / or reconstruct the attention of one converted decoder layer `block_new` in place.
 
     name: the attention module's full name (model.layers.i.self_attn), its last part its name in the layer;
@@ -144,13 +185,40 @@ def fit_layer(name: str, block_src: nn.Module, block_new: nn.Module, h_src: torc
             attn_new.load_state_dict(saved)
     (error, kl), best_step = propagated if kept else closed, 0
     if steps:
-        (error, kl), best_step = _fit(fit_module, attn_new, fit_x, y, fit_kw, train_idx, steps, lr, batch_size,
-                                      held_in, objective, (error, kl), pattern)  # fmt: skip
-    logger.info("%s: held-in error %.4g (closed form) -> %.4g%s%s", name, closed[0], error,
-                f" (propagated {propagated[0]:.4g}, {'kept' if kept else 'not kept'})" if propagated else "",
-                f", attention KL {closed[1]:.4g} -> {kl:.4g}" if pattern else "")  # fmt: skip
-    return LayerFit(name, closed[0], propagated[0] if propagated else None, kept, error, best_step,
-                    time.perf_counter() - started, time.process_time() - cpu_started, attention_kl=kl)  # fmt: skip
+        (error, kl), best_step = _fit(
+            fit_module,
+            attn_new,
+            fit_x,
+            y,
+            fit_kw,
+            train_idx,
+            steps,
+            lr,
+            batch_size,
+            held_in,
+            objective,
+            (error, kl),
+            pattern,
+        )
+    logger.info(
+        "%s: held-in error %.4g (closed form) -> %.4g%s%s",
+        name,
+        closed[0],
+        error,
+        f" (propagated {propagated[0]:.4g}, {'kept' if kept else 'not kept'})" if propagated else "",
+        f", attention KL {closed[1]:.4g} -> {kl:.4g}" if pattern else "",
+    )
+    return LayerFit(
+        name,
+        closed[0],
+        propagated[0] if propagated else None,
+        kept,
+        error,
+        best_step,
+        time.perf_counter() - started,
+        time.process_time() - cpu_started,
+        attention_kl=kl,
+    )
 
 
 def _check(steps, lr, held_in, target, n, attention_kl=0.0) -> None:
@@ -173,12 +241,14 @@ def _check(steps, lr, held_in, target, n, attention_kl=0.0) -> None:
 def summary(fits: list[LayerFit]) -> dict:
     """For the conversion report: per-layer errors, and the mean error before / after."""
     mean = lambda xs: float(sum(xs) / len(xs))  # noqa: E731
-    return {"layers": [asdict(f) for f in fits],
-            "mean_closed_form_error": mean([f.closed_form_error for f in fits]),
-            "mean_error": mean([f.error for f in fits]),
-            "propagated_kept": sum(f.propagated_kept for f in fits),
-            "seconds": round(sum(f.seconds for f in fits), 2),
-            "cpu_seconds": round(sum(f.cpu_seconds for f in fits), 2)}  # fmt: skip
+    return {
+        "layers": [asdict(f) for f in fits],
+        "mean_closed_form_error": mean([f.closed_form_error for f in fits]),
+        "mean_error": mean([f.error for f in fits]),
+        "propagated_kept": sum(f.propagated_kept for f in fits),
+        "seconds": round(sum(f.seconds for f in fits), 2),
+        "cpu_seconds": round(sum(f.cpu_seconds for f in fits), 2),
+    }
 
 
 @dataclass
@@ -265,7 +335,8 @@ def _fit(module, attn, x, y, kw, train_idx, steps, lr, batch_size, held_in, obje
     opt = torch.optim.Adam(groups)
     warmup = max(1, steps // 10)  # Adam's first steps at full size throw a close start away
     schedule = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps)))
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * s / steps))
+    )
     energy = float(y[train_idx].float().pow(2).mean())
     best, best_step, best_state = start, 0, _clone_state(attn)
     check_every = max(1, steps // 10)

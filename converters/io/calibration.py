@@ -91,7 +91,9 @@ def _dataset_text(source: str, split: str, column: str) -> str:
     try:
         import datasets
     except ImportError as err:
-        raise ValueError(f"calib_data={source!r} needs the `datasets` package: pip install 'hf-attn-patch[convert]'") from err
+        raise ValueError(
+            f"calib_data={source!r} needs the `datasets` package: pip install 'hf-attn-patch[convert]'"
+        ) from err
     try:
         if Path(source).is_dir():
             loaded = datasets.load_from_disk(source)
@@ -101,7 +103,9 @@ def _dataset_text(source: str, split: str, column: str) -> str:
             name, _, config = source.partition(":")
             loaded = datasets.load_dataset(name, config or None, split=split)
     except Exception as err:  # datasets raises many types (FileNotFoundError, ConnectionError, DatasetNotFoundError)
-        raise ValueError(f"calib_data={source!r}: could not load it as a dataset ({type(err).__name__}: {err})") from err
+        raise ValueError(
+            f"calib_data={source!r}: could not load it as a dataset ({type(err).__name__}: {err})"
+        ) from err
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
             raise ValueError(f"calib_split={split!r} is not a split of {source!r}: {sorted(loaded)}")
@@ -141,13 +145,21 @@ CALIB_SOURCES = ("text", "teacher")
 def teacher_windows(teacher, text_windows: torch.Tensor, seed: int = 0, progress: bool = True) -> torch.Tensor:
     """[n, T] samples of `teacher`, one per calibration text window [n, T]: its first TEACHER_PROMPT tokens
     continued by sample_from_teacher (temperature 1, top-p TEACHER_TOP_P)."""
-    return sample_from_teacher(teacher, text_windows[:, :TEACHER_PROMPT], text_windows.shape[1], seed=seed,
-                               progress=progress)  # fmt: skip
+    return sample_from_teacher(
+        teacher, text_windows[:, :TEACHER_PROMPT], text_windows.shape[1], seed=seed, progress=progress
+    )
 
 
 @torch.no_grad()
-def sample_from_teacher(teacher, prompts: torch.Tensor, length: int, seed: int = 0, top_p: float = TEACHER_TOP_P,
-                        batch_size: int = 32, progress: bool = True) -> torch.Tensor:  # fmt: skip
+def sample_from_teacher(
+    teacher,
+    prompts: torch.Tensor,
+    length: int,
+    seed: int = 0,
+    top_p: float = TEACHER_TOP_P,
+    batch_size: int = 32,
+    progress: bool = True,
+) -> torch.Tensor:
     """[n, length] windows: each prompt [n, p] (p < length) continued by `teacher` sampling at temperature 1 from the
     smallest set of tokens holding `top_p` of the probability (EOS suppressed, so every window is full),
     reproducible from `seed` (and batch_size: the rows of a batch draw from one generator in turn).
@@ -214,8 +226,12 @@ class StatsAccumulator:
     def stats(self) -> LayerStats:
         """The sums so far, on the CPU (accumulated where the model runs; the closed forms run on the CPU)."""
         empty = torch.zeros(0, 0, dtype=torch.float64)
-        return LayerStats(input_cov=self.cov.cpu(), q_pair_norm=(self.q / self.n).cpu() if self.half else empty,
-                          k_pair_norm=(self.k / self.n).cpu() if self.half else empty, tokens=self.n)  # fmt: skip
+        return LayerStats(
+            input_cov=self.cov.cpu(),
+            q_pair_norm=(self.q / self.n).cpu() if self.half else empty,
+            k_pair_norm=(self.k / self.n).cpu() if self.half else empty,
+            tokens=self.n,
+        )
 
 
 def stats_of_inputs(x: torch.Tensor, w, shape: AttentionShape, batch: int = 8) -> LayerStats:
@@ -233,8 +249,9 @@ def track_statistics(runner, layer, attn, w, shape: AttentionShape, i: int, trac
     (layer_stream.Activations) while runner (a layer_stream.LayerRunner) advances it: the layer's output goes into the
     spare buffer; the hook sees each batch of windows as a whole model's forward would."""
     acc = StatsAccumulator(w, shape)
-    hook = attn.register_forward_pre_hook(lambda m, a, kw: acc.add(a[0] if a else kw["hidden_states"]),
-                                          with_kwargs=True)  # fmt: skip
+    hook = attn.register_forward_pre_hook(
+        lambda m, a, kw: acc.add(a[0] if a else kw["hidden_states"]), with_kwargs=True
+    )
     try:
         runner.apply(layer, i, track.current, track.spare)
     finally:

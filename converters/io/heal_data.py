@@ -37,8 +37,33 @@ SEGMENT = (32, 128)  # tokens of a repeated segment, drawn uniformly
 MIN_GAP = 64  # the shortest gap between the copies: nearer ones need no long-range retrieval
 MIN_LENGTH = 2 * SEGMENT[1] + 2 * MIN_GAP  # the shortest window every kind fits in
 FACTS = 4  # fact sentences per facts window
-NAMES = ("Amara", "Bruno", "Chen", "Dalia", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kofi", "Lena", "Mateo",
-         "Nadia", "Oskar", "Priya", "Quinn", "Rosa", "Sven", "Tara", "Umar", "Vera", "Wren", "Yusuf", "Zoe")  # fmt: skip
+NAMES = (
+    "Amara",
+    "Bruno",
+    "Chen",
+    "Dalia",
+    "Emil",
+    "Farah",
+    "Goran",
+    "Hana",
+    "Ivo",
+    "Jun",
+    "Kofi",
+    "Lena",
+    "Mateo",
+    "Nadia",
+    "Oskar",
+    "Priya",
+    "Quinn",
+    "Rosa",
+    "Sven",
+    "Tara",
+    "Umar",
+    "Vera",
+    "Wren",
+    "Yusuf",
+    "Zoe",
+)
 THINGS = ("locker", "ticket", "room", "badge", "account", "order", "seat", "parcel")
 
 
@@ -53,8 +78,9 @@ class WeightedWindows:
         return len(self.ids)
 
 
-def retrieval_windows(stream: torch.Tensor, tokenizer, count: int, length: int, seed: int = 0,
-                      mix: dict[str, float] | None = None) -> WeightedWindows:  # fmt: skip
+def retrieval_windows(
+    stream: torch.Tensor, tokenizer, count: int, length: int, seed: int = 0, mix: dict[str, float] | None = None
+) -> WeightedWindows:
     """`count` windows of `length` tokens drawn from the token stream [T] (module docstring), kinds in the shares of
     `mix` (default MIX), in a seeded random order."""
     mix = MIX if mix is None else mix

@@ -74,8 +74,9 @@ def _load_into(module: nn.Module, tensors: dict[str, torch.Tensor], what: str) -
     own = set(module.state_dict())
     if own != set(tensors):
         missing, unexpected = sorted(own - set(tensors)), sorted(set(tensors) - own)
-        raise ValueError(f"{what}: the checkpoint's keys are not the architecture's; missing {missing}, "
-                         f"unexpected {unexpected}")  # fmt: skip
+        raise ValueError(
+            f"{what}: the checkpoint's keys are not the architecture's; missing {missing}, unexpected {unexpected}"
+        )
     stray = [n for n, b in module.named_buffers() if n not in own]
     if stray:
         raise ValueError(f"{what}: non-persistent buffers {stray} cannot be read from a checkpoint")
@@ -101,8 +102,9 @@ class LayerSource:
     positions: torch.Tensor | None = None  # packed calibration windows' position_ids [T] (io/packing.py), or None
 
     @classmethod
-    def open(cls, source, device="cpu", dtype=torch.float32, attn_implementation: str = "sdpa",
-             resident: bool = True) -> "LayerSource":  # fmt: skip
+    def open(
+        cls, source, device="cpu", dtype=torch.float32, attn_implementation: str = "sdpa", resident: bool = True
+    ) -> "LayerSource":
         """Read the config and (unless resident=False: later, by load_resident()) the resident parts; no decoder
         layer is read until `layer(i)`."""
         from transformers import AutoConfig, AutoModelForCausalLM
@@ -139,8 +141,10 @@ class LayerSource:
             if name.startswith(prefix) or not any(b.is_meta for b in module.buffers(recurse=False)):
                 continue
             if not hasattr(module, "inv_freq"):
-                raise ValueError(f"{name}: buffers {[n for n, _ in module.named_buffers(recurse=False)]} are not "
-                                 f"in the checkpoint and cannot be rebuilt")  # fmt: skip
+                raise ValueError(
+                    f"{name}: buffers {[n for n, _ in module.named_buffers(recurse=False)]} are not "
+                    f"in the checkpoint and cannot be rebuilt"
+                )
             parent, attr = name.rsplit(".", 1)  # inv_freq computed on the CPU, as at the model's construction
             setattr(self.model.get_submodule(parent), attr, type(module)(config=self.config).to(self.device))
         self.model.requires_grad_(False)
@@ -184,7 +188,7 @@ class LayerSource:
             layer = cls(self.config, i)
         prefix = f"{self.layers_name}.{i}."
         tensors = read_tensors(self.layer_keys(i), self.files, self.device, self.dtype)
-        return _load_into(layer, {k[len(prefix):]: v for k, v in tensors.items()}, f"{self.layers_name}.{i}")
+        return _load_into(layer, {k[len(prefix) :]: v for k, v in tensors.items()}, f"{self.layers_name}.{i}")
 
     def layer_calls(self, batch: int, seq_len: int) -> list[tuple[tuple, dict]]:
         """Per decoder layer, the arguments besides the hidden states (args, kwargs) the model's forward passes it
@@ -205,6 +209,7 @@ class LayerSource:
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         """The hidden states [B, T, D] entering decoder layer 0 for input_ids [B, T] (token, and position, embeddings)."""
+
         def first(i, hidden, args, kwargs):
             raise _Entered(hidden)
 

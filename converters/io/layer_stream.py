@@ -43,8 +43,9 @@ def available_cpu_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def choose_placement(nbytes: int, device, device_budget: int | None = None, cpu_budget: int | None = None,
-                     buffers: int = 2) -> str:
+def choose_placement(
+    nbytes: int, device, device_budget: int | None = None, cpu_budget: int | None = None, buffers: int = 2
+) -> str:
     """Where `buffers` activation buffers of `nbytes` each go: 'device' (an accelerator), 'cpu' or 'disk'.
 
     Two buffers per carried track (a layer's input and output; a conversion carries the source's and the converted
@@ -84,8 +85,9 @@ class Activations:
             raise ValueError(f"placement={placement!r} is not one of {PLACEMENTS}")
         if placement != "disk":
             where = torch.device(device) if placement == "device" else torch.device("cpu")
-            return cls(torch.empty(shape, dtype=dtype, device=where), torch.empty(shape, dtype=dtype, device=where),
-                       placement)  # fmt: skip
+            return cls(
+                torch.empty(shape, dtype=dtype, device=where), torch.empty(shape, dtype=dtype, device=where), placement
+            )
         tmpdir = Path(tempfile.mkdtemp(prefix="hf-attn-activations-", dir=tmp_root))
         numel = int(torch.Size(shape).numel())
         nbytes = numel * torch.empty((), dtype=dtype).element_size()
@@ -126,7 +128,6 @@ class Tracks:
     def close(self) -> None:
         for store in self.stores.values():
             store.close()
-
 
 
 class LayerRunner:

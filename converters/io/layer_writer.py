@@ -50,8 +50,11 @@ class ShardFile:
         size = tensor.numel() * tensor.element_size()
         if size:
             self.data.write(tensor.reshape(-1).view(torch.uint8).numpy())
-        self.header[name] = {"dtype": DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                             "data_offsets": [self.nbytes, self.nbytes + size]}  # fmt: skip
+        self.header[name] = {
+            "dtype": DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [self.nbytes, self.nbytes + size],
+        }
         self.nbytes += size
 
     def close(self) -> list[str]:
@@ -105,8 +108,13 @@ class ShardedWriter:
     finish(config=..., files=...): writes the last shard, renames the shards to model-0000k-of-0000n.safetensors (or
     model.safetensors when there is one), writes the index and the config, and renames the staging folder to `out`."""
 
-    def __init__(self, out: str | os.PathLike, max_shard_size: int | str = "5GB", overwrite: bool = False,
-                 prefix: str | None = None):  # fmt: skip
+    def __init__(
+        self,
+        out: str | os.PathLike,
+        max_shard_size: int | str = "5GB",
+        overwrite: bool = False,
+        prefix: str | None = None,
+    ):
         self.out = Path(out)
         self.max_bytes = parse_size(max_shard_size)
         if self.out.exists() and not overwrite:
@@ -193,8 +201,10 @@ class ShardedWriter:
             os.replace(self._part(k), self.staging / name)
         if n > 1:
             weight_map = {t: names[k] for k, shard in enumerate(self.shards) for t in shard}
-            index = {"metadata": {"total_parameters": self.total_numel, "total_size": self.total_bytes},
-                     "weight_map": weight_map}  # fmt: skip
+            index = {
+                "metadata": {"total_parameters": self.total_numel, "total_size": self.total_bytes},
+                "weight_map": weight_map,
+            }
             (self.staging / INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         if config is not None:
             config.save_pretrained(self.staging)

@@ -22,8 +22,10 @@ def check_output(source: str, out: Path, overwrite: bool) -> None:
     target, src = out.resolve(), source_folder(source)
     if src is not None and (target == src or target in src.parents or src in target.parents):
         relation = "is" if target == src else "contains" if target in src.parents else "lies inside"
-        raise ValueError(f"out={str(out)!r} {relation} the source {str(src)!r}: the source is never modified; "
-                         f"choose an OUT outside it")  # fmt: skip
+        raise ValueError(
+            f"out={str(out)!r} {relation} the source {str(src)!r}: the source is never modified; "
+            f"choose an OUT outside it"
+        )
     if out.exists() and not out.is_dir():
         raise ValueError(f"out={str(out)!r} is a file, not a folder: choose another OUT")
     if out.exists() and not overwrite:
@@ -56,4 +58,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
-

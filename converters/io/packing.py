@@ -21,8 +21,9 @@ def parse_lengths(lengths: str, length: int) -> tuple[int, ...]:
     except ValueError:
         parts = ()
     if not parts or min(parts) < 2 or sum(parts) != length:
-        raise ValueError(f"calib_lengths={lengths!r} must be comma-separated sample lengths >= 2 summing to "
-                         f"calib_len={length}")  # fmt: skip
+        raise ValueError(
+            f"calib_lengths={lengths!r} must be comma-separated sample lengths >= 2 summing to calib_len={length}"
+        )
     return parts
 
 
@@ -31,8 +32,9 @@ def packed_positions(lengths: tuple[int, ...]) -> torch.Tensor:
     return torch.cat([torch.arange(length) for length in lengths])
 
 
-def packed_teacher_windows(sample, teacher, text_windows: torch.Tensor, lengths: tuple[int, ...],
-                           seed: int = 0) -> torch.Tensor:  # fmt: skip
+def packed_teacher_windows(
+    sample, teacher, text_windows: torch.Tensor, lengths: tuple[int, ...], seed: int = 0
+) -> torch.Tensor:
     """Packed windows [n, sum(lengths)] of teacher samples: every sample slot of text_windows [n, sum(lengths)]
     continued from its own first tokens by sample(teacher, windows [k, l], seed=seed) (calibration.teacher_windows),
     the slots of one length sampled together."""

@@ -66,9 +66,11 @@ def candidate_grid(shape: AttentionShape, kv_budget: float, rope_dim: int | None
     if rope_dim is not None and rope_dim > max_rope:
         raise ValueError(f"rope_dim={rope_dim} exceeds the source's {max_rope} RoPE dims (KV heads x rotary dims)")
     if share < min_rope + 1:
-        raise ValueError(f"kv_budget={kv_budget} gives {total} KV values per token over {shape.layers} "
-                         f"layers: rank allocation by sensitivity needs at least {min_rope + 1} per layer (or --rank-allocation "
-                         f"uniform)")  # fmt: skip
+        raise ValueError(
+            f"kv_budget={kv_budget} gives {total} KV values per token over {shape.layers} "
+            f"layers: rank allocation by sensitivity needs at least {min_rope + 1} per layer (or --rank-allocation "
+            f"uniform)"
+        )
     out = set()
     for factor in SIZE_FACTORS:
         size = max(min_rope + 1, int(round(factor * share)))
@@ -81,8 +83,10 @@ def candidate_grid(shape: AttentionShape, kv_budget: float, rope_dim: int | None
             if 1 <= size - d_r <= max_rank:
                 out.add(Candidate(d_r, size - d_r))
     if not out or min(c.values for c in out) * shape.layers > total:
-        raise ValueError(f"kv_budget={kv_budget}: no per-layer RoPE / latent split fits {total} KV values per token "
-                         f"(rope_dim={rope_dim})")  # fmt: skip
+        raise ValueError(
+            f"kv_budget={kv_budget}: no per-layer RoPE / latent split fits {total} KV values per token "
+            f"(rope_dim={rope_dim})"
+        )
     return sorted(out, key=lambda c: (c.values, c.rope_dim))
 
 
@@ -151,14 +155,24 @@ class LayerCandidates:
     """Every candidate of one layer (the shared grid's that fit the layer, then its exact form) and their plans
     (one per RoPE dims, the components ranked once)."""
 
-    def __init__(self, index: int, w: AttentionWeights, config, shape: AttentionShape, stats, method: str,
-                 context: int, grid: list[Candidate]):  # fmt: skip
+    def __init__(
+        self,
+        index: int,
+        w: AttentionWeights,
+        config,
+        shape: AttentionShape,
+        stats,
+        method: str,
+        context: int,
+        grid: list[Candidate],
+    ):
         self.index, self.w, self.stats, self.method, self.context = index, w, stats, method, context
         self.config, self.shape = config, shape  # config: to build the candidates' modules
         self.exact = exact_plan(w, shape)
         e = self.exact
-        self.options = [c for c in grid if c.values < len(e.energy) + len(e.components) * 2] + \
-            [Candidate(2 * len(e.components), len(e.energy), exact=True)]  # fmt: skip
+        self.options = [c for c in grid if c.values < len(e.energy) + len(e.components) * 2] + [
+            Candidate(2 * len(e.components), len(e.energy), exact=True)
+        ]
         self._plans: dict[int, LatentPlan] = {}
         self._ranked = None
 
@@ -168,8 +182,9 @@ class LayerCandidates:
         if cand.rope_dim not in self._plans:
             if self._ranked is None and cand.rope_dim:
                 self._ranked = ranked_components(self.method, self.w, self.shape, self.stats, self.context)
-            self._plans[cand.rope_dim] = plan_layer(self.method, self.w, self.shape, self.stats, cand.rope_dim,
-                                                    self.context, ranked=self._ranked)  # fmt: skip
+            self._plans[cand.rope_dim] = plan_layer(
+                self.method, self.w, self.shape, self.stats, cand.rope_dim, self.context, ranked=self._ranked
+            )
         return self._plans[cand.rope_dim]
 
     def module(self, k: int) -> MultiHeadLatentAttention:
@@ -179,8 +194,14 @@ class LayerCandidates:
         return mla_module(state, fields, self.config, self.index, fields["mla_rope_pairs"])
 
 
-def allocation_report(options: list[list[Candidate]], kl: list[list[float]], chosen: list[int], total: int,
-                      windows: int, cpu_seconds: float) -> dict:  # fmt: skip
+def allocation_report(
+    options: list[list[Candidate]],
+    kl: list[list[float]],
+    chosen: list[int],
+    total: int,
+    windows: int,
+    cpu_seconds: float,
+) -> dict:
     """The report's "budgets" section: the budget, the choice per layer, every measured candidate."""
     picks = [options[l][k] for l, k in enumerate(chosen)]
     used = sum(c.values for c in picks)
@@ -193,10 +214,22 @@ def allocation_report(options: list[list[Candidate]], kl: list[list[float]], cho
         "windows": windows,
         "summed_kl": sum(kl[l][k] for l, k in enumerate(chosen)),
         "cpu_seconds": round(cpu_seconds, 2),
-        "layers": [{"layer": l, "choice": "unconverted (exact MLA)" if c.exact else "mla", "rope_dim": c.rope_dim,
-                    "kv_lora_rank": c.rank, "values_per_token": c.values, "kl": kl[l][chosen[l]]}
-                   for l, c in enumerate(picks)],
-        "measured": [[{"rope_dim": c.rope_dim, "kv_lora_rank": c.rank, "exact": c.exact, "kl": kl[l][k]}
-                      for k, c in enumerate(options[l])] for l in range(len(kl))],
-    }  # fmt: skip
-
+        "layers": [
+            {
+                "layer": l,
+                "choice": "unconverted (exact MLA)" if c.exact else "mla",
+                "rope_dim": c.rope_dim,
+                "kv_lora_rank": c.rank,
+                "values_per_token": c.values,
+                "kl": kl[l][chosen[l]],
+            }
+            for l, c in enumerate(picks)
+        ],
+        "measured": [
+            [
+                {"rope_dim": c.rope_dim, "kv_lora_rank": c.rank, "exact": c.exact, "kl": kl[l][k]}
+                for k, c in enumerate(options[l])
+            ]
+            for l in range(len(kl))
+        ],
+    }

@@ -73,14 +73,22 @@ def mean_pool(w: AttentionWeights, shape: AttentionShape, kv_heads: int) -> dict
     def pool(t: torch.Tensor | None) -> torch.Tensor | None:
         return None if t is None else t.view(kv_heads, merge, d_h, *t.shape[1:]).mean(1).reshape(-1, *t.shape[1:])
 
-    pooled = AttentionWeights(w.q_w, pool(w.k_w), pool(w.v_w), w.o_w, w.q_b, pool(w.k_b), pool(w.v_b), w.o_b,
-                              w.scaling, w.q_norm, w.k_norm)  # fmt: skip
+    pooled = AttentionWeights(
+        w.q_w, pool(w.k_w), pool(w.v_w), w.o_w, w.q_b, pool(w.k_b), pool(w.v_b), w.o_b, w.scaling, w.q_norm, w.k_norm
+    )
     return pooled.gqa_state_dict()
 
 
-def gqa_layer(method: str, w: AttentionWeights, shape: AttentionShape, kv_heads: int,
-              stats: LayerStats | None = None, *, regroup: bool = True,
-              refit: bool = True) -> tuple[dict[str, torch.Tensor], list[list[int]]]:  # fmt: skip
+def gqa_layer(
+    method: str,
+    w: AttentionWeights,
+    shape: AttentionShape,
+    kv_heads: int,
+    stats: LayerStats | None = None,
+    *,
+    regroup: bool = True,
+    refit: bool = True,
+) -> tuple[dict[str, torch.Tensor], list[list[int]]]:
     """(GroupedQueryAttention state dict, groups) of one layer merged to kv_heads KV heads by `method`.
 
     groups[j]: the source KV heads merged into new KV head j (sorted; new KV head j serves query heads
@@ -144,8 +152,10 @@ class _Layer:
         v = with_bias_column(w.v_w, w.v_b).view(source_kv, d_h, -1)
         o_t = w.o_w.to(torch.float64).view(-1, heads, d_h).permute(1, 2, 0)  # [H, d_h, D]: O_h^T
         cov_c = cov.to(torch.complex128) if half else None  # one copy shared by the RoPE blocks
-        blocks = [Block.of("k", kb, qb, True, cov_c if kb.is_complex() else cov)
-                  for kb, qb in zip(split_rope(k, half), split_rope(q, half))]  # fmt: skip
+        blocks = [
+            Block.of("k", kb, qb, True, cov_c if kb.is_complex() else cov)
+            for kb, qb in zip(split_rope(k, half), split_rope(q, half))
+        ]
         blocks.append(Block.of("v", v, o_t, False, cov))
         return cls(blocks, half, heads // source_kv, cov)
 
@@ -216,9 +226,16 @@ class _Layer:
             return None if source_bias is None else aug.reshape(-1, aug.shape[-1])[:, -1].to(dtype)
 
         out = AttentionWeights(
-            weight(q), weight(k), weight(v), o_t[order].permute(2, 0, 1).reshape(-1, heads * o_t.shape[1]).to(dtype),
-            bias(q, w.q_b), bias(k, w.k_b), bias(v, w.v_b), None if o_b is None else o_b.to(dtype), w.scaling,
-        )  # fmt: skip
+            weight(q),
+            weight(k),
+            weight(v),
+            o_t[order].permute(2, 0, 1).reshape(-1, heads * o_t.shape[1]).to(dtype),
+            bias(q, w.q_b),
+            bias(k, w.k_b),
+            bias(v, w.v_b),
+            None if o_b is None else o_b.to(dtype),
+            w.scaling,
+        )
         return out.gqa_state_dict()
 
     def _mean_output_error(self, groups, v_new: torch.Tensor, o_t_new: torch.Tensor) -> torch.Tensor:

@@ -82,9 +82,16 @@ def weighted_low_rank(weight: torch.Tensor, cov: torch.Tensor, metric: torch.Ten
 METRICS = ("weighted", "plain")  # plain: unweighted PCA of the K / V outputs (the baseline the metric is measured by)
 
 
-def latent_kv_layer(w: AttentionWeights, shape: AttentionShape, input_cov: torch.Tensor, key_rank: int,
-                    value_rank: int, context: int, exact_key_heads: tuple[int, ...] = (),
-                    metric: str = "weighted") -> dict[str, torch.Tensor]:  # fmt: skip
+def latent_kv_layer(
+    w: AttentionWeights,
+    shape: AttentionShape,
+    input_cov: torch.Tensor,
+    key_rank: int,
+    value_rank: int,
+    context: int,
+    exact_key_heads: tuple[int, ...] = (),
+    metric: str = "weighted",
+) -> dict[str, torch.Tensor]:
     """The state dict of one LatentKVAttention layer (module docstring); float64 math, float32 out."""
     if metric not in METRICS:
         raise ValueError(f"metric={metric!r} is not one of {METRICS}")
@@ -93,8 +100,10 @@ def latent_kv_layer(w: AttentionWeights, shape: AttentionShape, input_cov: torch
     k_w, v_w = w.k_w.double(), w.v_w.double()
     exact_rows = [r for g in exact_key_heads for r in range(g * d, (g + 1) * d)]
     if key_rank < len(exact_rows):
-        raise ValueError(f"latent_key_rank={key_rank} is below the {len(exact_rows)} dims of the exact key heads "
-                         f"{list(exact_key_heads)}")  # fmt: skip
+        raise ValueError(
+            f"latent_key_rank={key_rank} is below the {len(exact_rows)} dims of the exact key heads "
+            f"{list(exact_key_heads)}"
+        )
     fitted = [g for g in range(groups) if g not in exact_key_heads]
     identity = torch.eye(d, dtype=torch.float64).expand(groups, d, d)
     metric_k = key_metric(w, shape, input_cov.double(), context) if metric == "weighted" else identity
@@ -105,14 +114,19 @@ def latent_kv_layer(w: AttentionWeights, shape: AttentionShape, input_cov: torch
     if fitted and key_rank > len(exact_rows):
         rows = [r for g in fitted for r in range(g * d, (g + 1) * d)]
         b, a, _ = weighted_low_rank(k_w[rows], cov, metric_k[fitted], key_rank - len(exact_rows))
-        b_k[rows, len(exact_rows):], a_k[len(exact_rows):] = b, a
+        b_k[rows, len(exact_rows) :], a_k[len(exact_rows) :] = b, a
     b_v, a_v, _ = weighted_low_rank(v_w, cov, value_metric(w, shape) if metric == "weighted" else identity, value_rank)
     o = w.o_w.double().view(hidden, heads, d)
     group_of = torch.arange(heads) // (heads // groups)
     b_v_heads = b_v.view(groups, d, value_rank)[group_of]  # [H, d, r_v]
     o_new = torch.einsum("Dhd,hdr->Dhr", o, b_v_heads).reshape(hidden, heads * value_rank)
-    state = {"q_proj.weight": w.q_w, "k_a_proj.weight": a_k, "k_b_proj.weight": b_k, "v_a_proj.weight": a_v,
-             "o_proj.weight": o_new}  # fmt: skip
+    state = {
+        "q_proj.weight": w.q_w,
+        "k_a_proj.weight": a_k,
+        "k_b_proj.weight": b_k,
+        "v_a_proj.weight": a_v,
+        "o_proj.weight": o_new,
+    }
     if w.q_b is not None:
         state["q_proj.bias"] = w.q_b
     if w.k_b is not None:

@@ -105,7 +105,9 @@ def lift_mla(
         full_b = torch.cat((torch.zeros(k_rows, dtype=torch.float64), v_bias))
         down_b = down @ full_b
         if exact and not torch.allclose(basis @ down_b, full_b, atol=1e-9 * (1 + float(full_b.abs().max()))):
-            raise ValueError("exact MLA: the V bias is outside the latent's span and there is no o_proj bias to fold it")
+            raise ValueError(
+                "exact MLA: the V bias is outside the latent's span and there is no o_proj bias to fold it"
+            )
     latent = basis.shape[1]
     k_up, v_up = basis[:k_rows].view(kv_heads, d_nope, latent), basis[k_rows:].view(kv_heads, d_h, latent)
     kv_b = torch.cat((k_up, v_up), dim=1).repeat_interleave(group, dim=0).reshape(-1, latent)

@@ -32,8 +32,9 @@ from .mla_lift import RopeComponent, complex_pair, lift_mla, stacked_kv, with_bi
 MLA_METHODS = ("calibrated", "mha2mla")
 
 
-def rotated_components(w: AttentionWeights, shape: AttentionShape, stats: LayerStats,
-                       context: int) -> list[tuple[float, RopeComponent]]:  # fmt: skip
+def rotated_components(
+    w: AttentionWeights, shape: AttentionShape, stats: LayerStats, context: int
+) -> list[tuple[float, RopeComponent]]:
     """Every RoPE component of the query-weighted basis change across KV heads, with its loss if left unrotated.
 
     Returns (score, component) for all d_rot/2 * H_kv components, best first (see the module docstring)."""
@@ -84,9 +85,16 @@ class LatentPlan:
         return float(self.energy[:rank].sum() / self.energy.sum().clamp_min(1e-300))
 
 
-def plan_layer(method: str, w: AttentionWeights, shape: AttentionShape, stats: LayerStats, rope_dim: int,
-               context: int = 256, frequencies: list[int] | None = None,
-               ranked: list | None = None) -> LatentPlan:  # fmt: skip
+def plan_layer(
+    method: str,
+    w: AttentionWeights,
+    shape: AttentionShape,
+    stats: LayerStats,
+    rope_dim: int,
+    context: int = 256,
+    frequencies: list[int] | None = None,
+    ranked: list | None = None,
+) -> LatentPlan:
     """The RoPE components and the full latent basis of one layer by `method`; context: L of the RoPE sensitivity.
 
     frequencies: keep the best component of each of these frequencies (a stock DeepSeek RoPE key has one per
@@ -141,22 +149,26 @@ def allocate_ranks(plans: list[LatentPlan], total: int, floor: int = 1) -> list[
     if not floor * len(plans) <= total <= sum(limits):
         raise ValueError(f"a latent budget of {total} dims cannot give {len(plans)} layers {floor}..{limits} each")
     ranks = [floor] * len(plans)
-    gains = [(float(p.energy[j] / p.energy.sum().clamp_min(1e-300)), layer, j)
-             for layer, p in enumerate(plans) for j in range(floor, len(p.energy))]  # fmt: skip
+    gains = [
+        (float(p.energy[j] / p.energy.sum().clamp_min(1e-300)), layer, j)
+        for layer, p in enumerate(plans)
+        for j in range(floor, len(p.energy))
+    ]
     for _, layer, _ in sorted(gains, reverse=True)[: total - sum(ranks)]:
         ranks[layer] += 1
     return ranks
 
 
-def consumer_metric(w: AttentionWeights, shape: AttentionShape,
-                    stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def consumer_metric(w: AttentionWeights, shape: AttentionShape, stats: LayerStats) -> tuple[torch.Tensor, torch.Tensor]:
     """(M^1/2, M^-1/2) of the metric on the stacked [K_nope; V] rows (module docstring), [2 H_kv d_h] square."""
     d_h = shape.head_dim
     heads, kv_heads = w.q_w.shape[0] // d_h, w.k_w.shape[0] // d_h
     group = heads // kv_heads
     q = with_bias_column(w.q_w, w.q_b).view(heads, d_h, -1)
     o = w.o_w.to(torch.float64).view(-1, heads, d_h)
-    reads_k = [sum(q[h] @ stats.input_cov @ q[h].t() for h in range(g * group, (g + 1) * group)) for g in range(kv_heads)]
+    reads_k = [
+        sum(q[h] @ stats.input_cov @ q[h].t() for h in range(g * group, (g + 1) * group)) for g in range(kv_heads)
+    ]
     reads_v = [sum(o[:, h].t() @ o[:, h] for h in range(g * group, (g + 1) * group)) for g in range(kv_heads)]
     blocks = []
     for family in (reads_k, reads_v):

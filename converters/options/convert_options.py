@@ -44,15 +44,21 @@ def resolved(opts: "ConvertOptions", **changes) -> "ConvertOptions":
         fill(out, section, value)
     return out
 
+
 def option_fields() -> list[tuple[str, tuple | None, dict]]:
     """(flat name, (section, field) or None for a field of ConvertOptions itself, metadata) of every option, in
     declaration order: ConvertOptions' own fields, then each section's. Choices declared as a function (the targets
     and formats the registry knows) are read now."""
     top = [(f.name, None, f.metadata) for f in fields(ConvertOptions) if f.metadata and f.name not in SECTIONS]
-    out = top + [(f.metadata["flat"] or f.name, (section, f.name), f.metadata) for section, kind in SECTIONS.items()
-                 for f in fields(kind)]  # fmt: skip
-    return [(name, place, {**meta, "choices": meta["choices"]()} if callable(meta.get("choices")) else meta)
-            for name, place, meta in out]  # fmt: skip
+    out = top + [
+        (f.metadata["flat"] or f.name, (section, f.name), f.metadata)
+        for section, kind in SECTIONS.items()
+        for f in fields(kind)
+    ]
+    return [
+        (name, place, {**meta, "choices": meta["choices"]()} if callable(meta.get("choices")) else meta)
+        for name, place, meta in out
+    ]
 
 
 @dataclass(frozen=True)
@@ -63,41 +69,80 @@ class ConvertOptions:
     to: str = option(None, "the target attention (required)", choices=target_names)
     kv_heads: int | None = option(None, "gqa: KV heads after conversion (mqa: 1)", parse=int, targets=("gqa", "mqa"))
     kv_lora_rank: int | None = option(None, "mla: latent dims d_c", parse=int, targets=("mla",))
-    rope_dim: int | None = option(None, "mla: dims of the shared RoPE key (even; default: one head's d_h, at most a "
-                                  "third of --kv-budget)", parse=int, targets=("mla",))  # fmt: skip
-    kv_budget: float | None = option(None, "mla: fraction of the source's KV bytes (instead of --kv-lora-rank); "
-                                     "latent_kv: the same, required", parse=float,
-                                     targets=("mla", "latent_kv"))  # fmt: skip
-    key_share: float | None = option(None, "latent_kv: share of the budget spent on key latents, the rest on values "
-                                     "(default 1/3: values need more rank than keys)", parse=float,
-                                     targets=("latent_kv",))  # fmt: skip
-    method: str | None = option(None, "gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla "
-                                "(defaults: the best measured, docs/conversion.md)")  # fmt: skip
-    regroup: bool | None = option(None, "gqa aligned/pca: merge KV heads by index instead of grouping them by "
-                                  "similarity (default: grouped)", flag="--no-regroup",
-                                  targets=("gqa", "mqa"))  # fmt: skip
-    rank_allocation: str | None = option(None, "mla with --kv-budget: per layer RoPE dims + rank (or exact) by each "
-                                         "choice's measured KL (default; uniform for deepseek_v3), one rank for all "
-                                         "layers, by retained energy, or copy layers exact; latent_kv: uniform (default), or "
-                                         "retrieval: exact keys for copy KV heads", choices=RANK_ALLOCATIONS)
+    rope_dim: int | None = option(
+        None,
+        "mla: dims of the shared RoPE key (even; default: one head's d_h, at most a third of --kv-budget)",
+        parse=int,
+        targets=("mla",),
+    )
+    kv_budget: float | None = option(
+        None,
+        "mla: fraction of the source's KV bytes (instead of --kv-lora-rank); latent_kv: the same, required",
+        parse=float,
+        targets=("mla", "latent_kv"),
+    )
+    key_share: float | None = option(
+        None,
+        "latent_kv: share of the budget spent on key latents, the rest on values "
+        "(default 1/3: values need more rank than keys)",
+        parse=float,
+        targets=("latent_kv",),
+    )
+    method: str | None = option(
+        None,
+        "gqa/mqa: pca (default), aligned or mean; mla: calibrated (default) or mha2mla "
+        "(defaults: the best measured, docs/conversion.md)",
+    )
+    regroup: bool | None = option(
+        None,
+        "gqa aligned/pca: merge KV heads by index instead of grouping them by similarity (default: grouped)",
+        flag="--no-regroup",
+        targets=("gqa", "mqa"),
+    )
+    rank_allocation: str | None = option(
+        None,
+        "mla with --kv-budget: per layer RoPE dims + rank (or exact) by each "
+        "choice's measured KL (default; uniform for deepseek_v3), one rank for all "
+        "layers, by retained energy, or copy layers exact; latent_kv: uniform (default), or "
+        "retrieval: exact keys for copy KV heads",
+        choices=RANK_ALLOCATIONS,
+    )
     # a dropped RoPE component costs energy x 2(1 - sinc(theta L)) (mla_plan.py)
-    rope_context: int | None = option(None, "mla: the distances the RoPE split keeps scores right over (default: "
-                                      "--calib-len; the served context keeps far retrieval at some short-range cost); "
-                                      "latent_kv: the distances the key fit weighs (default 4096)",
-                                      parse=int, metavar="TOKENS", targets=("mla", "latent_kv"))  # fmt: skip
-    format: str = option("auto", "auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock "
-                         "DeepseekV3ForCausalLM (MLA)", choices=all_formats)  # fmt: skip
-    engine: str | None = option(None, "--format deepseek_v3: the engine whose MLA kernels the shapes fit (default "
-                                "llama.cpp, any shape, with llama.cpp's query LoRA; vllm: 512+64, or 256+64 GPU-only; "
-                                "sglang: 512+64 or 256+64; flashmla: 512+64)", choices=ENGINES)  # fmt: skip
+    rope_context: int | None = option(
+        None,
+        "mla: the distances the RoPE split keeps scores right over (default: "
+        "--calib-len; the served context keeps far retrieval at some short-range cost); "
+        "latent_kv: the distances the key fit weighs (default 4096)",
+        parse=int,
+        metavar="TOKENS",
+        targets=("mla", "latent_kv"),
+    )
+    format: str = option(
+        "auto",
+        "auto: stock for llama-family GQA/MQA, else native; deepseek_v3: stock DeepseekV3ForCausalLM (MLA)",
+        choices=all_formats,
+    )
+    engine: str | None = option(
+        None,
+        "--format deepseek_v3: the engine whose MLA kernels the shapes fit (default "
+        "llama.cpp, any shape, with llama.cpp's query LoRA; vllm: 512+64, or 256+64 GPU-only; "
+        "sglang: 512+64 or 256+64; flashmla: 512+64)",
+        choices=ENGINES,
+    )
     seed: int = option(0, "seed of the teacher samples and the fits (default 0)", parse=int)
-    device: str = option("auto", "where the model passes run (teacher samples, statistics, sensitivity, "
-                         "reconstruction): auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, cuda:N")
+    device: str = option(
+        "auto",
+        "where the model passes run (teacher samples, statistics, sensitivity, "
+        "reconstruction): auto (default: the first CUDA GPU if any, else cpu), cpu, cuda, cuda:N",
+    )
     dtype: str | None = option(None, "dtype of the saved weights (default: the source's)")
-    context: str = option("short", "long: the long-context recipe (calibration on the shipped general corpus, "
-                          "retrieval-aware healing; docs/conversion.md), filling every option not given; short "
-                          "(default): none",
-                          choices=CONTEXTS)  # fmt: skip
+    context: str = option(
+        "short",
+        "long: the long-context recipe (calibration on the shipped general corpus, "
+        "retrieval-aware healing; docs/conversion.md), filling every option not given; short "
+        "(default): none",
+        choices=CONTEXTS,
+    )
     calibration: CalibrationOptions = option(factory=CalibrationOptions)
     reconstruction: ReconstructionOptions = option(factory=ReconstructionOptions)
     healing: HealingOptions = option(factory=HealingOptions)
@@ -121,13 +166,14 @@ class ConvertOptions:
                 sections[section][key] = value
         if top.get("to") is None:
             raise TypeError(f"the conversion option 'to' is required (one of {', '.join(map(repr, target_names()))})")
-        return cls(**top, **{section: SECTIONS[section](**kw) for section, kw in sections.items()},
-                   given=given)
+        return cls(**top, **{section: SECTIONS[section](**kw) for section, kw in sections.items()}, given=given)
 
     def flat(self) -> dict:
         """The flat options, by FLAT_NAMES (the report's "options"); ConvertOptions.from_flat(**o.flat()) == o."""
-        return {name: getattr(self if place is None else getattr(self, place[0]), name if place is None else place[1])
-                for name, place in FLAT_NAMES.items()}  # fmt: skip
+        return {
+            name: getattr(self if place is None else getattr(self, place[0]), name if place is None else place[1])
+            for name, place in FLAT_NAMES.items()
+        }
 
     def __post_init__(self) -> None:
         for section, kind in SECTIONS.items():
@@ -166,12 +212,17 @@ class ConvertOptions:
         if heal.steps and heal.length is None:
             fill(heal, "length", self.calibration.length)
         if heal.steps and heal.data == "retrieval" and heal.length < RETRIEVAL_MIN_LENGTH:  # before any work
-            raise ValueError(f"heal_len={heal.length}: heal_data='retrieval' needs windows of at least "
-                             f"{RETRIEVAL_MIN_LENGTH} tokens (--heal-len)")  # fmt: skip
-        if (self.calibration.propagate or self.reconstruction.steps or heal.steps and heal.layerwise_steps) \
-                and self.calibration.samples < 2:  # fmt: skip
-            raise ValueError(f"calib_samples={self.calibration.samples!r}: propagate / reconstruct_steps / "
-                             "heal_layerwise_steps hold one window in, so they need at least 2")  # fmt: skip
+            raise ValueError(
+                f"heal_len={heal.length}: heal_data='retrieval' needs windows of at least "
+                f"{RETRIEVAL_MIN_LENGTH} tokens (--heal-len)"
+            )
+        if (
+            self.calibration.propagate or self.reconstruction.steps or heal.steps and heal.layerwise_steps
+        ) and self.calibration.samples < 2:
+            raise ValueError(
+                f"calib_samples={self.calibration.samples!r}: propagate / reconstruct_steps / "
+                "heal_layerwise_steps hold one window in, so they need at least 2"
+            )
 
     def _refuse_inapplicable(self) -> None:
         """An option the chosen target or method would ignore is an error (it was given for a reason): each option
@@ -179,8 +230,10 @@ class ConvertOptions:
         for name, _, metadata in option_fields():
             owners = metadata.get("targets")
             if owners is not None and self.to not in owners and getattr(self, name) is not None:
-                raise ValueError(f"{name}={getattr(self, name)!r} applies to to={' / '.join(map(repr, owners))} only, "
-                                 f"not to={self.to!r}")  # fmt: skip
+                raise ValueError(
+                    f"{name}={getattr(self, name)!r} applies to to={' / '.join(map(repr, owners))} only, "
+                    f"not to={self.to!r}"
+                )
         rec = self.reconstruction
         if rec.attention_kl and rec.steps == 0 and not self.calibration.propagate:
             raise ValueError(f"reconstruct_attention_kl={rec.attention_kl!r} needs reconstruct_steps > 0 or propagate")

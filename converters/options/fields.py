@@ -7,9 +7,19 @@ from __future__ import annotations
 from dataclasses import field, fields
 
 
-def option(default=None, help: str = "", *, flat: str | None = None, choices: tuple | None = None, parse=None,
-           metavar: str | None = None, flag: str | None = None, applied=None, factory=None,
-           targets: tuple[str, ...] | None = None):  # noqa: A002
+def option(
+    default=None,
+    help: str = "",
+    *,
+    flat: str | None = None,
+    choices: tuple | None = None,
+    parse=None,
+    metavar: str | None = None,
+    flag: str | None = None,
+    applied=None,
+    factory=None,
+    targets: tuple[str, ...] | None = None,
+):  # noqa: A002
     """A field declared once: its default and, in its metadata, what the command line and the report need.
 
     flat: the user-facing name (default: the field's); choices: shown by --help and checked by argparse; parse: the
@@ -17,8 +27,16 @@ def option(default=None, help: str = "", *, flat: str | None = None, choices: tu
     --flag with a store_true / store_false action for booleans ("--propagate", "--no-regroup"); applied: the default
     filled in when the option applies (healing options: when healing runs); targets: the conversion targets (`to`)
     the option belongs to (None: every one): given for another, it is refused, naming the option and the target."""
-    metadata = {"help": help, "flat": flat, "choices": choices, "parse": parse, "metavar": metavar, "flag": flag,
-                "applied": applied, "targets": targets}  # fmt: skip
+    metadata = {
+        "help": help,
+        "flat": flat,
+        "choices": choices,
+        "parse": parse,
+        "metavar": metavar,
+        "flag": flag,
+        "applied": applied,
+        "targets": targets,
+    }
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)

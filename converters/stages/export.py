@@ -28,8 +28,9 @@ class LayerExport:
     mode and the frequency stride; `layer(...)` rewrites one layer; `resident()` the embeddings and head;
     `report()` the report's section."""
 
-    def __init__(self, src: LayerSource, engine: str, rope_dim: int, latent_norm: str, stride: int,
-                 windows: torch.Tensor):  # fmt: skip
+    def __init__(
+        self, src: LayerSource, engine: str, rope_dim: int, latent_norm: str, stride: int, windows: torch.Tensor
+    ):
         check_export(engine, latent_norm)
         self.src, self.engine, self.rope_dim, self.latent_norm, self.stride = src, engine, rope_dim, latent_norm, stride
         self.check = windows[: min(CHECK_WINDOWS, len(windows))]
@@ -40,8 +41,11 @@ class LayerExport:
         """At layer 0: the shape, the stock config, the export forms' resident parts and their check tracks."""
         self.shape = export_shape(native_config, self.engine, self.rope_dim, self.latent_norm)
         self.config, self.rope = export_config(native_config, self.src.config, self.shape, self.stride)
-        state = {"model.embed_tokens.weight": self.src.model.model.embed_tokens.weight,
-                 "model.norm.weight": self.src.model.model.norm.weight, "lm_head.weight": self.src.model.lm_head.weight}
+        state = {
+            "model.embed_tokens.weight": self.src.model.model.embed_tokens.weight,
+            "model.norm.weight": self.src.model.model.norm.weight,
+            "lm_head.weight": self.src.model.lm_head.weight,
+        }
         export_resident(state, self.shape)
         self.resident_state = state
         self.forms = {"export": _Form(self.config, state, self.src, self.check)}
@@ -50,8 +54,9 @@ class LayerExport:
             self.forms["q_proj"] = _Form(plain, state, self.src, self.check)
 
     @torch.no_grad()
-    def layer(self, i: int, native: torch.nn.Module, native_config, runner: LayerRunner, track: Activations,
-              state: dict) -> dict:  # fmt: skip
+    def layer(
+        self, i: int, native: torch.nn.Module, native_config, runner: LayerRunner, track: Activations, state: dict
+    ) -> dict:
         """Layer i's export tensors (full names) from its native ones `state`; advances the export track."""
         if self.shape is None:
             self._start(native_config)
@@ -85,14 +90,30 @@ class LayerExport:
         exported = self.forms["export"].logits()
         kl = _kl(native, exported)
         q_lora_kl = _kl(self.forms["q_proj"].logits(), exported) if "q_proj" in self.forms else None
-        self.parameters += sum(t.numel() for t in (self.src.model.model.embed_tokens.weight,
-                                                   self.src.model.model.norm.weight))  # fmt: skip
+        self.parameters += sum(
+            t.numel() for t in (self.src.model.model.embed_tokens.weight, self.src.model.model.norm.weight)
+        )
         if not self.src.tied:
             self.parameters += self.src.model.lm_head.weight.numel()
-        logger.info("deepseek_v3 export (%s, latent norm %s): KL to the native conversion %.3g per token",
-                    self.engine, self.latent_norm, kl)  # fmt: skip
-        return export_report(self.shape, self.src.config, self.engine, self.stride, self.rope, self.scales,
-                             self.deviations, kl, len(self.check), q_lora_kl, self.parameters)  # fmt: skip
+        logger.info(
+            "deepseek_v3 export (%s, latent norm %s): KL to the native conversion %.3g per token",
+            self.engine,
+            self.latent_norm,
+            kl,
+        )
+        return export_report(
+            self.shape,
+            self.src.config,
+            self.engine,
+            self.stride,
+            self.rope,
+            self.scales,
+            self.deviations,
+            kl,
+            len(self.check),
+            q_lora_kl,
+            self.parameters,
+        )
 
 
 class _Form:
@@ -117,7 +138,7 @@ class _Form:
         prefix = f"model.layers.{i}."
         with torch.device("meta"):
             layer = type(self.shell.model.layers[i])(self.config, i)
-        own = {k[len(prefix):]: v.to(self.view.device) for k, v in state.items() if k.startswith(prefix)}
+        own = {k[len(prefix) :]: v.to(self.view.device) for k, v in state.items() if k.startswith(prefix)}
         layer.load_state_dict(own, strict=True, assign=True)
         out = torch.empty_like(self.hidden)
         self.runner.apply(layer.eval(), i, self.hidden, out)

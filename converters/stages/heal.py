@@ -37,8 +37,14 @@ class Healed:
     export: dict | None = None
 
 
-def heal_whole(source: Source, native_folder: Path, opts: ConvertOptions, windows: torch.Tensor | None,
-               stride: int | None, export_rope: int) -> Healed:  # fmt: skip
+def heal_whole(
+    source: Source,
+    native_folder: Path,
+    opts: ConvertOptions,
+    windows: torch.Tensor | None,
+    stride: int | None,
+    export_rope: int,
+) -> Healed:
     """Heal the native model written in native_folder (see the module docstring); windows: the calibration windows
     (None when the conversion needed none)."""
     from transformers import AutoModelForCausalLM
@@ -50,16 +56,25 @@ def heal_whole(source: Source, native_folder: Path, opts: ConvertOptions, window
     layerwise = None
     if heal.layerwise_steps:  # healing's first stage, layer by layer, on the native form
         if windows is None:
-            windows = calibration_windows(calibration_text(opts.calibration), source.tokenizer,
-                                          opts.calibration.samples, opts.calibration.length)  # fmt: skip
+            windows = calibration_windows(
+                calibration_text(opts.calibration), source.tokenizer, opts.calibration.samples, opts.calibration.length
+            )
         layerwise = heal_layerwise(teacher, student, windows, heal.layerwise_steps)
-    report = distill(student, teacher, source.tokenizer, opts,
-                     windows if opts.calibration.source == "teacher" else None)  # fmt: skip
+    report = distill(
+        student, teacher, source.tokenizer, opts, windows if opts.calibration.source == "teacher" else None
+    )
     export = None
     if opts.format == "deepseek_v3":
         final_dtype = dtype_of(opts.dtype) if opts.dtype is not None else next(teacher.parameters()).dtype
-        student, export = to_deepseek_v3(student, windows, stride, teacher.config, opts.engine, export_rope,
-                                         "fit" if final_dtype == torch.float16 else "linear")  # fmt: skip
+        student, export = to_deepseek_v3(
+            student,
+            windows,
+            stride,
+            teacher.config,
+            opts.engine,
+            export_rope,
+            "fit" if final_dtype == torch.float16 else "linear",
+        )
     return Healed(student, report, layerwise, export)
 
 
@@ -119,15 +134,39 @@ def _run(student, teacher, heal, train: torch.Tensor, held_in: torch.Tensor, **w
     """heal.py on train / held-in windows with the healing options; the report's "heal" section."""
     from ..fitting.heal import heal as run_heal
 
-    result = run_heal(student, teacher, train, steps=heal.steps, lr=heal.lr, held_in=held_in,
-                      batch_size=heal.batch_size, train=heal.train, checkpoint_dir=heal.checkpoint_dir,
-                      checkpoint_every=heal.checkpoint_every, resume=heal.resume, **weighted)  # fmt: skip
-    return {"steps": result.steps, "tokens": result.tokens, "seconds": round(result.seconds, 2),
-            "first_loss": result.losses[0], "last_loss": result.losses[-1], "train": heal.train,
-            "lr": result.lr, "lr_option": heal.lr, "range_test": result.range_test, "data": heal.data,
-            "length": heal.length, "windows": len(train), "held_in_windows": len(held_in),
-            "held_in_kl": result.held_in, "best_step": result.best_step, "improved": result.improved,
-            "losses": result.losses}  # fmt: skip
+    result = run_heal(
+        student,
+        teacher,
+        train,
+        steps=heal.steps,
+        lr=heal.lr,
+        held_in=held_in,
+        batch_size=heal.batch_size,
+        train=heal.train,
+        checkpoint_dir=heal.checkpoint_dir,
+        checkpoint_every=heal.checkpoint_every,
+        resume=heal.resume,
+        **weighted,
+    )
+    return {
+        "steps": result.steps,
+        "tokens": result.tokens,
+        "seconds": round(result.seconds, 2),
+        "first_loss": result.losses[0],
+        "last_loss": result.losses[-1],
+        "train": heal.train,
+        "lr": result.lr,
+        "lr_option": heal.lr,
+        "range_test": result.range_test,
+        "data": heal.data,
+        "length": heal.length,
+        "windows": len(train),
+        "held_in_windows": len(held_in),
+        "held_in_kl": result.held_in,
+        "best_step": result.best_step,
+        "improved": result.improved,
+        "losses": result.losses,
+    }
 
 
 def _processes() -> int:
@@ -146,7 +185,9 @@ def _retrieval_data(text: str, tokenizer, opts: ConvertOptions):
     stream = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
     cut = len(stream) - max(int(len(stream) * HELD_SHARE), length + 1)
     if cut < length + 1:
-        raise ValueError(f"heal_len={length}: the calibration text has {len(stream)} tokens; retrieval healing needs "
-                         f"at least {2 * (length + 1)} (one window to train on, one held in)")  # fmt: skip
+        raise ValueError(
+            f"heal_len={length}: the calibration text has {len(stream)} tokens; retrieval healing needs "
+            f"at least {2 * (length + 1)} (one window to train on, one held in)"
+        )
     train = retrieval_windows(stream[:cut], tokenizer, heal.steps * heal.batch_size * _processes(), length, opts.seed)
     return train, held_in_windows(stream[cut:], tokenizer, heal.held_in, length, opts.seed + 1)

@@ -33,7 +33,6 @@ from .source import Source
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class LayersResult:
     """What the loop made: config (the converted model's), groups (GQA, per layer), choices / pairs / plans' retained
@@ -50,16 +49,26 @@ class LayersResult:
     native_config: object = None  # deepseek_v3: the native form's config (config: the export's)
 
 
-def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: torch.Tensor | None,
-               choices: list[LayerChoice] | None, write, export=None,
-               placement: str | None = None) -> LayersResult:  # fmt: skip
+def run_layers(
+    source: Source,
+    opts: ConvertOptions,
+    target: Target,
+    windows: torch.Tensor | None,
+    choices: list[LayerChoice] | None,
+    write,
+    export=None,
+    placement: str | None = None,
+) -> LayersResult:
     """Convert every layer in order; write(name -> tensor dict) receives each converted layer's tensors.
 
     windows: calibration tokens [n, T] (None: no statistics needed); choices: MLA per-layer ranks / RoPE dims."""
     src, config, n_layers = source.layers, source.config, source.config.num_hidden_layers
     arch_split = source.shape.arch.split_heads
-    names = (["source"] if windows is not None else []) + (["converted"] if target.layerwise else []) + \
-        (["export"] if export is not None else [])  # fmt: skip
+    names = (
+        (["source"] if windows is not None else [])
+        + (["converted"] if target.layerwise else [])
+        + (["export"] if export is not None else [])
+    )
     tracks, runners = None, {}
     if names:
         shape = (windows.shape[0], windows.shape[1], config.hidden_size)
@@ -81,7 +90,11 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             attn_name, attn = src.attention(layer)
             w = arch_split(attn).cpu()
             t = time.perf_counter()
-            stats = track_statistics(runners.get(BATCH), layer, attn, w, source.shape, i, tracks["source"]) if windows is not None else None
+            stats = (
+                track_statistics(runners.get(BATCH), layer, attn, w, source.shape, i, tracks["source"])
+                if windows is not None
+                else None
+            )
             seconds["statistics"] += time.perf_counter() - t
             t = time.perf_counter()
             choice = choices[i] if choices is not None else None
@@ -92,8 +105,21 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
             t = time.perf_counter()
             final = first
             if target.layerwise:
-                final = _layerwise(opts, kind, runners[BATCH], layer, converted, f"{src.layers_name}.{i}.{attn_name}",
-                                   w, source.shape, choice, first, i, tracks, result)  # fmt: skip
+                final = _layerwise(
+                    opts,
+                    kind,
+                    runners[BATCH],
+                    layer,
+                    converted,
+                    f"{src.layers_name}.{i}.{attn_name}",
+                    w,
+                    source.shape,
+                    choice,
+                    first,
+                    i,
+                    tracks,
+                    result,
+                )
             seconds["layerwise"] += time.perf_counter() - t
             kind.record(result, first, final, choice)
             if tracks is not None and "source" in names:
@@ -118,13 +144,27 @@ def run_layers(source: Source, opts: ConvertOptions, target: Target, windows: to
     return result
 
 
-def _layerwise(opts, kind, runner: LayerRunner, layer, converted, name: str, w, shape, choice, first: LayerResult,
-               i: int, tracks: Tracks, result: LayersResult) -> LayerResult:  # fmt: skip
+def _layerwise(
+    opts,
+    kind,
+    runner: LayerRunner,
+    layer,
+    converted,
+    name: str,
+    w,
+    shape,
+    choice,
+    first: LayerResult,
+    i: int,
+    tracks: Tracks,
+    result: LayersResult,
+) -> LayerResult:
     """Propagate (recompute the closed form from the converted prefix's statistics, kept if better held-in) and / or
     reconstruct layer i in place (reconstruct.fit_layer); then advance the converted track through it."""
     kept = {"result": first}
     relift = None
     if opts.calibration.propagate and opts.method != "mean":
+
         def relift(name, stats):  # noqa: E306
             kept["result"] = kind.relift(opts, w, shape, stats, choice, first)
             return kept["result"].state
@@ -132,17 +172,37 @@ def _layerwise(opts, kind, runner: LayerRunner, layer, converted, name: str, w, 
     h_src, h_new = tracks["source"].current, tracks["converted"].current
     kw = runner.layer_kwargs(i)
     rec = opts.reconstruction
-    fit = fit_layer(name, layer, converted, h_src, h_new, kw, kw, shape, relift=relift,
-                    steps=rec.steps, lr=rec.lr, batch_size=BATCH, target=rec.target,
-                    attention_kl=rec.attention_kl)  # fmt: skip
+    fit = fit_layer(
+        name,
+        layer,
+        converted,
+        h_src,
+        h_new,
+        kw,
+        kw,
+        shape,
+        relift=relift,
+        steps=rec.steps,
+        lr=rec.lr,
+        batch_size=BATCH,
+        target=rec.target,
+        attention_kl=rec.attention_kl,
+    )
     result.fits.append(fit)
     runner.apply(converted, i, tracks["converted"].current, tracks["converted"].spare)
     tracks["converted"].swap()
     return kept["result"] if fit.propagated_kept else first
 
 
-def convert_layers(source: Source, opts: ConvertOptions, target: Target, windows: torch.Tensor | None, plan,
-                   write, native: bool = False) -> LayersResult:  # fmt: skip
+def convert_layers(
+    source: Source,
+    opts: ConvertOptions,
+    target: Target,
+    windows: torch.Tensor | None,
+    plan,
+    write,
+    native: bool = False,
+) -> LayersResult:
     """The layer loop, the resident parts (embeddings, final norm, LM head unless tied) written after it, and the
     config of what was written (`result.config`: the deepseek_v3 export's, unless `native`: the native form, which
     healing loads whole)."""
@@ -164,8 +224,9 @@ def convert_layers(source: Source, opts: ConvertOptions, target: Target, windows
     return result
 
 
-def write_native(source: Source, opts: ConvertOptions, target: Target, windows: torch.Tensor | None, plan,
-                 folder) -> LayersResult:  # fmt: skip
+def write_native(
+    source: Source, opts: ConvertOptions, target: Target, windows: torch.Tensor | None, plan, folder
+) -> LayersResult:
     """The native converted model written into `folder` (for healing, or an export, to load whole)."""
     with ShardedWriter(folder, opts.output.max_shard_size) as writer:
         layers = convert_layers(source, opts, target, windows, plan, writer.add, native=True)

@@ -97,6 +97,10 @@ def _sensitivity(source: Source, opts: ConvertOptions, windows: torch.Tensor) ->
     chosen = choose([[(c.values, kl[l][k]) for k, c in enumerate(row)] for l, row in enumerate(options)], total)
     picks = [options[l][k] for l, k in enumerate(chosen)]
     report = allocation_report(options, kl, chosen, total, min(count, len(windows)), time.process_time() - started)
-    logger.info("sensitivity allocation: %d of %d KV values per token, summed KL %.4g", report["values_per_token"],
-                total, report["summed_kl"])  # fmt: skip
+    logger.info(
+        "sensitivity allocation: %d of %d KV values per token, summed KL %.4g",
+        report["values_per_token"],
+        total,
+        report["summed_kl"],
+    )
     return Plan([LayerChoice(c.rope_dim, c.rank, exact=c.exact) for c in picks], budgets=report)

@@ -64,13 +64,16 @@ class Clock:
         return max((s["peak_rss_mb"] for s in self.stages.values()), default=rss_peak_mb())
 
 
-def build_report(source, opts: ConvertOptions, target, cal, plan, layers, healed, config,
-                 clock: Clock) -> dict:  # fmt: skip
+def build_report(source, opts: ConvertOptions, target, cal, plan, layers, healed, config, clock: Clock) -> dict:
     """conversion_report.json's keys (the in-memory converter's, plus "stages", "activations" and
     "teacher_sampling")."""
     src_config = source.config
-    report = {"source": source.name, "options": opts.flat(), "given_options": dict(opts.given),
-              "model_type": src_config.model_type}  # fmt: skip
+    report = {
+        "source": source.name,
+        "options": opts.flat(),
+        "given_options": dict(opts.given),
+        "model_type": src_config.model_type,
+    }
     if cal.windows is not None:
         report["calibration"] = cal.section
     report.update(target_of(opts.to).report(opts, target, plan, layers))  # the target's section
@@ -79,8 +82,13 @@ def build_report(source, opts: ConvertOptions, target, cal, plan, layers, healed
     if target.layerwise:
         propagate = opts.calibration.propagate and opts.method != "mean"
         rec = opts.reconstruction
-        report["layerwise"] = {"propagate": propagate, "reconstruct_steps": rec.steps, "target": rec.target,
-                               "attention_kl": rec.attention_kl, **summary(layers.fits)}  # fmt: skip
+        report["layerwise"] = {
+            "propagate": propagate,
+            "reconstruct_steps": rec.steps,
+            "target": rec.target,
+            "attention_kl": rec.attention_kl,
+            **summary(layers.fits),
+        }
     if healed is not None:
         if healed.layerwise is not None:
             report["heal_layerwise"] = healed.layerwise

@@ -70,8 +70,9 @@ def copy_kv_heads(kv_scores: torch.Tensor, threshold: float = COPY_THRESHOLD) ->
     return [divmod(i, kv_scores.shape[1]) for i in order if float(flat[i]) > threshold]
 
 
-def retrieval_choices(copy_layers: list[int], exact: dict[int, LayerChoice], n_layers: int, total: int,
-                      rope_dim: int) -> list[LayerChoice]:  # fmt: skip
+def retrieval_choices(
+    copy_layers: list[int], exact: dict[int, LayerChoice], n_layers: int, total: int, rope_dim: int
+) -> list[LayerChoice]:
     """Per layer: exact[l] for the copy layers kept, else rope_dim + the even share of what the exact layers leave
     of `total` KV values per token. copy_layers: best first; a layer is kept exact only while the others keep a
     latent rank >= 1 and the total stays within `total` (a tight budget keeps fewer, or none)."""
@@ -84,8 +85,9 @@ def retrieval_choices(copy_layers: list[int], exact: dict[int, LayerChoice], n_l
     others = n_layers - len(kept)
     rank = (total - sum(exact[k].rope_dim + exact[k].rank for k in kept)) // others - rope_dim if others else 0
     if others and rank < 1:
-        raise ValueError(f"kv_budget: {total} KV values per token leave {n_layers} layers no latent rank beside "
-                         f"rope_dim={rope_dim}")  # fmt: skip
+        raise ValueError(
+            f"kv_budget: {total} KV values per token leave {n_layers} layers no latent rank beside rope_dim={rope_dim}"
+        )
     return [exact[l] if l in kept else LayerChoice(rope_dim, rank) for l in range(n_layers)]
 
 
@@ -106,8 +108,12 @@ def retrieval_plan(source: Source, opts: ConvertOptions, target: Target, windows
     total = budget_values(source.shape, opts.kv_budget)
     choices = retrieval_choices(copy_layers, exact, source.shape.layers, total, target.rope_dim)
     copy_layers = [l for l, c in enumerate(choices) if c.exact]
-    logger.info("retrieval allocation: layers %s exact (copy heads), the others d_r %d + d_c %d", copy_layers,
-                target.rope_dim, next((c.rank for c in choices if not c.exact), 0))  # fmt: skip
+    logger.info(
+        "retrieval allocation: layers %s exact (copy heads), the others d_r %d + d_c %d",
+        copy_layers,
+        target.rope_dim,
+        next((c.rank for c in choices if not c.exact), 0),
+    )
     report = {"allocation": "retrieval", "budget_values_per_token": total, "copy_threshold": COPY_THRESHOLD,
               "values_per_token": sum(c.rope_dim + c.rank for c in choices), "exact_layers": copy_layers,
               "layers": [{"layer": l, "choice": "unconverted (exact MLA)" if c.exact else "mla", "rope_dim": c.rope_dim,
@@ -116,8 +122,9 @@ def retrieval_plan(source: Source, opts: ConvertOptions, target: Target, windows
     return choices, report
 
 
-def latent_retrieval_choices(copy_heads: list[tuple[int, int]], uniform: LatentChoice, n_layers: int,
-                             head_dim: int, kv_heads: int) -> list[LatentChoice]:  # fmt: skip
+def latent_retrieval_choices(
+    copy_heads: list[tuple[int, int]], uniform: LatentChoice, n_layers: int, head_dim: int, kv_heads: int
+) -> list[LatentChoice]:
     """Per layer: its copy KV heads' keys exact (d_h latent dims each) plus fitted key and value ranks that share
     what the exact keys leave of the uniform budget n_layers * (r_k + r_v), in the uniform split's proportion (a
     layer's fitted key rank at most its other heads' dims). A head is kept only while every layer keeps fitted ranks
@@ -151,8 +158,12 @@ def latent_retrieval_plan(source: Source, opts: ConvertOptions, uniform: LatentC
     heads = copy_kv_heads(per_kv, COPY_THRESHOLD)
     choices = latent_retrieval_choices(heads, uniform, shape.layers, shape.head_dim, shape.kv_heads)
     exact = [(l, g) for l, c in enumerate(choices) for g in c.exact_key_heads]
-    logger.info("retrieval allocation: exact keys for KV heads %s (layer, head); fitted ranks K %d + V %d", exact,
-                choices[0].key_rank - shape.head_dim * len(choices[0].exact_key_heads), choices[0].value_rank)  # fmt: skip
+    logger.info(
+        "retrieval allocation: exact keys for KV heads %s (layer, head); fitted ranks K %d + V %d",
+        exact,
+        choices[0].key_rank - shape.head_dim * len(choices[0].exact_key_heads),
+        choices[0].value_rank,
+    )
     report = {"allocation": "retrieval", "copy_threshold": COPY_THRESHOLD, "exact_key_heads": exact,
               "values_per_token": sum(c.key_rank + c.value_rank for c in choices),
               "layers": [{"layer": l, "latent_key_rank": c.key_rank, "latent_value_rank": c.value_rank,

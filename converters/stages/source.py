@@ -64,7 +64,9 @@ def source_folder(source: str) -> Path:
     try:
         return Path(snapshot_download(source, allow_patterns=["*.safetensors", "*.json", "*.model", "*.txt"]))
     except Exception as err:  # huggingface_hub raises several types (offline, not found, gated)
-        raise ValueError(f"{source!r} is not a model folder, 'default', 'smollm2' or a reachable Hub id ({err})") from err
+        raise ValueError(
+            f"{source!r} is not a model folder, 'default', 'smollm2' or a reachable Hub id ({err})"
+        ) from err
 
 
 def checkpoint_dtype(folder: Path, config) -> torch.dtype:

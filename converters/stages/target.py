@@ -17,6 +17,7 @@ from .source import Source
 
 logger = logging.getLogger(__name__)
 
+
 def resolve_target(source: Source, opts: ConvertOptions) -> Target:
     """The Target, with the resolved options: method (GQA with per-head q/k norms: 'mean', unless the user named
     another: refused) and reconstruct_steps ("auto": by the KV share kept)."""

@@ -41,8 +41,15 @@ def calibrate(source: Source, opts: ConvertOptions, needed: bool, budget: int | 
     """The calibration windows (when `needed`); budget: bytes the whole model may take for sampling (default: half
     the device's free memory, or half the CPU's available memory)."""
     cal = opts.calibration
-    section = {"data": cal.data or "package corpus (TinyStories sample)", "source": cal.source, "split": cal.split,
-               "column": cal.column, "samples": cal.samples, "length": cal.length, "lengths": cal.lengths}  # fmt: skip
+    section = {
+        "data": cal.data or "package corpus (TinyStories sample)",
+        "source": cal.source,
+        "split": cal.split,
+        "column": cal.column,
+        "samples": cal.samples,
+        "length": cal.length,
+        "lengths": cal.lengths,
+    }
     if not needed:
         return Calibration(None, section)
     windows = calibration_windows(calibration_text(cal), source.tokenizer, cal.samples, cal.length)
@@ -55,8 +62,11 @@ def calibrate(source: Source, opts: ConvertOptions, needed: bool, budget: int | 
     mode = "whole" if source.layers.size_bytes() <= budget else "offload"
     teacher, offload_dir = (source.whole(), None) if mode == "whole" else _offloaded(source, budget)
     try:
-        windows = packed_teacher_windows(teacher_windows, teacher, windows, lengths, opts.seed) if lengths else \
-            teacher_windows(teacher, windows, seed=opts.seed)  # fmt: skip
+        windows = (
+            packed_teacher_windows(teacher_windows, teacher, windows, lengths, opts.seed)
+            if lengths
+            else teacher_windows(teacher, windows, seed=opts.seed)
+        )
     finally:
         del teacher
         gc.collect()
@@ -93,7 +103,12 @@ def _offloaded(source: Source, budget: int):
     max_memory = {where: budget} if where != "cpu" else {"cpu": budget}
     if where != "cpu":
         max_memory["cpu"] = memory_budget(torch.device("cpu"))
-    model = AutoModelForCausalLM.from_pretrained(source.layers.folder, dtype=source.layers.dtype, device_map="auto",
-                                                 max_memory=max_memory, offload_folder=folder.name)  # fmt: skip
+    model = AutoModelForCausalLM.from_pretrained(
+        source.layers.folder,
+        dtype=source.layers.dtype,
+        device_map="auto",
+        max_memory=max_memory,
+        offload_folder=folder.name,
+    )
     logger.info("teacher sampling offloaded by accelerate: %s", sorted(set(model.hf_device_map.values()), key=str))
     return model.eval(), folder

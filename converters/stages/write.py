@@ -25,8 +25,9 @@ class OutputWriter:
 
     def __init__(self, out: Path, max_shard_size: str, overwrite: bool, dtype: str | None):
         self.dtype = dtype_of(dtype) if dtype is not None else None
-        self.writer = ShardedWriter(out, max_shard_size, overwrite,
-                                    prefix=STAGING.format(name=Path(out).name, pid=os.getpid()))  # fmt: skip
+        self.writer = ShardedWriter(
+            out, max_shard_size, overwrite, prefix=STAGING.format(name=Path(out).name, pid=os.getpid())
+        )
 
     def __enter__(self) -> "OutputWriter":
         return self

@@ -6,5 +6,14 @@ from ..options.registry import register_target, target_names, target_of
 from . import gqa, mla, latent_kv  # noqa: F401  (each registers its targets)
 from .base import ConversionTarget, LatentChoice, LayerChoice, LayerResult, Plan, Target
 
-__all__ = ["ConversionTarget", "LatentChoice", "LayerChoice", "LayerResult", "Plan", "Target", "register_target",
-           "target_names", "target_of"]
+__all__ = [
+    "ConversionTarget",
+    "LatentChoice",
+    "LayerChoice",
+    "LayerResult",
+    "Plan",
+    "Target",
+    "register_target",
+    "target_names",
+    "target_of",
+]

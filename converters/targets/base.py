@@ -178,11 +178,15 @@ class ConversionTarget:
 def refuse_allocation(opts) -> None:
     """Refuse a per-layer allocation where this target has none to make (the messages say what it needs)."""
     if opts.rank_allocation in ("sensitivity", "retrieval"):
-        raise ValueError(f"rank_allocation={opts.rank_allocation!r} needs to='mla', kv_budget and a native format "
-                         "(stock DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)")
+        raise ValueError(
+            f"rank_allocation={opts.rank_allocation!r} needs to='mla', kv_budget and a native format "
+            "(stock DeepSeek has one kv_lora_rank and one qk_rope_head_dim for all layers)"
+        )
     if opts.rank_allocation == "energy":
-        raise ValueError("rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
-                         "format (stock DeepSeek has one kv_lora_rank)")
+        raise ValueError(
+            "rank_allocation='energy' needs to='mla', kv_budget, method='calibrated' and a native "
+            "format (stock DeepSeek has one kv_lora_rank)"
+        )
 
 
 class LayerConfigs:

@@ -10,8 +10,15 @@ from ..methods.gqa_merge import GQA_METHODS, gqa_layer
 from ..options import resolved
 from ..options.fields import fill
 from ..options.registry import register_target
-from .base import (ConversionTarget, LayerConfigs, LayerResult, Target, converted_config, refuse_allocation,
-                   resolve_steps)
+from .base import (
+    ConversionTarget,
+    LayerConfigs,
+    LayerResult,
+    Target,
+    converted_config,
+    refuse_allocation,
+    resolve_steps,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +53,7 @@ class GQATarget(ConversionTarget):
     def stock_format(self, config, opts) -> bool:
         stock = opts.format == "stock" or (opts.format == "auto" and config.model_type in self.stock_types)
         if stock and config.model_type not in self.stock_types:
-            raise ValueError(f"format='stock' exists for GQA/MQA of {self.stock_types} only, not "
-                             f"{config.model_type!r}")  # fmt: skip
+            raise ValueError(f"format='stock' exists for GQA/MQA of {self.stock_types} only, not {config.model_type!r}")
         return stock
 
     def resolve(self, source, opts, stock_format: bool) -> Target:
@@ -55,19 +61,25 @@ class GQATarget(ConversionTarget):
         source_kv = dims.kv_heads
         if source_kv % opts.kv_heads:
             raise ValueError(f"kv_heads={opts.kv_heads} must divide the source's num_key_value_heads={source_kv}")
-        if opts.method != "mean" and dims.arch.split_heads(source.layers.attention(source.layers.layer(0))[1]).q_norm \
-                is not None:  # fmt: skip
+        if (
+            opts.method != "mean"
+            and dims.arch.split_heads(source.layers.attention(source.layers.layer(0))[1]).q_norm is not None
+        ):
             if dict(opts.given).get("method") is not None:  # asked for by name: refused before calibrating
-                raise ValueError(f"method={opts.method!r} with per-head q/k norms ({config.model_type}) is not "
-                                 f"supported: use method='mean'")  # fmt: skip
-            logger.warning("%s has per-head q/k norms: the default %r does not apply, using 'mean'",
-                           config.model_type, opts.method)  # fmt: skip
+                raise ValueError(
+                    f"method={opts.method!r} with per-head q/k norms ({config.model_type}) is not "
+                    f"supported: use method='mean'"
+                )
+            logger.warning(
+                "%s has per-head q/k norms: the default %r does not apply, using 'mean'", config.model_type, opts.method
+            )
             opts = resolved(opts, method="mean")
         share = opts.kv_heads / source_kv
         opts = resolve_steps(opts, share)
         layerwise = bool(opts.reconstruction.steps or (opts.calibration.propagate and opts.method != "mean"))
-        return Target(opts, source_kv, dims.head_dim, stock_format, share, opts.method != "mean" or layerwise,
-                      layerwise)  # fmt: skip
+        return Target(
+            opts, source_kv, dims.head_dim, stock_format, share, opts.method != "mean" or layerwise, layerwise
+        )
 
     def closed_form(self, opts, w, shape, stats, choice) -> LayerResult:
         state, groups = gqa_layer(opts.method, w, shape, opts.kv_heads, stats, regroup=opts.regroup)

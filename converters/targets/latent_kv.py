@@ -13,7 +13,16 @@ from ..methods.exact import stock_attention_layers
 from ..methods.latent_kv import latent_kv_layer
 from ..options.fields import fill
 from ..options.registry import register_target
-from .base import ConversionTarget, LatentChoice, LayerConfigs, LayerResult, Plan, Target, converted_config, resolve_steps
+from .base import (
+    ConversionTarget,
+    LatentChoice,
+    LayerConfigs,
+    LayerResult,
+    Plan,
+    Target,
+    converted_config,
+    resolve_steps,
+)
 
 LATENT_KV_METHODS = ("calibrated",)  # the metric-weighted closed form (methods/latent_kv.py)
 # defaults, chosen on the held-in criteria (docs/conversion.md, "Latent K/V"): the share of the KV budget spent on
@@ -28,8 +37,10 @@ class LatentKVTarget(ConversionTarget):
 
     def check_rank_allocation(self, opts) -> None:
         if opts.rank_allocation not in ("uniform", "retrieval"):
-            raise ValueError(f"rank_allocation={opts.rank_allocation!r}: to='latent_kv' takes 'uniform' or "
-                             "'retrieval' (exact keys for the KV heads that copy from far back)")  # fmt: skip
+            raise ValueError(
+                f"rank_allocation={opts.rank_allocation!r}: to='latent_kv' takes 'uniform' or "
+                "'retrieval' (exact keys for the KV heads that copy from far back)"
+            )
 
     def check_budget(self, opts) -> None:
         if opts.kv_budget is None:
@@ -47,8 +58,17 @@ class LatentKVTarget(ConversionTarget):
         share = (key_rank + value_rank) / (2 * dims.kv_heads * dims.head_dim)
         opts = resolve_steps(opts, share)
         layerwise = bool(opts.calibration.propagate or opts.reconstruction.steps)
-        return Target(opts, dims.kv_heads, dims.head_dim, False, share, True, layerwise, latent_key_rank=key_rank,
-                      latent_value_rank=value_rank)  # fmt: skip
+        return Target(
+            opts,
+            dims.kv_heads,
+            dims.head_dim,
+            False,
+            share,
+            True,
+            layerwise,
+            latent_key_rank=key_rank,
+            latent_value_rank=value_rank,
+        )
 
     def plan(self, tools) -> Plan:
         started = time.perf_counter()
@@ -60,28 +80,41 @@ class LatentKVTarget(ConversionTarget):
         return plan
 
     def closed_form(self, opts, w, shape, stats, choice) -> LayerResult:
-        return LayerResult(latent_kv_layer(w, shape, stats.input_cov, choice.key_rank, choice.value_rank,
-                                           opts.rope_context, choice.exact_key_heads))  # fmt: skip
+        return LayerResult(
+            latent_kv_layer(
+                w, shape, stats.input_cov, choice.key_rank, choice.value_rank, opts.rope_context, choice.exact_key_heads
+            )
+        )
 
     def layer_configs(self, config, opts, target, choices, half: int) -> LayerConfigs:
         return LayerConfigs(converted_config(config, self.variant, latent_kv_fields(choices)))
 
     def report(self, opts, target, plan, layers) -> dict:
-        return {"latent_kv": {"key_share": opts.key_share, "rope_context": opts.rope_context,
-                              "latent_key_rank_per_layer": [c.key_rank for c in plan.choices],
-                              "latent_value_rank_per_layer": [c.value_rank for c in plan.choices],
-                              "exact_key_heads_per_layer": [list(c.exact_key_heads) for c in plan.choices]}}  # fmt: skip
+        return {
+            "latent_kv": {
+                "key_share": opts.key_share,
+                "rope_context": opts.rope_context,
+                "latent_key_rank_per_layer": [c.key_rank for c in plan.choices],
+                "latent_value_rank_per_layer": [c.value_rank for c in plan.choices],
+                "exact_key_heads_per_layer": [list(c.exact_key_heads) for c in plan.choices],
+            }
+        }
 
     def card(self, report: dict) -> dict:
         lk = report["latent_kv"]
         ranks = sorted({(k, v) for k, v in zip(lk["latent_key_rank_per_layer"], lk["latent_value_rank_per_layer"])})
-        shape = (f" Key latent + value latent dims per token per layer {', '.join(f'{k} + {v}' for k, v in ranks)}, "
-                 "taken before RoPE: keys are rebuilt per KV head and rotated with the source's exact RoPE.")
+        shape = (
+            f" Key latent + value latent dims per token per layer {', '.join(f'{k} + {v}' for k, v in ranks)}, "
+            "taken before RoPE: keys are rebuilt per KV head and rotated with the source's exact RoPE."
+        )
         b = report.get("budgets") or {}
         sections = []
         if b.get("allocation") == "retrieval" and "exact_key_heads" in b:  # copy KV heads' keys exact
-            sections = [f"Exact keys for the copy heads' KV heads (layer, head) {b['exact_key_heads']}, within the "
-                        f"same {b['values_per_token']} KV values per token.", ""]  # fmt: skip
+            sections = [
+                f"Exact keys for the copy heads' KV heads (layer, head) {b['exact_key_heads']}, within the "
+                f"same {b['values_per_token']} KV values per token.",
+                "",
+            ]
         return {"shape": shape, "sections": sections}
 
     def exact(self, model, shape) -> tuple[dict, dict]:
@@ -92,11 +125,16 @@ class LatentKVTarget(ConversionTarget):
             weights = shape.arch.split_heads(m)
             rank = weights.k_w.shape[0]
             if rank > shape.hidden:
-                raise ValueError(f"latent_kv's exact form needs num_key_value_heads*head_dim={rank} <= "
-                                 f"hidden_size={shape.hidden}")  # fmt: skip
+                raise ValueError(
+                    f"latent_kv's exact form needs num_key_value_heads*head_dim={rank} <= hidden_size={shape.hidden}"
+                )
             cov = torch.eye(shape.hidden + 1, dtype=torch.float64)  # any full-rank input: the fit is exact
             lifted[name] = latent_kv_layer(weights, shape, cov, rank, rank, context=1)
-        return lifted, {"latent_key_rank": rank, "latent_value_rank": rank, "num_key_value_heads": rank // shape.head_dim}
+        return lifted, {
+            "latent_key_rank": rank,
+            "latent_value_rank": rank,
+            "num_key_value_heads": rank // shape.head_dim,
+        }
 
 
 def latent_kv_sizes(kv_budget: float, key_share: float, shape: AttentionShape) -> tuple[int, int]:
@@ -115,8 +153,10 @@ def latent_kv_sizes(kv_budget: float, key_share: float, shape: AttentionShape) -
 def latent_kv_fields(choices: list[LatentChoice]) -> dict:
     """Config fields of a latent_kv conversion: one rank each when every layer has the same, else per-layer lists."""
     fields = {}
-    for name, values in (("latent_key_rank", [c.key_rank for c in choices]),
-                         ("latent_value_rank", [c.value_rank for c in choices])):  # fmt: skip
+    for name, values in (
+        ("latent_key_rank", [c.key_rank for c in choices]),
+        ("latent_value_rank", [c.value_rank for c in choices]),
+    ):
         fields[name] = values[0] if len(set(values)) == 1 else values
     return fields
 

@@ -18,8 +18,17 @@ from ..methods.mla_lift import all_pairs, lift_mla
 from ..methods.mla_plan import MLA_METHODS, LatentPlan, allocate_ranks, lift_plan, plan_layer, ranked_components
 from ..options.fields import fill
 from ..options.registry import register_target
-from .base import (ConversionTarget, LayerChoice, LayerConfigs, LayerResult, Plan, Target, converted_config,
-                   refuse_allocation, resolve_steps)
+from .base import (
+    ConversionTarget,
+    LayerChoice,
+    LayerConfigs,
+    LayerResult,
+    Plan,
+    Target,
+    converted_config,
+    refuse_allocation,
+    resolve_steps,
+)
 
 
 class MLATarget(ConversionTarget):
@@ -43,8 +52,9 @@ class MLATarget(ConversionTarget):
 
     def check_budget(self, opts) -> None:
         if (opts.kv_lora_rank is None) == (opts.kv_budget is None):
-            raise ValueError(f"to='mla' needs exactly one of kv_lora_rank={opts.kv_lora_rank!r} and "
-                             f"kv_budget={opts.kv_budget!r}")  # fmt: skip
+            raise ValueError(
+                f"to='mla' needs exactly one of kv_lora_rank={opts.kv_lora_rank!r} and kv_budget={opts.kv_budget!r}"
+            )
         if opts.kv_budget is not None and not 0 < opts.kv_budget <= 1:
             raise ValueError(f"kv_budget={opts.kv_budget!r} must be a fraction in (0, 1]")
         if opts.rope_context is None:  # the calibration window (the source's context costs short-range quality:
@@ -70,8 +80,9 @@ class MLATarget(ConversionTarget):
         if opts.rank_allocation == "sensitivity":  # the candidate grid is checked against the budget before calibrating
             candidate_grid(dims, opts.kv_budget, opts.rope_dim)
         layerwise = bool(opts.calibration.propagate or opts.reconstruction.steps)
-        return Target(opts, dims.kv_heads, dims.head_dim, False, share, True, layerwise, rope_dim, kv_lora_rank,
-                      export_rope)  # fmt: skip
+        return Target(
+            opts, dims.kv_heads, dims.head_dim, False, share, True, layerwise, rope_dim, kv_lora_rank, export_rope
+        )
 
     def plan(self, tools) -> Plan:
         source, opts, target = tools.source, tools.opts, tools.target
@@ -83,16 +94,21 @@ class MLATarget(ConversionTarget):
         elif opts.rank_allocation == "retrieval":  # copy-head layers exact (stages/retrieval.py)
             plan = Plan(*tools.retrieval())
         elif opts.rank_allocation == "energy":
-            energies = [LatentPlan([], torch.empty(0), torch.empty(0), mla_plan(opts, w, source.shape, stats, c).energy)
-                        for (_, _, w, stats), c in zip(tools.layer_statistics(), uniform)]  # fmt: skip
+            energies = [
+                LatentPlan([], torch.empty(0), torch.empty(0), mla_plan(opts, w, source.shape, stats, c).energy)
+                for (_, _, w, stats), c in zip(tools.layer_statistics(), uniform)
+            ]
             ranks = allocate_ranks(energies, target.kv_lora_rank * n)
             plan = Plan([LayerChoice(target.rope_dim, r) for r in ranks])
         elif opts.format == "deepseek_v3":  # one component per frequency 0, s, 2s, ...: what a stock RoPE key turns at
-            ranked = [ranked_components(opts.method, w, source.shape, stats, opts.rope_context)
-                      for _, _, w, stats in tools.layer_statistics()]  # fmt: skip
+            ranked = [
+                ranked_components(opts.method, w, source.shape, stats, opts.rope_context)
+                for _, _, w, stats in tools.layer_statistics()
+            ]
             frequencies, stride = stock_frequencies(ranked, source.shape.half, target.rope_dim // 2)
-            plan = Plan([LayerChoice(target.rope_dim, target.kv_lora_rank, frequencies) for _ in range(n)],
-                        stride=stride)  # fmt: skip
+            plan = Plan(
+                [LayerChoice(target.rope_dim, target.kv_lora_rank, frequencies) for _ in range(n)], stride=stride
+            )
         else:
             return Plan(uniform)
         plan.seconds = round(time.perf_counter() - started, 3)
@@ -109,8 +125,15 @@ class MLATarget(ConversionTarget):
             plan = first.plan
         else:
             pairs = first.fields["mla_rope_pairs"] or []
-            plan = plan_layer(opts.method, w, shape, stats, choice.rope_dim, opts.rope_context,
-                              frequencies=pairs if choice.rope_dim else None)  # fmt: skip
+            plan = plan_layer(
+                opts.method,
+                w,
+                shape,
+                stats,
+                choice.rope_dim,
+                opts.rope_context,
+                frequencies=pairs if choice.rope_dim else None,
+            )
         state, fields = lift_plan(plan, w, shape, choice.rank)
         return LayerResult(state, plan=plan, fields=fields)
 
@@ -123,17 +146,25 @@ class MLATarget(ConversionTarget):
     def report(self, opts, target, plan, layers) -> dict:
         choices = plan.choices
         rope_dims = [c.rope_dim for c in choices]
-        return {"mla": {"kv_lora_rank": target.kv_lora_rank, "qk_rope_head_dim": max(rope_dims),
-                        "qk_rope_head_dim_per_layer": rope_dims,
-                        "qk_nope_head_dim": layers.config.qk_nope_head_dim, "rope_pairs_per_layer": layers.pairs,
-                        "kv_lora_rank_per_layer": [c.rank for c in choices],
-                        "retained_energy_per_layer": layers.retained}}  # fmt: skip
+        return {
+            "mla": {
+                "kv_lora_rank": target.kv_lora_rank,
+                "qk_rope_head_dim": max(rope_dims),
+                "qk_rope_head_dim_per_layer": rope_dims,
+                "qk_nope_head_dim": layers.config.qk_nope_head_dim,
+                "rope_pairs_per_layer": layers.pairs,
+                "kv_lora_rank_per_layer": [c.rank for c in choices],
+                "retained_energy_per_layer": layers.retained,
+            }
+        }
 
     def card(self, report: dict) -> dict:
         mla = report["mla"]
         varies = any(len(set(mla.get(k) or [])) > 1 for k in ("kv_lora_rank_per_layer", "qk_rope_head_dim_per_layer"))
-        shape = (f" Latent rank {mla['kv_lora_rank']} + RoPE key {mla['qk_rope_head_dim']} dims per token per layer"
-                 f"{' (the largest; each layer its own, below)' if varies else ''}.")  # fmt: skip
+        shape = (
+            f" Latent rank {mla['kv_lora_rank']} + RoPE key {mla['qk_rope_head_dim']} dims per token per layer"
+            f"{' (the largest; each layer its own, below)' if varies else ''}."
+        )
         return {"shape": shape, "sections": _budget_lines(report.get("budgets") or {}) + _deepseek_lines(report)}
 
     def exact(self, model, shape) -> tuple[dict, dict]:
@@ -163,8 +194,11 @@ class MLAConfigs(LayerConfigs):
         return self.final()
 
     def final(self):
-        return converted_config(self.config, "mla", mla_layer_fields(self.last_fields, self.choices, self.pairs,
-                                                                     self.opts.rank_allocation, self.half))  # fmt: skip
+        return converted_config(
+            self.config,
+            "mla",
+            mla_layer_fields(self.last_fields, self.choices, self.pairs, self.opts.rank_allocation, self.half),
+        )
 
 
 def mla_plan(opts, w, shape: AttentionShape, stats, choice: LayerChoice) -> LatentPlan:
@@ -172,21 +206,23 @@ def mla_plan(opts, w, shape: AttentionShape, stats, choice: LayerChoice) -> Late
     if choice.exact:
         return exact_plan(w, shape)
     ranked = ranked_components(opts.method, w, shape, stats, opts.rope_context) if choice.rope_dim else None
-    return plan_layer(opts.method, w, shape, stats, choice.rope_dim, opts.rope_context,
-                      frequencies=choice.frequencies, ranked=ranked)  # fmt: skip
+    return plan_layer(
+        opts.method, w, shape, stats, choice.rope_dim, opts.rope_context, frequencies=choice.frequencies, ranked=ranked
+    )
 
 
-def mla_layer_fields(last_fields: dict, choices: list[LayerChoice], pairs: list, allocation: str,
-                     half: int) -> dict:  # fmt: skip
+def mla_layer_fields(last_fields: dict, choices: list[LayerChoice], pairs: list, allocation: str, half: int) -> dict:
     """Config fields of an MLA conversion: lift_plan's (the same for every layer but the RoPE pairs), the largest
     rank and RoPE dims, and the per-layer lists (ranks: allocations but uniform; RoPE dims: sensitivity, retrieval).
     pairs: per layer its kept frequencies (None for a layer not converted yet: a valid multiset of frequencies
     < half, the source's RoPE pairs per head, stands in)."""
     ranks, ropes = [c.rank for c in choices], [c.rope_dim for c in choices]
     fields = dict(last_fields)
-    fields["mla_rope_pairs"] = [p if p is not None else sorted(j % half for j in range(r // 2))
-                                for p, r in zip(pairs, ropes)] \
-        if max(ropes) else None  # fmt: skip
+    fields["mla_rope_pairs"] = (
+        [p if p is not None else sorted(j % half for j in range(r // 2)) for p, r in zip(pairs, ropes)]
+        if max(ropes)
+        else None
+    )
     fields["kv_lora_rank"] = max(ranks)
     fields["qk_rope_head_dim"] = max(ropes)
     if allocation != "uniform":
@@ -208,7 +244,9 @@ def mla_sizes(opts, shape: AttentionShape) -> tuple[int, int]:
     if opts.kv_lora_rank is not None:
         return rope_dim, opts.kv_lora_rank
     if budget - rope_dim < 1:
-        raise ValueError(f"kv_budget={opts.kv_budget} gives {budget} values per token: no room beside rope_dim={rope_dim}")
+        raise ValueError(
+            f"kv_budget={opts.kv_budget} gives {budget} values per token: no room beside rope_dim={rope_dim}"
+        )
     return rope_dim, budget - rope_dim
 
 
@@ -216,15 +254,24 @@ def _budget_lines(b: dict) -> list[str]:
     """The card's account of the per-layer allocation: copy-head layers kept exact, or each layer's measured choice."""
     if b.get("allocation") == "retrieval":  # copy-head layers exact (converters/stages/retrieval.py)
         other = next((c for c in b["layers"] if c["layer"] not in b["exact_layers"]), None)
-        return [f"Layers {b['exact_layers']} (copy heads) kept exact; the others RoPE + latent dims "
-                f"{other and (other['rope_dim'], other['kv_lora_rank'])}.", ""]  # fmt: skip
+        return [
+            f"Layers {b['exact_layers']} (copy heads) kept exact; the others RoPE + latent dims "
+            f"{other and (other['rope_dim'], other['kv_lora_rank'])}.",
+            "",
+        ]
     if not b:
         return []
     lines = [f"KV budget by measured sensitivity: {b['values_per_token']} of {b['budget_values_per_token']} "
              f"values per token (KL of each layer's choice alone, on {b['windows']} calibration windows).", "",
              "| layer | choice | RoPE dims | latent rank | KL |", "|---:|---|---:|---:|---:|"]  # fmt: skip
-    return lines + [f"| {c['layer']} | {c['choice']} | {c['rope_dim']} | {c['kv_lora_rank']} | {c['kl']:.2e} |"
-                    for c in b["layers"]] + [""]  # fmt: skip
+    return (
+        lines
+        + [
+            f"| {c['layer']} | {c['choice']} | {c['rope_dim']} | {c['kv_lora_rank']} | {c['kl']:.2e} |"
+            for c in b["layers"]
+        ]
+        + [""]
+    )
 
 
 def _deepseek_lines(report: dict) -> list[str]:
@@ -233,10 +280,12 @@ def _deepseek_lines(report: dict) -> list[str]:
         return []
     ds = report["deepseek_v3"]
     shape = ds["shape"]
-    exact = ("exact up to rounding: the latent is scaled so that kv_a_layernorm is linear (fp32 / bf16 weights; "
-             "not fp16, nor GGUF f16 or quantizations with fp16 block scales: use --outtype f32 or bf16)"
-             if ds["latent_norm"]["mode"] == "linear" else
-             "approximate: what follows kv_a_layernorm is fitted by least squares (fp16)")  # fmt: skip
+    exact = (
+        "exact up to rounding: the latent is scaled so that kv_a_layernorm is linear (fp32 / bf16 weights; "
+        "not fp16, nor GGUF f16 or quantizations with fp16 block scales: use --outtype f32 or bf16)"
+        if ds["latent_norm"]["mode"] == "linear"
+        else "approximate: what follows kv_a_layernorm is fitted by least squares (fp16)"
+    )
     lines = [
         f"A stock `DeepseekV3ForCausalLM` (dense layers, no MoE) shaped for {ds['engine']}: kv_lora_rank "
         f"{shape['kv_lora_rank']} + qk_rope_head_dim {shape['qk_rope_head_dim']}; transformers loads it without "
@@ -245,13 +294,19 @@ def _deepseek_lines(report: dict) -> list[str]:
         "",
     ]
     if not ds["rope"]["exact"]:
-        lines += [f"RoPE ({ds['rope']['rope_type']}): nearest stock frequencies, largest relative error "
-                  f"{ds['rope']['max_relative_frequency_error']:.2g}.", ""]  # fmt: skip
+        lines += [
+            f"RoPE ({ds['rope']['rope_type']}): nearest stock frequencies, largest relative error "
+            f"{ds['rope']['max_relative_frequency_error']:.2g}.",
+            "",
+        ]
     if "q_lora" in ds:
         q = ds["q_lora"]
-        lines += [f"Its query LoRA of rank {q['rank']} (llama.cpp needs one) adds {q['extra_parameters']:,} "
-                  f"parameters ({q['extra_fraction_of_model']:.1%}) at KL {q['kl_to_q_proj_per_token']:.1e} per "
-                  f"token.", ""]  # fmt: skip
+        lines += [
+            f"Its query LoRA of rank {q['rank']} (llama.cpp needs one) adds {q['extra_parameters']:,} "
+            f"parameters ({q['extra_fraction_of_model']:.1%}) at KL {q['kl_to_q_proj_per_token']:.1e} per "
+            f"token.",
+            "",
+        ]
     return lines
 
 

@@ -11,5 +11,15 @@ from ..variants import Variant, variant_names, variant_of
 
 VARIANTS = variant_names()  # ("gqa", "mla", "latent_kv")
 
-__all__ = ["AttentionSpec", "GroupedQueryAttention", "LatentKVAttention", "MultiHeadLatentAttention", "VARIANTS",
-           "Variant", "VariantAttention", "eager_attention", "variant_names", "variant_of"]
+__all__ = [
+    "AttentionSpec",
+    "GroupedQueryAttention",
+    "LatentKVAttention",
+    "MultiHeadLatentAttention",
+    "VARIANTS",
+    "Variant",
+    "VariantAttention",
+    "eager_attention",
+    "variant_names",
+    "variant_of",
+]

@@ -24,11 +24,23 @@ from transformers.modeling_utils import AttentionInterface
 
 from ..cache import metadata
 from ..cache.kv_storage import KVStorage
-from ..cache.metadata import (PAGED_ATTENTION, AttentionMetadata, ForwardContext, get_forward_context,
-                              set_forward_context)  # fmt: skip
+from ..cache.metadata import (
+    PAGED_ATTENTION,
+    AttentionMetadata,
+    ForwardContext,
+    get_forward_context,
+    set_forward_context,
+)
 
-__all__ = ["PAGED_ATTENTION", "finish_layer", "interface_in_context", "paged_attention_forward", "read_segment", "segments",
-           "write_new"]
+__all__ = [
+    "PAGED_ATTENTION",
+    "finish_layer",
+    "interface_in_context",
+    "paged_attention_forward",
+    "read_segment",
+    "segments",
+    "write_new",
+]
 DECODE_GROUP = 16  # decodes per batched CPU attention call: sorted by context length, padded to the group's longest
 # Keyword arguments the decode kernels do not take: with any set, the reference runs (sliding_window needs none:
 # the window is the layer's group; SDPA raises for softcap as it always did).
@@ -62,9 +74,15 @@ def layer_storage(context: ForwardContext, layer: int, key: torch.Tensor, value:
     storage = context.storage[layer]
     if storage is None:
         group = context.metadata.layer_groups[layer]
-        storage = context.storage[layer] = KVStorage(context.num_blocks[group], context.metadata.block_size,
-                                                     key.shape[1], key.shape[-1], value.shape[-1], key,
-                                                     fused=context.specs[layer].fused)  # fmt: skip
+        storage = context.storage[layer] = KVStorage(
+            context.num_blocks[group],
+            context.metadata.block_size,
+            key.shape[1],
+            key.shape[-1],
+            value.shape[-1],
+            key,
+            fused=context.specs[layer].fused,
+        )
     return storage
 
 
@@ -86,8 +104,9 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if context is not None and not context.route:  # PagedKVCache's decode step
         return _cache_decode(module, query, key, value, attention_mask, scaling, dropout, context, kwargs)
     if context is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)  # fmt: skip
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     if dropout:
         raise ValueError(f"paged attention has no dropout (got dropout={dropout}); call model.eval()")
     layer, meta = module.layer_idx, context.metadata
@@ -121,19 +140,22 @@ def _cache_decode(module, query, key, value, attention_mask, scaling, dropout, c
     layer = module.layer_idx
     try:
         if not reads_pages(context, layer, key):  # stale context: ordinary tensors
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                          dropout=dropout, **kwargs)  # fmt: skip
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
         meta, storage = context.metadata, context.storage[layer]
         group = meta.layer_groups[layer]
         kernel = not dropout and not any(kwargs.get(name) for name in _REFERENCE_ONLY_KWARGS)
         if kernel and query.dtype == storage.dtype:
             window = group if isinstance(group, int) else None
-            out = _kernel_attention(query[:, :, 0], storage.key_cache, storage.value_cache, meta, group, scaling,
-                                    window, None)  # fmt: skip
+            out = _kernel_attention(
+                query[:, :, 0], storage.key_cache, storage.value_cache, meta, group, scaling, window, None
+            )
             return out.unsqueeze(1), None
         key, value = context.gather(layer)
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)  # fmt: skip
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+        )
     finally:
         finish_layer(context, layer)
 
@@ -206,8 +228,9 @@ def _reference_attention(q, storage: KVStorage, meta, group, scale, window, soft
         k, v = k.to(q.dtype), v.to(q.dtype)
         if isinstance(selector, slice):
             queries = q[selector].transpose(0, 1)[None]  # [1, H, n, d_k]
-            o = F.scaled_dot_product_attention(queries, k, v, attn_mask=visible, scale=scale,
-                                               enable_gqa=k.shape[1] != queries.shape[1])  # fmt: skip
+            o = F.scaled_dot_product_attention(
+                queries, k, v, attn_mask=visible, scale=scale, enable_gqa=k.shape[1] != queries.shape[1]
+            )
             out[selector] = o[0].transpose(0, 1)  # [n, H, d_v]
         else:
             queries = q[selector][:, :, None]  # [g, H, 1, d_k]

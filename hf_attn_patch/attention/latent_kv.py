@@ -151,9 +151,16 @@ class LatentKVAttention(VariantAttention):
         if mask is not None:
             mask = mask.repeat_interleave(groups, dim=0) if mask.shape[0] == batch and batch > 1 else mask
         out, weights = attention_function(self.config)(
-            self, qg, kg, vg, mask, dropout=dropout, scaling=self.scaling, sliding_window=self.spec.sliding_window,
+            self,
+            qg,
+            kg,
+            vg,
+            mask,
+            dropout=dropout,
+            scaling=self.scaling,
+            sliding_window=self.spec.sliding_window,
             **kwargs,
-        )  # fmt: skip
+        )
         out = out.view(batch, groups, length, heads // groups, -1).permute(0, 2, 1, 3, 4)  # [B, T, G, H/G, r_v]
         if weights is not None:
             weights = weights.reshape(batch, heads, length, -1)
@@ -217,8 +224,7 @@ class LatentKVSpec(GQASpec):
                 )
         if len(self.rope_frequencies) != self.rotary_dim // 2:
             raise ValueError(
-                f"latent_kv needs the model's {self.rotary_dim // 2} RoPE frequencies, "
-                f"got {len(self.rope_frequencies)}"
+                f"latent_kv needs the model's {self.rotary_dim // 2} RoPE frequencies, got {len(self.rope_frequencies)}"
             )
 
 
@@ -252,8 +258,10 @@ def cache_spec(config, layer_idx: int) -> CacheSpec:
 
 def latent_factors(attn: LatentKVAttention) -> list:
     """c_k = k_a_proj x read by k_b_proj; c_v = v_a_proj x read by each query head's block of o_proj's input."""
-    return [(attn.k_a_proj, slice(0, attn.key_rank), attn.k_b_proj, 1),
-            (attn.v_a_proj, slice(0, attn.value_rank), attn.o_proj, attn.num_heads)]
+    return [
+        (attn.k_a_proj, slice(0, attn.key_rank), attn.k_b_proj, 1),
+        (attn.v_a_proj, slice(0, attn.value_rank), attn.o_proj, attn.num_heads),
+    ]
 
 
 def layer_latent_rank(config, layer_idx: int, field: str) -> int | None:
@@ -289,5 +297,14 @@ def paged_forward(module, q, c_k, c_v, context: ForwardContext) -> torch.Tensor:
     return out[None]
 
 
-VARIANT = register(Variant("latent_kv", LatentKVAttention, LatentKVSpec, spec_fields, cache_spec,
-                           paged_forward=paged_forward, latent_factors=latent_factors))
+VARIANT = register(
+    Variant(
+        "latent_kv",
+        LatentKVAttention,
+        LatentKVSpec,
+        spec_fields,
+        cache_spec,
+        paged_forward=paged_forward,
+        latent_factors=latent_factors,
+    )
+)

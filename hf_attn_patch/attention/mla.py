@@ -206,9 +206,13 @@ class MultiHeadLatentAttention(VariantAttention):
                 bias = torch.bmm(q_rope.reshape(batch, rows, -1) * self.scaling, k_rope.squeeze(1).transpose(1, 2))
             bias = mask_bias(bias, attention_mask, self.spec.sliding_window, shape, q_latent)
             out_latent = nn.functional.scaled_dot_product_attention(
-                q_latent[:, None], c, c, attn_mask=None if bias is None else bias[:, None], scale=self.scaling,
+                q_latent[:, None],
+                c,
+                c,
+                attn_mask=None if bias is None else bias[:, None],
+                scale=self.scaling,
                 dropout_p=self.spec.dropout if self.training else 0.0,
-            )[:, 0]  # fmt: skip
+            )[:, 0]
         # W_UV folded out: per head [B*T, d_c] @ [d_c, d_v] -> [B, T, H, d_v]
         out_latent = out_latent.view(batch, heads, length, -1).transpose(0, 1).reshape(heads, batch * length, -1)
         out = torch.bmm(out_latent, w_uv.transpose(1, 2)).view(heads, batch, length, -1).permute(1, 2, 0, 3)
@@ -224,22 +228,29 @@ def _gemm_attention(c: torch.Tensor, rows: int, dropout) -> bool:
     decode's few rows run on one thread, while the GEMMs split the cached tokens across threads. With one thread
     SDPA's single pass over the cache wins (the GEMMs read it twice: 8% slower at 4K tokens, 10% at 16K, in
     scripts/bench_kernels.py mla-decode). Long absorbed prefills keep SDPA's blockwise softmax."""
-    return (c.is_cpu and c.dtype in (torch.float32, torch.float64) and not dropout and rows <= GEMM_ATTENTION_ROWS
-            and torch.get_num_threads() > 1)  # fmt: skip
+    return (
+        c.is_cpu
+        and c.dtype in (torch.float32, torch.float64)
+        and not dropout
+        and rows <= GEMM_ATTENTION_ROWS
+        and torch.get_num_threads() > 1
+    )
 
 
 def _joint_rows(c: torch.Tensor, k_rope: torch.Tensor) -> torch.Tensor | None:
     """[B, 1, S, d_c + d_r]: a view of c and k_rope together when each token's k_rope directly follows its c in
     memory (a cache that stores [c | k_rope] rows, as PagedKVCache does); else None."""
     d_c, d_r = c.shape[-1], k_rope.shape[-1]
-    if (c.stride() != k_rope.stride() or c.shape[:-1] != k_rope.shape[:-1] or c.stride(-1) != 1
-            or c.stride(-2) != d_c + d_r or c.dtype != k_rope.dtype
-            or k_rope.data_ptr() != c.data_ptr() + d_c * c.element_size()):  # fmt: skip
+    if (
+        c.stride() != k_rope.stride()
+        or c.shape[:-1] != k_rope.shape[:-1]
+        or c.stride(-1) != 1
+        or c.stride(-2) != d_c + d_r
+        or c.dtype != k_rope.dtype
+        or k_rope.data_ptr() != c.data_ptr() + d_c * c.element_size()
+    ):
         return None
     return c.as_strided((*c.shape[:-1], d_c + d_r), c.stride())
-
-
-
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -319,8 +330,10 @@ class MLASpec(AttentionSpec):
 
 def spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
     """MLASpec's own fields from a config, per layer where a conversion chose per-layer sizes."""
-    fields = {name: getattr(config, name, None)
-              for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")}
+    fields = {
+        name: getattr(config, name, None)
+        for name in ("kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+    }
     if fields["qk_nope_head_dim"] is None or fields["qk_rope_head_dim"] is None:
         return fields  # validate() names the missing field
     fields["kv_lora_rank"] = layer_kv_lora_rank(config, layer_idx)
@@ -337,16 +350,17 @@ def spec_fields(config, layer_idx: int, arch, common: dict) -> dict:
         scaling=arch.mla_scaling(config, layer_idx, fields["qk_nope_head_dim"] + fields["qk_rope_head_dim"]),
         mla_latent_norm=bool(getattr(config, "mla_latent_norm", True)),
         mla_rope_pairs=None if pairs is None else tuple(pairs),
-        rope_interleave=arch.rope_interleave if arch.rope_interleave is not None else bool(
-            getattr(config, "rope_interleave", False)
-        ),
+        rope_interleave=arch.rope_interleave
+        if arch.rope_interleave is not None
+        else bool(getattr(config, "rope_interleave", False)),
     )
 
 
 def cache_spec(config, layer_idx: int) -> CacheSpec:
     """The latent and the shared RoPE key, one row [c | k_rope] per token (the latent decode kernel reads it)."""
-    return CacheSpec("mla", 1, layer_kv_lora_rank(config, layer_idx), layer_qk_rope_head_dim(config, layer_idx),
-                     fused=True)
+    return CacheSpec(
+        "mla", 1, layer_kv_lora_rank(config, layer_idx), layer_qk_rope_head_dim(config, layer_idx), fused=True
+    )
 
 
 def mha_values(config) -> int:
@@ -404,11 +418,12 @@ def paged_forward(module, q_nope, q_rope, latent, k_rope, context: ForwardContex
     group = meta.layer_groups[layer]
     window = module.spec.sliding_window
     if metadata.use_kernels(q_nope) and meta.is_decode and window is None and module.qk_rope_head_dim:
-        return kernel_decode(module, q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), storage.rows,
-                                 meta)[None]  # fmt: skip
+        return kernel_decode(module, q_nope[0].transpose(0, 1), q_rope[0].transpose(0, 1), storage.rows, meta)[None]
     out = q_nope.new_empty((q_nope.shape[2], q_nope.shape[1], module.v_head_dim))
     for i, (selector, blocks, visible) in enumerate(backend.segments(meta, group, window)):  # the torch reference
-        c, rope = backend.read_segment(storage, meta, (group, window, i), blocks, visible.shape[-1])  # [b, 1, L, d_c / d_r]
+        c, rope = backend.read_segment(
+            storage, meta, (group, window, i), blocks, visible.shape[-1]
+        )  # [b, 1, L, d_c / d_r]
         if isinstance(selector, slice):
             qn, qr = q_nope[:, :, selector], q_rope[:, :, selector]
         else:
@@ -426,8 +441,16 @@ def kernel_decode(module, q_nope, q_rope, flat, meta: AttentionMetadata) -> torc
     w_uk, w_uv = module._up_weights()
     q_latent = torch.einsum("bhn,hnc->bhc", q_nope, w_uk)
     group = meta.layer_groups[module.layer_idx]
-    out_latent = mla_decode(q_latent, q_rope, flat, meta.block_tables[group], meta.seq_lens,
-                            block_size=meta.block_size, scale=module.scaling, validate=False)  # fmt: skip
+    out_latent = mla_decode(
+        q_latent,
+        q_rope,
+        flat,
+        meta.block_tables[group],
+        meta.seq_lens,
+        block_size=meta.block_size,
+        scale=module.scaling,
+        validate=False,
+    )
     return torch.einsum("bhc,hvc->bhv", out_latent.to(q_nope.dtype), w_uv)
 
 

@@ -38,8 +38,9 @@ class AttentionSpec:
     def __post_init__(self) -> None:
         variant = variant_of(self.variant)  # raises naming an unknown variant
         if not isinstance(self, variant.spec):
-            raise ValueError(f"attention_variant={self.variant!r} takes a {variant.spec.__name__}, "
-                             f"not a {type(self).__name__}")
+            raise ValueError(
+                f"attention_variant={self.variant!r} takes a {variant.spec.__name__}, not a {type(self).__name__}"
+            )
         positive("num_attention_heads", self.num_attention_heads)
         positive("hidden_size", self.hidden_size)
         self.check()

@@ -108,14 +108,18 @@ def check_state_layers(model, layer_groups, chunked_prefill: bool = True) -> dic
     kinds = getattr(config, "layer_types", None) or ["?"] * len(layer_groups)
     for idx, group in enumerate(layer_groups):
         if group == STATE and idx not in mixers:
-            raise ValueError(f"Engine: layer {idx} of {config.model_type!r} is a {kinds[idx]!r} layer, which the "
-                             f"engine does not serve (the state layers of {sorted(STATE_MIXERS)} only)")  # fmt: skip
+            raise ValueError(
+                f"Engine: layer {idx} of {config.model_type!r} is a {kinds[idx]!r} layer, which the "
+                f"engine does not serve (the state layers of {sorted(STATE_MIXERS)} only)"
+            )
     whole = {m.name for m in STATE_MIXERS.values() if not m.continues_chunks}
     for idx, mixer in mixers.items():
         if chunked_prefill and type(mixer).__name__ in whole:
-            raise ValueError(f"Engine: chunked_prefill=True, but layer {idx} ({type(mixer).__name__}) cannot start a "
-                             "prompt chunk from a state (transformers' scan starts from zeros); use "
-                             "chunked_prefill=False")  # fmt: skip
+            raise ValueError(
+                f"Engine: chunked_prefill=True, but layer {idx} ({type(mixer).__name__}) cannot start a "
+                "prompt chunk from a state (transformers' scan starts from zeros); use "
+                "chunked_prefill=False"
+            )
         if not getattr(type(mixer).forward, "runs_per_sequence", False):
             raise RuntimeError("Engine: hf_attn_patch is unpatched (unpatch() was called); call hf_attn_patch.patch()")
     return mixers

@@ -30,7 +30,9 @@ def pool_blocks_for_generation(rows: int, max_length: int, block_size: int) -> i
 
 
 def prepare_cache_with_paged(original):
-    def _prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
+    def _prepare_cache_for_generation(
+        self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length
+    ):
         if generation_config.cache_implementation != PAGED_CACHE_NAME or get_cache(model_kwargs) is not None:
             return original(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length)
         options = dict(generation_config.cache_config or {})

@@ -24,10 +24,23 @@ import torch
 
 
 class KVStorage:
-    def __init__(self, num_blocks: int, block_size: int, heads: int, key_dim: int, value_dim: int, like: torch.Tensor,
-                 fused: bool = False):  # fmt: skip
-        self.block_size, self.heads, self.key_dim, self.value_dim, self.fused = (block_size, heads, key_dim, value_dim,
-                                                                                  fused)  # fmt: skip
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        heads: int,
+        key_dim: int,
+        value_dim: int,
+        like: torch.Tensor,
+        fused: bool = False,
+    ):
+        self.block_size, self.heads, self.key_dim, self.value_dim, self.fused = (
+            block_size,
+            heads,
+            key_dim,
+            value_dim,
+            fused,
+        )
         slots = num_blocks * block_size
         self.paired = not fused and key_dim == value_dim
         if fused:
@@ -77,8 +90,9 @@ class KVStorage:
         """Extend to num_blocks blocks (new ones zero); existing slots keep their contents."""
         extra = num_blocks * self.block_size - self._tensors[0].shape[1]
         if extra > 0:
-            self._tensors = tuple(torch.cat((t, t.new_zeros((t.shape[0], extra, t.shape[2]))), 1)
-                                  for t in self._tensors)  # fmt: skip
+            self._tensors = tuple(
+                torch.cat((t, t.new_zeros((t.shape[0], extra, t.shape[2]))), 1) for t in self._tensors
+            )
             self._views()
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -95,8 +109,10 @@ class KVStorage:
         (Written out per tensor: a decode step calls this once per layer, so its Python is kept minimal.)"""
         kh, ks, ko, vh, vs, vo = self._geometry
         heads, row_k, row_v = self.heads, stride * ks, stride * vs
-        return (self.keys.as_strided((batch, heads, length, self.key_dim), (row_k, kh, ks, 1), ko + first * ks),
-                self.values.as_strided((batch, heads, length, self.value_dim), (row_v, vh, vs, 1), vo + first * vs))
+        return (
+            self.keys.as_strided((batch, heads, length, self.key_dim), (row_k, kh, ks, 1), ko + first * ks),
+            self.values.as_strided((batch, heads, length, self.value_dim), (row_v, vh, vs, 1), vo + first * vs),
+        )
 
     def append_strided(self, first: int, stride: int, start: int, keys: torch.Tensor, values: torch.Tensor):
         """Write keys [B, H, T, d_k], values [B, H, T, d_v] at positions [start, start + T) of the rows of `strided`

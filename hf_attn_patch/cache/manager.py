@@ -70,8 +70,15 @@ class KVManager:
         state_slots: the model has constant-state layers: one state slot per live sequence, this many at most.
     """
 
-    def __init__(self, block_size: int, num_blocks, groups=(None,), prefix_caching: bool = True,
-                 growable: bool = False, state_slots: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        block_size: int,
+        num_blocks,
+        groups=(None,),
+        prefix_caching: bool = True,
+        growable: bool = False,
+        state_slots: int = 0,
+    ):
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} must be a positive integer")
         self.block_size = block_size
@@ -112,8 +119,13 @@ class KVManager:
         pools = list(self.pools.values())
         total = sum(p.num_blocks - 1 for p in pools)
         used, cached = sum(p.num_live() for p in pools), sum(p.num_cached() for p in pools)
-        return {"block_size": self.block_size, "blocks_total": total, "blocks_used": used, "blocks_cached": cached,
-                "blocks_free": total - used - cached}
+        return {
+            "block_size": self.block_size,
+            "blocks_total": total,
+            "blocks_used": used,
+            "blocks_cached": cached,
+            "blocks_free": total - used - cached,
+        }
 
     def can_allocate(self, seq_id, start: int, end: int) -> bool:
         seq = self.sequences.get(seq_id)
@@ -194,8 +206,11 @@ class KVManager:
 
     def allocate_many(self, requests: list[tuple]) -> None:
         """allocate() for several (seq_id, start, end) at once, all or nothing (a batch of generate() rows)."""
-        needs = [(seq_id, start, g, *self._need(self.sequences[seq_id].tables[g], start, end, g))
-                 for seq_id, start, end in requests for g in self.groups]  # fmt: skip
+        needs = [
+            (seq_id, start, g, *self._need(self.sequences[seq_id].tables[g], start, end, g))
+            for seq_id, start, end in requests
+            for g in self.groups
+        ]
         for g in self.groups:
             n, pool = sum(need[3] for need in needs if need[2] == g), self.pools[g]
             while self.growable and n > pool.num_available():
@@ -264,8 +279,10 @@ class KVManager:
     def fork(self, source, seq_id) -> None:
         """A new sequence sharing every block of `source` (beams, num_return_sequences); writes copy on write."""
         if self.states is not None:
-            raise ValueError(f"fork({source!r}): constant-state layers (SSM / linear attention) cannot share a "
-                             "state copy-on-write; run each sequence from its own prompt")  # fmt: skip
+            raise ValueError(
+                f"fork({source!r}): constant-state layers (SSM / linear attention) cannot share a "
+                "state copy-on-write; run each sequence from its own prompt"
+            )
         src = self.sequences[source]
         self.add(seq_id)
         seq = self.sequences[seq_id]
@@ -280,8 +297,10 @@ class KVManager:
         """Keep positions [0, num_tokens) (speculative rollback): whole blocks past them are freed; a kept block
         that is hashed stays so, and the next write into it copies it."""
         if self.states is not None:
-            raise ValueError(f"crop({seq_id!r}, {num_tokens}): constant-state layers (SSM / linear attention) "
-                             "cannot roll their state back")  # fmt: skip
+            raise ValueError(
+                f"crop({seq_id!r}, {num_tokens}): constant-state layers (SSM / linear attention) "
+                "cannot roll their state back"
+            )
         seq = self.sequences[seq_id]
         keep = -(-max(0, num_tokens) // self.block_size)
         for g, table in seq.tables.items():

@@ -91,8 +91,9 @@ def forward_context(context: ForwardContext):
         _CONTEXT.reset(token)
 
 
-def build_metadata(tables: list[dict], starts: list[int], counts: list[int], block_size: int, layer_groups,
-                   device) -> AttentionMetadata:  # fmt: skip
+def build_metadata(
+    tables: list[dict], starts: list[int], counts: list[int], block_size: int, layer_groups, device
+) -> AttentionMetadata:
     """Sequences' block tables ({group: [block ids]}), first new position and new-token count -> metadata."""
     groups = list(tables[0]) if tables else []
     seq_lens = [s + n for s, n in zip(starts, counts)]
@@ -109,6 +110,14 @@ def build_metadata(tables: list[dict], starts: list[int], counts: list[int], blo
     loc = torch.zeros(len(counts) + 1, dtype=torch.long)
     loc[1:] = torch.tensor(counts, dtype=torch.long).cumsum(0)
     return AttentionMetadata(
-        block_tables, torch.tensor(seq_lens, dtype=torch.long, device=device), loc.to(device), slot_mapping,
-        block_size, tuple(layer_groups), max(counts, default=0), max(seq_lens, default=0), list(counts), seq_lens,
-    )  # fmt: skip
+        block_tables,
+        torch.tensor(seq_lens, dtype=torch.long, device=device),
+        loc.to(device),
+        slot_mapping,
+        block_size,
+        tuple(layer_groups),
+        max(counts, default=0),
+        max(seq_lens, default=0),
+        list(counts),
+        seq_lens,
+    )

@@ -76,8 +76,14 @@ class PagedKVCache(Cache):
             only: sliding windows and SSM states have no block-wise prefix).
     """
 
-    def __init__(self, config, block_size: int = 16, num_blocks: int | None = None, max_memory: int | None = None,
-                 enable_prefix_caching: bool = True):  # fmt: skip
+    def __init__(
+        self,
+        config,
+        block_size: int = 16,
+        num_blocks: int | None = None,
+        max_memory: int | None = None,
+        enable_prefix_caching: bool = True,
+    ):
         if not isinstance(block_size, int) or isinstance(block_size, bool) or block_size < 1:
             raise ValueError(f"block_size={block_size!r} must be a positive integer")
         if num_blocks is not None and max_memory is not None:
@@ -107,8 +113,9 @@ class PagedKVCache(Cache):
         self.paged = [layer for layer in layers if isinstance(layer, PagedLayer)]
         self.groups = sorted({layer.window for layer in self.paged}, key=lambda w: (w is not None, w or 0))
         # values per token of each group's layers together: a group's block holds bs tokens of all its layers
-        self.group_values = {g: sum(self.values_per_token[l.layer_idx] for l in self.paged if l.window == g)
-                             for g in self.groups}  # fmt: skip
+        self.group_values = {
+            g: sum(self.values_per_token[l.layer_idx] for l in self.paged if l.window == g) for g in self.groups
+        }
         self.prefix_caching = enable_prefix_caching and self.groups == [None] and len(self.paged) == len(layers)
         if enable_prefix_caching and not self.prefix_caching:
             logger.info("prefix caching disabled: it needs full attention in every layer (no windows, no SSM)")
@@ -130,8 +137,9 @@ class PagedKVCache(Cache):
 
     # -- requests --------------------------------------------------------------------------------------------
 
-    def start_request(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                      max_length: int | None = None) -> int:  # fmt: skip
+    def start_request(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, max_length: int | None = None
+    ) -> int:
         """Begin a new batch of prompts: release the previous rows, learn each row's left padding, and attach the
         cached blocks of the longest prefix all rows can skip. Returns the number of positions skipped.
 
@@ -217,9 +225,15 @@ class PagedKVCache(Cache):
         starts = [self.paged[0].length - 1 - row.pad for row in self.rows]
         kinds = [layer.window if isinstance(layer, PagedLayer) else STATE for layer in self.layers]
         meta = build_metadata(tables, starts, [1] * len(self.rows), self.block_size, kinds, device)
-        return ForwardContext(meta, [None] * len(self.layers), {g: p.num_blocks for g, p in self.manager.pools.items()},
-                              route=False, gather=self._gather, last_layer=self.paged[-1].layer_idx,
-                              specs=self.specs)  # fmt: skip
+        return ForwardContext(
+            meta,
+            [None] * len(self.layers),
+            {g: p.num_blocks for g, p in self.manager.pools.items()},
+            route=False,
+            gather=self._gather,
+            last_layer=self.paged[-1].layer_idx,
+            specs=self.specs,
+        )
 
     def _gather(self, layer_idx: int):
         """K [B, H, L, d_k], V [B, H, L, d_v] of one paged layer (the reference path of a paged_kv decode)."""
@@ -247,8 +261,12 @@ class PagedKVCache(Cache):
             self.slots.advance(start)
         else:
             self._plan_step(start, new, device)
-        self._kernel_step = (new == 1 and self._left_padding_only and metadata.use_kernels(keys)
-                             and self.config._attn_implementation == PAGED_ATTENTION)  # fmt: skip
+        self._kernel_step = (
+            new == 1
+            and self._left_padding_only
+            and metadata.use_kernels(keys)
+            and self.config._attn_implementation == PAGED_ATTENTION
+        )
         self._step_start = start
 
     def _plan_step(self, start: int, new: int, device) -> None:
@@ -259,8 +277,9 @@ class PagedKVCache(Cache):
             self.slots.lay_out(self.rows, self.manager, self._reserve, self._padding_storable)
             self._reserve = 0
         # stored positions (left padding excluded) written this step; all rows or none (CacheFullError)
-        self.manager.allocate_many([(row.id, max(0, start - row.pad), max(0, start + new - row.pad))
-                                    for row in self.rows])  # fmt: skip
+        self.manager.allocate_many(
+            [(row.id, max(0, start - row.pad), max(0, start + new - row.pad)) for row in self.rows]
+        )
         self._pool_blocks = {g: pool.num_blocks for g, pool in self.manager.pools.items()}
         if self._pool_blocks != self._storage_blocks:  # the pools grew: storage first, so copies have their targets
             for layer in self.paged:
@@ -313,8 +332,15 @@ class PagedKVCache(Cache):
         if layer.storage is None:
             if keys.shape[1] != values.shape[1]:
                 raise ValueError(f"keys have {keys.shape[1]} heads and values {values.shape[1]}: they must match")
-            layer.storage = KVStorage(num_blocks, self.block_size, keys.shape[1], keys.shape[-1], values.shape[-1],
-                                      keys, fused=self.specs[layer.layer_idx].fused)  # fmt: skip
+            layer.storage = KVStorage(
+                num_blocks,
+                self.block_size,
+                keys.shape[1],
+                keys.shape[-1],
+                values.shape[-1],
+                keys,
+                fused=self.specs[layer.layer_idx].fused,
+            )
         else:
             layer.storage.grow(num_blocks)
         self.slots.gather_index.clear()  # the flat indices depend on the storage's size
@@ -396,7 +422,21 @@ class PagedKVCache(Cache):
             per_slot = self.group_values[group] * element_size
             allocated += len(filled) * self.block_size * per_slot
             used += sum(filled.values()) * per_slot
-        blocks = self.manager.block_stats() if self.manager is not None else \
-            {"block_size": self.block_size, "blocks_total": 0, "blocks_used": 0, "blocks_cached": 0, "blocks_free": 0}
-        return {"allocated_bytes": allocated, "used_bytes": used, "utilization": used / allocated if allocated else 1.0,
-                "prefix_hit_tokens": self.prefix_hit_tokens, **blocks}
+        blocks = (
+            self.manager.block_stats()
+            if self.manager is not None
+            else {
+                "block_size": self.block_size,
+                "blocks_total": 0,
+                "blocks_used": 0,
+                "blocks_cached": 0,
+                "blocks_free": 0,
+            }
+        )
+        return {
+            "allocated_bytes": allocated,
+            "used_bytes": used,
+            "utilization": used / allocated if allocated else 1.0,
+            "prefix_hit_tokens": self.prefix_hit_tokens,
+            **blocks,
+        }

@@ -59,8 +59,12 @@ class SlotPlan:
         last step, which wrote position start - 1 of every row in the same block that position `start` falls in
         (so no block is allocated, copied or freed: the last write made that block the row's own)."""
         bs = self.block_size
-        return (self.version == version and self.steady_from == start - 1 and self.groups == [None]
-                and all((start - row.pad) % bs for row in rows))  # fmt: skip
+        return (
+            self.version == version
+            and self.steady_from == start - 1
+            and self.groups == [None]
+            and all((start - row.pad) % bs for row in rows)
+        )
 
     def advance(self, start: int) -> None:
         """The steady decode step's slots: each row's write slot is last step's + 1 (the same block)."""
@@ -179,12 +183,16 @@ class SlotPlan:
         if self.strided[group] is not None and self.write_all_valid[group]:  # views in and out
             return storage.append_strided(*self.strided[group], start, keys, values)
         if self.write_all_valid[group]:  # [B, H, T, d] -> [H, B * T, d] at the flat write slots
-            storage.write(self.write_flat[group], keys.transpose(0, 1).flatten(1, 2),
-                          values.transpose(0, 1).flatten(1, 2))  # fmt: skip
+            storage.write(
+                self.write_flat[group], keys.transpose(0, 1).flatten(1, 2), values.transpose(0, 1).flatten(1, 2)
+            )
         else:  # prefill with left padding: padded positions are not stored
             valid = self.write[group].view(-1) >= 0
-            storage.write(self.write_flat[group][valid], keys.transpose(0, 1).flatten(1, 2)[:, valid],
-                          values.transpose(0, 1).flatten(1, 2)[:, valid])  # fmt: skip
+            storage.write(
+                self.write_flat[group][valid],
+                keys.transpose(0, 1).flatten(1, 2)[:, valid],
+                values.transpose(0, 1).flatten(1, 2)[:, valid],
+            )
         return None
 
     def gather(self, storage, group, batch: int, length: int):

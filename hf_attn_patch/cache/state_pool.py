@@ -21,8 +21,12 @@ of a state: `KVManager.fork` refuses) and rollback (`crop`: a recurrent state ca
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import (DYNAMIC_LAYER_TYPE_MAPPING, Cache, LinearAttentionCacheLayerMixin,
-                                      get_layer_types_and_kwargs)  # fmt: skip
+from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
+    Cache,
+    LinearAttentionCacheLayerMixin,
+    get_layer_types_and_kwargs,
+)
 
 from ..compat import placeholder_cache_layer
 
@@ -45,8 +49,9 @@ class StateSlots:
         if seq_id in self.owner:
             raise ValueError(f"state slots: sequence {seq_id!r} already holds slot {self.owner[seq_id]}")
         if not self._free:
-            raise RuntimeError(f"state slots: all {self.num_slots} slots are held (more live sequences than "
-                               "max_num_seqs)")  # fmt: skip
+            raise RuntimeError(
+                f"state slots: all {self.num_slots} slots are held (more live sequences than max_num_seqs)"
+            )
         slot = self.owner[seq_id] = self._free.pop()
         return slot
 
@@ -77,9 +82,12 @@ class StateStorage:
         """The slot's Cache; fresh=True (the sequence starts at position 0) empties it first."""
         cache = self._caches[slot]
         if cache is None:
-            layers = [DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs) if kind in ("conv", "linear_attention")
-                      else placeholder_cache_layer()
-                      for kind, kwargs in zip(self.layer_types, self.layer_kwargs)]  # fmt: skip
+            layers = [
+                DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs)
+                if kind in ("conv", "linear_attention")
+                else placeholder_cache_layer()
+                for kind, kwargs in zip(self.layer_types, self.layer_kwargs)
+            ]
             cache = self._caches[slot] = Cache(layers=layers)
         elif fresh:
             for layer in cache.layers:

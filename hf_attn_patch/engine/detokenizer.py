@@ -62,7 +62,9 @@ class IncrementalDetokenizer:
         self.prompt_len = len(self.ids)
         self.read = self.prompt_len  # ids[:read] are fully reflected in the emitted text
         self.prefix = max(0, self.read - PROMPT_CONTEXT)  # window start: context for decoding ids[read:]
-        while self.prefix > 0 and (self.ids[self.prefix] in self._byte_ids or self.ids[self.prefix] in self._transparent):
+        while self.prefix > 0 and (
+            self.ids[self.prefix] in self._byte_ids or self.ids[self.prefix] in self._transparent
+        ):
             self.prefix -= 1  # never start inside a byte-fallback run (its bytes decode together)
         self._base = self._decode(self.prefix, self.read)  # decode(ids[prefix:read])
         self.text = ""

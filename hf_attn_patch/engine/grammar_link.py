@@ -29,8 +29,9 @@ class GrammarMasks:
 
 def request_grammar(tokenizer, eos_ids, response_format, grammar):
     """Compile (errors now, naming the field) -> a GrammarState, or None for an unconstrained request."""
-    processor = processor_from_generate_kwargs(response_format=response_format, grammar=grammar, tokenizer=tokenizer,
-                                               eos_token_id=sorted(eos_ids) or None)  # fmt: skip
+    processor = processor_from_generate_kwargs(
+        response_format=response_format, grammar=grammar, tokenizer=tokenizer, eos_token_id=sorted(eos_ids) or None
+    )
     if processor is None:
         return None
     return processor.grammars[0].new_state()

@@ -87,13 +87,21 @@ def kv_budget(model, max_batch_tokens: int, max_num_seqs: int, utilization: floa
         torch.cuda.empty_cache()
     total, in_use = device_memory(device)
     budget = KVBudget(int(utilization * total) - in_use - activations, total, in_use, activations, utilization)
-    logger.info("KV pool: %.2f GiB (%.0f%% of %.2f GiB, less %.2f GiB in use and %.2f GiB of activations at %d tokens)",
-                budget.kv_bytes / 2**30, 100 * utilization, total / 2**30, in_use / 2**30, activations / 2**30,
-                max_batch_tokens)  # fmt: skip
+    logger.info(
+        "KV pool: %.2f GiB (%.0f%% of %.2f GiB, less %.2f GiB in use and %.2f GiB of activations at %d tokens)",
+        budget.kv_bytes / 2**30,
+        100 * utilization,
+        total / 2**30,
+        in_use / 2**30,
+        activations / 2**30,
+        max_batch_tokens,
+    )
     if budget.kv_bytes <= 0:
-        raise ValueError(f"Engine: memory_utilization={utilization} leaves no memory for the KV cache: "
-                         f"{utilization} x {total} bytes - {in_use} in use - {activations} of activations at "
-                         f"max_batch_tokens={max_batch_tokens}; raise memory_utilization or lower max_batch_tokens")  # fmt: skip
+        raise ValueError(
+            f"Engine: memory_utilization={utilization} leaves no memory for the KV cache: "
+            f"{utilization} x {total} bytes - {in_use} in use - {activations} of activations at "
+            f"max_batch_tokens={max_batch_tokens}; raise memory_utilization or lower max_batch_tokens"
+        )
     return budget
 
 

@@ -43,10 +43,13 @@ class SamplingParams:
         if self.seed is not None:
             _integer("seed", self.seed, 0, 2**63 - 1)
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError(f"SamplingParams.stop={self.stop!r:.100}: expected a string or a list of non-empty strings")
+            raise ValueError(
+                f"SamplingParams.stop={self.stop!r:.100}: expected a string or a list of non-empty strings"
+            )
         if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            raise ValueError(f"SamplingParams.stop_token_ids={self.stop_token_ids!r:.100}: expected a list of "
-                             "integers >= 0")  # fmt: skip
+            raise ValueError(
+                f"SamplingParams.stop_token_ids={self.stop_token_ids!r:.100}: expected a list of integers >= 0"
+            )
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"SamplingParams.{name}={getattr(self, name)!r}: expected True or False")

@@ -67,8 +67,9 @@ class ModelRunner:
         One token goes through the model written into the null block, which is zeroed again after."""
         if not lookups_routed():
             return  # unpatched: forward() refuses later with the reason
-        metadata = build_metadata([{g: [NULL_BLOCK] for g in self.groups}], [0], [1], self.block_size,
-                                  self.layer_groups, self.device)  # fmt: skip
+        metadata = build_metadata(
+            [{g: [NULL_BLOCK] for g in self.groups}], [0], [1], self.block_size, self.layer_groups, self.device
+        )
         self._run(metadata, None, [0], [0], [0], dict.fromkeys(self.groups, num_blocks))
         for storage in self.storage:
             if storage is not None:
@@ -89,21 +90,29 @@ class ModelRunner:
         tokens = [t for ids in output.token_ids for t in ids]
         positions = [p for start, n in zip(output.starts, output.num_tokens) for p in range(start, start + n)]
         apply_copies(output.copies, list(zip(self.layer_groups, self.storage)))
-        metadata = build_metadata(output.block_tables, output.starts, output.num_tokens, self.block_size,
-                                  self.layer_groups, self.device)  # fmt: skip
+        metadata = build_metadata(
+            output.block_tables, output.starts, output.num_tokens, self.block_size, self.layer_groups, self.device
+        )
         states = None
         if self.states is not None:  # each sequence's state; one at position 0 starts empty (new, or recomputed)
-            states = [self.states.cache(slot, fresh=start == 0) for slot, start in zip(output.state_slots, output.starts)]
+            states = [
+                self.states.cache(slot, fresh=start == 0) for slot, start in zip(output.state_slots, output.starts)
+            ]
         return self._run(metadata, states, tokens, positions, keep, output.pool_blocks)
 
-    def _run(self, metadata, states, tokens: list[int], positions: list[int], keep: list[int],
-             pool_blocks: dict) -> torch.Tensor:  # fmt: skip
+    def _run(
+        self, metadata, states, tokens: list[int], positions: list[int], keep: list[int], pool_blocks: dict
+    ) -> torch.Tensor:
         """One forward of the packed row under the metadata's forward context -> float32 logits [len(keep), V]."""
         context = ForwardContext(metadata, self.storage, pool_blocks, states=states, specs=self.specs)
         device = self.device
         keep = torch.tensor(keep, dtype=torch.long, device=device)
         with torch.no_grad(), forward_context(context):
-            out = self.model(input_ids=torch.tensor([tokens], device=device),
-                             position_ids=torch.tensor([positions], device=device), attention_mask=self._mask,
-                             use_cache=False, logits_to_keep=keep)  # fmt: skip
+            out = self.model(
+                input_ids=torch.tensor([tokens], device=device),
+                position_ids=torch.tensor([positions], device=device),
+                attention_mask=self._mask,
+                use_cache=False,
+                logits_to_keep=keep,
+            )
         return out.logits[0].float().cpu()

@@ -60,11 +60,16 @@ class SamplingBatch:
         top_p = [p.top_p if not g else 1.0 for p, g in zip(params, greedy)]
         return SamplingBatch(
             temperature=torch.tensor([1.0 if g else float(p.temperature) for p, g in zip(params, greedy)]),
-            greedy=torch.tensor(greedy), top_k=torch.tensor(top_k), top_p=torch.tensor(top_p, dtype=torch.float32),
-            drafts=padded, draft_lengths=lengths,
-            generators=list(generators), all_greedy=all(greedy), use_top_k=any(t < vocab_size for t in top_k),
+            greedy=torch.tensor(greedy),
+            top_k=torch.tensor(top_k),
+            top_p=torch.tensor(top_p, dtype=torch.float32),
+            drafts=padded,
+            draft_lengths=lengths,
+            generators=list(generators),
+            all_greedy=all(greedy),
+            use_top_k=any(t < vocab_size for t in top_k),
             use_top_p=any(p < 1.0 for p in top_p),
-        )  # fmt: skip
+        )
 
 
 @dataclass
@@ -178,13 +183,27 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SampleResult:
         accepted, nxt = verify_greedy(scores, batch.drafts, batch.draft_lengths)
         sampled = ~batch.greedy
         idx = sampled.nonzero().squeeze(1)
-        sub = SamplingBatch(batch.temperature[idx], batch.greedy[idx], batch.top_k[idx], batch.top_p[idx],
-                            batch.drafts[idx], batch.draft_lengths[idx], [batch.generators[i] for i in idx.tolist()],
-                            False, batch.use_top_k, batch.use_top_p)  # fmt: skip
+        sub = SamplingBatch(
+            batch.temperature[idx],
+            batch.greedy[idx],
+            batch.top_k[idx],
+            batch.top_p[idx],
+            batch.drafts[idx],
+            batch.draft_lengths[idx],
+            [batch.generators[i] for i in idx.tolist()],
+            False,
+            batch.use_top_k,
+            batch.use_top_p,
+        )
         probs = process(scores[idx], sub).softmax(-1)
-        s_acc, s_next = verify_sampling(probs, sub.drafts, sub.draft_lengths, None,
-                                        uniform=_noise(sub, k, "uniform"),
-                                        race=_noise(sub, probs.shape[-1], "exponential"))  # fmt: skip
+        s_acc, s_next = verify_sampling(
+            probs,
+            sub.drafts,
+            sub.draft_lengths,
+            None,
+            uniform=_noise(sub, k, "uniform"),
+            race=_noise(sub, probs.shape[-1], "exponential"),
+        )
         accepted, nxt = accepted.clone(), nxt.clone()
         accepted[idx], nxt[idx] = s_acc, s_next
     counts, nexts, drafts = accepted.tolist(), nxt.tolist(), batch.drafts.tolist()

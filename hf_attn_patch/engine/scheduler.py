@@ -32,8 +32,9 @@ from .scheduler_output import PromptLogprobRows, SamplingView, SchedulerOutput
 
 
 class Scheduler:
-    def __init__(self, kv: KVManager, max_batch_tokens: int, max_num_seqs: int, chunked_prefill: bool,
-                 prefill_chunk: int | None):  # fmt: skip
+    def __init__(
+        self, kv: KVManager, max_batch_tokens: int, max_num_seqs: int, chunked_prefill: bool, prefill_chunk: int | None
+    ):
         """kv: the KV manager, from now on this scheduler's (block tables, prefix hits, preemption)."""
         self.kv, self.max_batch_tokens, self.max_num_seqs = kv, max_batch_tokens, max_num_seqs
         self.chunked_prefill = chunked_prefill
@@ -150,8 +151,9 @@ class Scheduler:
             if request in self.running:
                 self.running.remove(request)
                 self._release(request)
-                position = next((i for i, r in enumerate(self.waiting) if r.arrival > request.arrival),
-                                len(self.waiting))
+                position = next(
+                    (i for i, r in enumerate(self.waiting) if r.arrival > request.arrival), len(self.waiting)
+                )
                 self.waiting.insert(position, request)
             return
         self.kv.crop(request.id, num_tokens)
@@ -167,7 +169,7 @@ class Scheduler:
                 continue
             table = self.kv.table(request.id, g)
             first = max(0, num_tokens - g + 1) // size
-            if any(b == NULL_BLOCK for b in table[first: num_tokens // size + 1]):
+            if any(b == NULL_BLOCK for b in table[first : num_tokens // size + 1]):
                 return True
         return False
 

@@ -36,8 +36,13 @@ OFFLINE_FILES = {
     "winogrande_offline": ("winogrande/dev.jsonl", "validation"),
 }
 # the accuracy averaged per task (the field's usual choice: length-normalised where lm-eval reports it)
-HEADLINE_METRIC = {"hellaswag_offline": "acc_norm", "arc_easy_offline": "acc_norm", "arc_challenge_offline": "acc_norm",
-                   "piqa_offline": "acc_norm", "winogrande_offline": "acc"}  # fmt: skip
+HEADLINE_METRIC = {
+    "hellaswag_offline": "acc_norm",
+    "arc_easy_offline": "acc_norm",
+    "arc_challenge_offline": "acc_norm",
+    "piqa_offline": "acc_norm",
+    "winogrande_offline": "acc",
+}
 
 
 def offline_tasks_dir() -> Path:
@@ -52,9 +57,15 @@ def check_eval_data(tasks: list[str], data_dir: str | None) -> None:
     if not wanted:
         return
     if not data_dir:
-        raise ValueError(f"tasks {', '.join(wanted)} read local files: give their folder with --eval-data DIR "
-                         f"(or {EVAL_DATA_ENV}=DIR)")  # fmt: skip
-    missing = [str(Path(data_dir) / OFFLINE_FILES[t][0]) for t in wanted if not (Path(data_dir) / OFFLINE_FILES[t][0]).is_file()]
+        raise ValueError(
+            f"tasks {', '.join(wanted)} read local files: give their folder with --eval-data DIR "
+            f"(or {EVAL_DATA_ENV}=DIR)"
+        )
+    missing = [
+        str(Path(data_dir) / OFFLINE_FILES[t][0])
+        for t in wanted
+        if not (Path(data_dir) / OFFLINE_FILES[t][0]).is_file()
+    ]
     if missing:
         raise ValueError(f"eval data {data_dir!r} lacks {', '.join(missing)}")
 
@@ -67,10 +78,18 @@ def load_offline(task: str):
     data_dir = os.environ.get(EVAL_DATA_ENV)
     check_eval_data([task], data_dir)
     name, split = OFFLINE_FILES[task]
-    rows = [json.loads(line) for line in (Path(data_dir) / name).read_text(encoding="utf-8").splitlines() if line.strip()]
+    rows = [
+        json.loads(line) for line in (Path(data_dir) / name).read_text(encoding="utf-8").splitlines() if line.strip()
+    ]
     if task == "hellaswag_offline":
-        rows = [{"query": _hellaswag_clean(r["activity_label"] + ": " + r["ctx_a"] + " " + r["ctx_b"].capitalize()),
-                 "choices": [_hellaswag_clean(e) for e in r["endings"]], "label": int(r["label"])} for r in rows]  # fmt: skip
+        rows = [
+            {
+                "query": _hellaswag_clean(r["activity_label"] + ": " + r["ctx_a"] + " " + r["ctx_b"].capitalize()),
+                "choices": [_hellaswag_clean(e) for e in r["endings"]],
+                "label": int(r["label"]),
+            }
+            for r in rows
+        ]
     return datasets.DatasetDict({split: datasets.Dataset.from_list(rows)})
 
 
@@ -118,15 +137,29 @@ def check_tasks(tasks: list[str], manager) -> None:
         raise ValueError(f"unknown lm-eval task(s): {detail}. `lm-eval ls tasks` lists them")
 
 
-def run_tasks(model, tokenizer, tasks: list[str], manager, limit: int | None = None, batch_size: int = 1,
-              num_fewshot: int | None = None) -> list[TaskScore]:  # fmt: skip
+def run_tasks(
+    model,
+    tokenizer,
+    tasks: list[str],
+    manager,
+    limit: int | None = None,
+    batch_size: int = 1,
+    num_fewshot: int | None = None,
+) -> list[TaskScore]:
     """lm_eval.simple_evaluate on an already loaded model; one TaskScore per (task, metric) it reports."""
     import lm_eval
     from lm_eval.models.huggingface import HFLM
 
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size)
-    out = lm_eval.simple_evaluate(model=lm, tasks=tasks, limit=limit, num_fewshot=num_fewshot, task_manager=manager,
-                                  log_samples=False, bootstrap_iters=1000)  # fmt: skip
+    out = lm_eval.simple_evaluate(
+        model=lm,
+        tasks=tasks,
+        limit=limit,
+        num_fewshot=num_fewshot,
+        task_manager=manager,
+        log_samples=False,
+        bootstrap_iters=1000,
+    )
     scores = []
     for task, metrics in sorted(out["results"].items()):
         for key, value in metrics.items():
@@ -134,11 +167,15 @@ def run_tasks(model, tokenizer, tasks: list[str], manager, limit: int | None = N
             if name in ("alias", "sample_len") or name.endswith("_stderr") or not isinstance(value, (int, float)):
                 continue
             stderr = metrics.get(f"{name}_stderr,{_filter}")
-            scores.append(TaskScore(task, name, float(value), float(stderr) if isinstance(stderr, (int, float)) else None))
+            scores.append(
+                TaskScore(task, name, float(value), float(stderr) if isinstance(stderr, (int, float)) else None)
+            )
     return scores
 
 
-def table(scores: list[TaskScore], reference: list[TaskScore] | None = None, names: tuple[str, str] = ("model", "reference")) -> str:  # fmt: skip
+def table(
+    scores: list[TaskScore], reference: list[TaskScore] | None = None, names: tuple[str, str] = ("model", "reference")
+) -> str:
     """A plain-text table: task, metric, model value (+- stderr), and with a reference its value and the difference."""
     ref = {(s.task, s.metric): s for s in reference or []}
 

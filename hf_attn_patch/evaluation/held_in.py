@@ -84,8 +84,9 @@ class RepeatItems:
         return sum(len(w) for w in self.windows.values())
 
 
-def repeat_items(held_in: torch.Tensor, distances: tuple[int, ...] = DISTANCES, items: int = 4,
-                 segment: int = SEGMENT, seed: int = 0) -> RepeatItems:  # fmt: skip
+def repeat_items(
+    held_in: torch.Tensor, distances: tuple[int, ...] = DISTANCES, items: int = 4, segment: int = SEGMENT, seed: int = 0
+) -> RepeatItems:
     """`items` items S + F + S per distance D, cut at random offsets from held-in token ids: a stream [T] (an item
     anywhere in it) or windows [n, L] such as teacher samples (an item inside one window, chosen at random). Each
     distance draws from its own generator, seeded from (seed, D): the same items every run, for every model, and
@@ -99,19 +100,25 @@ def repeat_items(held_in: torch.Tensor, distances: tuple[int, ...] = DISTANCES, 
     if bad:
         raise ValueError(f"distances {bad}: each must be an integer >= segment={segment} (the copies may not overlap)")
     if held_in.dim() not in (1, 2) or held_in.is_floating_point():
-        raise ValueError(f"held_in: token ids [T] or windows [n, L] expected, got {held_in.dtype} {tuple(held_in.shape)}")
+        raise ValueError(
+            f"held_in: token ids [T] or windows [n, L] expected, got {held_in.dtype} {tuple(held_in.shape)}"
+        )
     rows = held_in[None] if held_in.dim() == 1 else held_in
     windows = {}
     for d in distances:
         span = d + segment
         if rows.shape[1] < span:
-            raise ValueError(f"distance {d}: an item holds D + segment = {span} tokens, more than the held-in "
-                             f"{'text' if held_in.dim() == 1 else 'windows'} of {rows.shape[1]} tokens")  # fmt: skip
+            raise ValueError(
+                f"distance {d}: an item holds D + segment = {span} tokens, more than the held-in "
+                f"{'text' if held_in.dim() == 1 else 'windows'} of {rows.shape[1]} tokens"
+            )
         gen = torch.Generator().manual_seed(seed * 1_000_003 + d)
         which = torch.randint(0, len(rows), (items,), generator=gen).tolist()
         starts = torch.randint(0, rows.shape[1] - span + 1, (items,), generator=gen).tolist()
         # S + F: the span's first d tokens (S and the text after it); then S again
-        windows[d] = torch.stack([torch.cat([rows[r, s : s + d], rows[r, s : s + segment]]) for r, s in zip(which, starts)])
+        windows[d] = torch.stack(
+            [torch.cat([rows[r, s : s + d], rows[r, s : s + segment]]) for r, s in zip(which, starts)]
+        )
     return RepeatItems(windows, segment)
 
 
@@ -139,8 +146,10 @@ def repeat_token_kl(model, source, items: RepeatItems) -> dict[int, torch.Tensor
     """D -> KL(source || model) [items, segment - 1] of each scored prediction: sum_v p_v (log p_v - log q_v), p the
     source's, q the model's. source: the source model, or repeat_source_log_probs(source, items)."""
     if isinstance(source, torch.Tensor) and source.shape[:2] != (len(items), items.segment - 1):
-        raise ValueError(f"source log-probs {tuple(source.shape)} do not fit the items: expected "
-                         f"[{len(items)}, {items.segment - 1}, vocab] (repeat_source_log_probs of these items)")  # fmt: skip
+        raise ValueError(
+            f"source log-probs {tuple(source.shape)} do not fit the items: expected "
+            f"[{len(items)}, {items.segment - 1}, vocab] (repeat_source_log_probs of these items)"
+        )
     out, i = {}, 0
     for d, ws in items.windows.items():
         kls = []

@@ -33,8 +33,9 @@ OBJECTS = ("door", "box", "gate", "safe", "chest", "car", "boat", "lock", "drawe
 LEAD = 16  # tokens of text before a fact sentence, so it never sits at the first positions
 
 
-def passage_batch(ids: torch.Tensor, gap: int, items: int, gen: torch.Generator, bos: list[int],
-                  passage: int = PASSAGE) -> Batch:  # fmt: skip
+def passage_batch(
+    ids: torch.Tensor, gap: int, items: int, gen: torch.Generator, bos: list[int], passage: int = PASSAGE
+) -> Batch:
     """`items` rows bos + P + G + P cut from the token stream ids [T] at random offsets; targets: the second P but
     its first token (that one follows G, not P)."""
     span = passage + gap
@@ -88,8 +89,10 @@ def evaluate_passages(
     if not isinstance(items, int) or isinstance(items, bool) or items < 1:
         raise ValueError(f"items={items!r} must be a positive integer")
     if not texts or any(not isinstance(g, int) or g < 1 for g in gaps) or not (gaps or facts):
-        raise ValueError(f"texts ({list(texts)}) and gaps ({list(gaps)}) or facts ({list(facts)}) must be non-empty, "
-                         "gaps positive integers")  # fmt: skip
+        raise ValueError(
+            f"texts ({list(texts)}) and gaps ({list(gaps)}) or facts ({list(facts)}) must be non-empty, "
+            "gaps positive integers"
+        )
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     context = model.config.max_position_embeddings
     if any(not isinstance(g, int) or g < 1 for g in facts):
@@ -124,8 +127,9 @@ def evaluate_passages(
 LONG_GAPS = (1024, 2048, 4096)  # the distances `hf-attn eval --long-context` asks at (those that fit the context)
 
 
-def long_context(model, reference, tokenizer, text: str, gaps: tuple[int, ...] = LONG_GAPS, items: int = 8,
-                 seed: int = 0) -> dict:
+def long_context(
+    model, reference, tokenizer, text: str, gaps: tuple[int, ...] = LONG_GAPS, items: int = 8, seed: int = 0
+) -> dict:
     """The long-context check of a conversion on the user's own text: repeated passages and fact recall at each gap
     that fits the model's context, for the model and its reference (same items), and the model's share of the
     reference's accuracy ("retained", None where the reference scores 0). A JSON-ready dict."""
@@ -133,12 +137,16 @@ def long_context(model, reference, tokenizer, text: str, gaps: tuple[int, ...] =
     context = min(model.config.max_position_embeddings, reference.config.max_position_embeddings)
     fitting = tuple(g for g in gaps if len(bos) + 2 * PASSAGE + g <= context)
     if not fitting:
-        raise ValueError(f"gaps={list(gaps)}: none fits the model's context of {context} tokens (an item holds "
-                         f"{len(bos) + 2 * PASSAGE} tokens and the gap)")  # fmt: skip
+        raise ValueError(
+            f"gaps={list(gaps)}: none fits the model's context of {context} tokens (an item holds "
+            f"{len(bos) + 2 * PASSAGE} tokens and the gap)"
+        )
     tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
     if tokens < PASSAGE + fitting[0]:
-        raise ValueError(f"the text has {tokens} tokens: a passage of {PASSAGE} and a gap of {fitting[0]} need "
-                         f"{PASSAGE + fitting[0]}")  # fmt: skip
+        raise ValueError(
+            f"the text has {tokens} tokens: a passage of {PASSAGE} and a gap of {fitting[0]} need "
+            f"{PASSAGE + fitting[0]}"
+        )
     fitting = tuple(g for g in fitting if PASSAGE + g <= tokens)
     texts = {"text": text}
     ours = evaluate_passages(model, tokenizer, texts, fitting, items, seed, facts=fitting)

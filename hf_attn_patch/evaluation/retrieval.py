@@ -60,8 +60,12 @@ class RetrievalResult:
         return sum(self.mean(t) for t in self.accuracy) / len(self.accuracy)
 
     def to_dict(self) -> dict:
-        return {"items": self.items, "context": self.context, "mean": round(self.mean(), 4),
-                "accuracy": {t: {str(d): round(a, 4) for d, a in acc.items()} for t, acc in self.accuracy.items()}}  # fmt: skip
+        return {
+            "items": self.items,
+            "context": self.context,
+            "mean": round(self.mean(), 4),
+            "accuracy": {t: {str(d): round(a, 4) for d, a in acc.items()} for t, acc in self.accuracy.items()},
+        }
 
     @classmethod
     def from_dict(cls, data: dict) -> RetrievalResult:
@@ -75,8 +79,15 @@ def vocabulary(tokenizer) -> torch.Tensor:
     passkey's answer is digits), no sentence punctuation (random segments read as one long run-on text)."""
     special = set(tokenizer.all_special_ids)
     pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
-    keep = [i for i, p in enumerate(pieces) if i not in special and p is not None and not re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", p)
-            and tokenizer.decode([i]).strip() and not re.search(r"[0-9.?!<>]", p)]  # fmt: skip
+    keep = [
+        i
+        for i, p in enumerate(pieces)
+        if i not in special
+        and p is not None
+        and not re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", p)
+        and tokenizer.decode([i]).strip()
+        and not re.search(r"[0-9.?!<>]", p)
+    ]
     if len(keep) < 16:
         raise ValueError(f"the tokenizer has {len(keep)} ordinary tokens: too few for random segments")
     return torch.tensor(keep)
@@ -95,8 +106,17 @@ def known_vocabulary(model, tokenizer, samples: int = 8, length: int = 128, seed
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
         torch.manual_seed(seed)
         prompt = torch.tensor([start] * samples, device=device)
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, max_new_tokens=length, min_new_tokens=length, pad_token_id=pad)  # fmt: skip
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=length,
+            min_new_tokens=length,
+            pad_token_id=pad,
+        )
     seen = torch.unique(out[:, len(start) :].cpu())
     known = ordinary[torch.isin(ordinary, seen)]
     if len(known) < 16:
@@ -122,7 +142,7 @@ def passkey_batch(tokenizer, distance: int, items: int, gen: torch.Generator) ->
         gap = distance - len(key) - len(tail) - len(query)  # filler between the needle and the question
         if gap < 0:
             raise ValueError(f"distance={distance} is shorter than the passkey's own text ({distance - gap} tokens)")
-        cycle = filler[int(torch.randint(0, len(filler) // 2, (1,), generator=gen)):]
+        cycle = filler[int(torch.randint(0, len(filler) // 2, (1,), generator=gen)) :]
         repeat = (cycle * (1 + (PREFIX + gap) // len(cycle)))[: PREFIX + gap]
         prefix = _bos(tokenizer) + repeat[:PREFIX] + head
         row = prefix + key + tail + repeat[PREFIX:] + query + key
@@ -224,9 +244,17 @@ def score(model, batch: Batch) -> float:
     return right / counted
 
 
-def evaluate_retrieval(model, tokenizer, tasks: tuple[str, ...] = TASKS, items: int = 16, seed: int = 0,
-                       context: int | None = None, smallest: int = 16, largest: int | None = None,
-                       vocab: torch.Tensor | None = None) -> RetrievalResult:  # fmt: skip
+def evaluate_retrieval(
+    model,
+    tokenizer,
+    tasks: tuple[str, ...] = TASKS,
+    items: int = 16,
+    seed: int = 0,
+    context: int | None = None,
+    smallest: int = 16,
+    largest: int | None = None,
+    vocab: torch.Tensor | None = None,
+) -> RetrievalResult:
     """accuracy[task][distance] for distances `distances(...)` up to the model's context (max_position_embeddings,
     or `context`; `largest` caps them). Random tokens come from `vocab` (default: `known_vocabulary(model)`): with
     the source's vocab and the same seed, a conversion answers exactly the source's items."""
@@ -239,8 +267,10 @@ def evaluate_retrieval(model, tokenizer, tasks: tuple[str, ...] = TASKS, items: 
     grids = {task: distances(tokenizer, context, task, smallest, largest) for task in tasks}
     empty = [task for task, grid in grids.items() if not grid]
     if empty:  # refused before any work: a task with no distance has no accuracy to average
-        raise ValueError(f"smallest={smallest}, largest={largest}: no distance of {empty} fits (context {context}; "
-                         "a passkey item needs at least its needle and question)")  # fmt: skip
+        raise ValueError(
+            f"smallest={smallest}, largest={largest}: no distance of {empty} fits (context {context}; "
+            "a passkey item needs at least its needle and question)"
+        )
     vocab = known_vocabulary(model, tokenizer, seed=seed) if vocab is None else vocab
     was_training = model.training
     model.eval()
@@ -259,16 +289,20 @@ def evaluate_retrieval(model, tokenizer, tasks: tuple[str, ...] = TASKS, items: 
 
 def retained(result: RetrievalResult, source: RetrievalResult) -> dict[str, dict[int, float | None]]:
     """Per task and distance: the conversion's accuracy over the source's (None where the source scores 0)."""
-    return {task: {d: (a / source.accuracy[task][d] if source.accuracy[task][d] else None) for d, a in acc.items()}
-            for task, acc in result.accuracy.items()}  # fmt: skip
+    return {
+        task: {d: (a / source.accuracy[task][d] if source.accuracy[task][d] else None) for d, a in acc.items()}
+        for task, acc in result.accuracy.items()
+    }
 
 
 def table(results: dict[str, RetrievalResult]) -> str:
     """A markdown table: one row per model, one column per (task, distance), then the mean."""
     first = next(iter(results.values()))
     columns = [(t, d) for t, acc in first.accuracy.items() for d in acc]
-    lines = ["| model | " + " | ".join(f"{t} {d}" for t, d in columns) + " | mean |",
-             "|---|" + "---:|" * (len(columns) + 1)]  # fmt: skip
+    lines = [
+        "| model | " + " | ".join(f"{t} {d}" for t, d in columns) + " | mean |",
+        "|---|" + "---:|" * (len(columns) + 1),
+    ]
     for name, r in results.items():
         cells = (f"{r.accuracy[t][d]:.2f}" if d in r.accuracy.get(t, {}) else "-" for t, d in columns)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {r.mean():.3f} |")

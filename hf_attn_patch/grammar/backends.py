@@ -25,8 +25,10 @@ from .vocab import TokenizerAdapter
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("llguidance", "xgrammar")
-INSTALL = {"llguidance": "pip install llguidance, a dependency of hf-attn-patch",
-           "xgrammar": "pip install 'hf-attn-patch[grammar]'"}  # fmt: skip
+INSTALL = {
+    "llguidance": "pip install llguidance, a dependency of hf-attn-patch",
+    "xgrammar": "pip install 'hf-attn-patch[grammar]'",
+}
 
 
 class Matcher(Protocol):
@@ -60,15 +62,29 @@ def resolve_backend(name: str) -> "LLGuidanceBackend | XGrammarBackend":
                     f"install it ({INSTALL[name]}) or use backend='auto'"
                 ) from err
             logger.info("grammar backend %s unavailable (%s), trying the next one", cand, err)
-    raise BackendUnavailableError("no grammar backend can be imported: reinstall hf-attn-patch, which depends on "
-                                  "llguidance (pip install llguidance); " + "; ".join(errors))  # fmt: skip
+    raise BackendUnavailableError(
+        "no grammar backend can be imported: reinstall hf-attn-patch, which depends on "
+        "llguidance (pip install llguidance); " + "; ".join(errors)
+    )
 
 
 # ----------------------------------------------------------------------------------------------- JSON Schema checks
 # Keywords xgrammar 0.2.9 compiles without error but does not enforce (output may violate the schema) or turns into
 # an unsatisfiable grammar; checked by compiling each and matching a violating / a valid instance.
-_XGRAMMAR_UNSUPPORTED = ("not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
-                         "uniqueItems", "contains", "minContains", "maxContains", "oneOf")
+_XGRAMMAR_UNSUPPORTED = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependentRequired",
+    "dependentSchemas",
+    "dependencies",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "oneOf",
+)
 
 
 def _check_xgrammar_schema(schema: dict) -> None:
@@ -91,8 +107,10 @@ def tagged_json_lark(schema: dict, open_tag: str, close_tag: str, options: dict)
     open tag + %json (its JSON options as the schema's "x-guidance") + close tag."""
     first = re.escape(open_tag[0]).replace("/", "\\/")
     schema = {**schema, "x-guidance": options} if isinstance(schema, dict) else schema
-    return (f'start: TEXT | {json.dumps(open_tag)} call {json.dumps(close_tag)}\nTEXT: /[^{first}](.|\\n)*/\n'
-            f"call: %json {json.dumps(schema, ensure_ascii=False)}\n")
+    return (
+        f"start: TEXT | {json.dumps(open_tag)} call {json.dumps(close_tag)}\nTEXT: /[^{first}](.|\\n)*/\n"
+        f"call: %json {json.dumps(schema, ensure_ascii=False)}\n"
+    )
 
 
 # ------------------------------------------------------------------------------------------------------ llguidance
@@ -106,15 +124,26 @@ class LLGuidanceBackend:
 
         self._llg = llguidance
 
-    def compile(self, spec: GrammarSpec, adapter: TokenizerAdapter, *, separators=(", ", ": "),
-                whitespace_flexible: bool = False, json_options: dict | None = None):
+    def compile(
+        self,
+        spec: GrammarSpec,
+        adapter: TokenizerAdapter,
+        *,
+        separators=(", ", ": "),
+        whitespace_flexible: bool = False,
+        json_options: dict | None = None,
+    ):
         """Template matcher for `spec`; GrammarError on an unsupported feature or syntax error.
         json_options: extra llguidance JSON options (``coerce_one_of``, ``lenient``)."""
         llg = self._llg
         if whitespace_flexible:  # any whitespace around the bare separators (", " would require the space)
             separators = tuple(sep.strip() for sep in separators)
-        options = {"whitespace_flexible": whitespace_flexible, "item_separator": separators[0],
-                   "key_separator": separators[1], **(json_options or {})}
+        options = {
+            "whitespace_flexible": whitespace_flexible,
+            "item_separator": separators[0],
+            "key_separator": separators[1],
+            **(json_options or {}),
+        }
         try:
             if spec.kind == "json_schema":
                 grammar = llg.LLMatcher.grammar_from_json_schema(spec.source, overrides=options)
@@ -128,7 +157,8 @@ class LLGuidanceBackend:
                 grammar = llg.grammar_from("gbnf", spec.source)
             elif spec.kind == "choice":
                 grammar = llg.LLMatcher.grammar_from_lark(
-                    "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.source))
+                    "start: " + " | ".join(json.dumps(c, ensure_ascii=False) for c in spec.source)
+                )
             elif spec.kind == "tagged_json":
                 grammar = llg.LLMatcher.grammar_from_lark(tagged_json_lark(*spec.source, options))
             else:
@@ -206,8 +236,15 @@ class XGrammarBackend:
 
         self._xgr = xgrammar
 
-    def compile(self, spec: GrammarSpec, adapter: TokenizerAdapter, *, separators=(", ", ": "),
-                whitespace_flexible: bool = False, json_options: dict | None = None):
+    def compile(
+        self,
+        spec: GrammarSpec,
+        adapter: TokenizerAdapter,
+        *,
+        separators=(", ", ": "),
+        whitespace_flexible: bool = False,
+        json_options: dict | None = None,
+    ):
         """json_options: llguidance's; none apply here. A JSON Schema reaches us widened (schema_relax.py): the
         keyword check below is the guard that nothing xgrammar would not enforce gets through unchecked."""
         xgr = self._xgr
@@ -215,21 +252,33 @@ class XGrammarBackend:
         try:
             if spec.kind == "json_schema":
                 _check_xgrammar_schema(spec.source)
-                return compiler.compile_json_schema(spec.source, any_whitespace=whitespace_flexible,
-                                                    separators=tuple(separators), strict_mode=True)
+                return compiler.compile_json_schema(
+                    spec.source, any_whitespace=whitespace_flexible, separators=tuple(separators), strict_mode=True
+                )
             if spec.kind == "tagged_json":  # text, or open tag + the schema's JSON + close tag
                 schema, open_tag, close_tag = spec.source
                 _check_xgrammar_schema(schema)
                 first = "\\" + open_tag[0] if open_tag[0] in "\\]^-" else open_tag[0]
-                body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=whitespace_flexible,
-                                                    separators=tuple(separators), strict_mode=True)
-                call = xgr.Grammar.concat(xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_tag)}"), body,
-                                          xgr.Grammar.from_ebnf(f"root ::= {json.dumps(close_tag)}"))
+                body = xgr.Grammar.from_json_schema(
+                    json.dumps(schema),
+                    any_whitespace=whitespace_flexible,
+                    separators=tuple(separators),
+                    strict_mode=True,
+                )
+                call = xgr.Grammar.concat(
+                    xgr.Grammar.from_ebnf(f"root ::= {json.dumps(open_tag)}"),
+                    body,
+                    xgr.Grammar.from_ebnf(f"root ::= {json.dumps(close_tag)}"),
+                )
                 text = xgr.Grammar.from_ebnf(f"root ::= [^{first}] [^\\0]*")
                 return compiler.compile_grammar(xgr.Grammar.union(text, call))
             if spec.kind == "json_object":
-                return compiler.compile_json_schema({"type": "object"}, any_whitespace=whitespace_flexible,
-                                                    separators=tuple(separators), strict_mode=False)
+                return compiler.compile_json_schema(
+                    {"type": "object"},
+                    any_whitespace=whitespace_flexible,
+                    separators=tuple(separators),
+                    strict_mode=False,
+                )
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.source)
             if spec.kind == "lark":

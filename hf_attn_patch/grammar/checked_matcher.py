@@ -64,7 +64,7 @@ class CheckedMatcher:
                 return _FREE, None
             if len(full) <= len(opener):
                 return _BEFORE, None
-            state, offset, data = INITIAL, len(opener), full[len(opener):]
+            state, offset, data = INITIAL, len(opener), full[len(opener) :]
         closes: list = []
         new = scan(state, data, offset, closes)
         if new is None or not closes:
@@ -120,7 +120,8 @@ class CheckedMatcher:
         full = text + self.checks.token_bytes[token]
         path = self._concrete(_value_path(stack), full)
         governed = self.checks.roots_at(path)[0] or (
-            path and isinstance(path[-1], int) and path[-1] > 0 and self.checks.roots_at(path[:-1])[1])
+            path and isinstance(path[-1], int) and path[-1] > 0 and self.checks.roots_at(path[:-1])[1]
+        )
         if not governed:
             return None
         probe = self.m.clone()
@@ -136,7 +137,7 @@ class CheckedMatcher:
     @staticmethod
     def _concrete(path, full: bytes) -> tuple:
         """Key spans (start, end) in the path -> the key strings."""
-        return tuple(_key(full[s[0]: s[1]]) if isinstance(s, tuple) else s for s in path)
+        return tuple(_key(full[s[0] : s[1]]) if isinstance(s, tuple) else s for s in path)
 
     # ------------------------------------------------------------------ protocol
     def consume(self, tokens):
@@ -181,8 +182,8 @@ class CheckedMatcher:
     def rollback(self, n):
         if n:
             self.m.rollback(n)
-            del self.hist[len(self.hist) - n:]
-            del self.text[self.hist[-1][1]:]
+            del self.hist[len(self.hist) - n :]
+            del self.text[self.hist[-1][1] :]
             self._gate = {}  # cached by length: another text may reach the same length
             self.completion = None
             self.budget.rollback(len(self.text))
@@ -259,7 +260,9 @@ class CheckedMatcher:
         futile, pool = self._futile_at(state, text)
         if futile:  # an item or a key that can only repeat one (exact pruning: no attempt)
             done = set(forbidden)
-            forbidden += [t for t in np.flatnonzero(allowed & pool).tolist() if t not in done and futile(state, text, t)]
+            forbidden += [
+                t for t in np.flatnonzero(allowed & pool).tolist() if t not in done and futile(state, text, t)
+            ]
         if forbidden:
             for t in forbidden:
                 words[t // 32] &= np.uint32(~(1 << (t % 32)) & 0xFFFFFFFF)
@@ -268,8 +271,11 @@ class CheckedMatcher:
             if alive and spent:  # out of attempts: end with a valid document
                 self.completion = smallest_completion(self)
                 if self.completion is not None:
-                    logger.info("checked row out of attempts (%s): finished with %d tokens", self.last_failure,
-                                len(self.completion))
+                    logger.info(
+                        "checked row out of attempts (%s): finished with %d tokens",
+                        self.last_failure,
+                        len(self.completion),
+                    )
                     self.fill(bitmask, index)
                     return
             if not alive or spent:
@@ -281,7 +287,8 @@ class CheckedMatcher:
         """A token with bytes left in `words`, or an end where the whole text validates (not just the backend's EOS)."""
         allowed = np.unpackbits(words.view(np.uint8), bitorder="little")[: len(self.checks.token_bytes)]
         return bool((allowed.astype(bool) & self.checks._has["any"]).any()) or (
-            self.m.is_accepting() and self._gate_failure() is None)
+            self.m.is_accepting() and self._gate_failure() is None
+        )
 
     def _unique_enum(self, frame, full: bytes):
         """Items of the array `frame` (a scanner frame) under uniqueItems whose schema allows only the strings of an
@@ -295,8 +302,9 @@ class CheckedMatcher:
         if key not in self.checks._results:  # (shared by the rows of the schema)
             allowed = None
             for node in self.checks.nodes_at(path + (frame[5],)):
-                values = node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node \
-                    else None
+                values = (
+                    node["enum"] if isinstance(node.get("enum"), list) else [node["const"]] if "const" in node else None
+                )
                 if values is not None:
                     strings = frozenset(v for v in values if isinstance(v, str))
                     if len(strings) < len(values):
@@ -330,11 +338,12 @@ class CheckedMatcher:
         prefix = full[start:]
         if found is None or b"\\" in prefix:
             return False
-        present = _items(full[frame[1]: start].rstrip(b" \t\n\r,") + b"]")
+        present = _items(full[frame[1] : start].rstrip(b" \t\n\r,") + b"]")
         if present is None:
             return False
-        if prefix in _prefixes(found[0] - present if isinstance(present, set) else
-                               frozenset(v for v in found[0] if v not in present)):
+        if prefix in _prefixes(
+            found[0] - present if isinstance(present, set) else frozenset(v for v in found[0] if v not in present)
+        ):
             return False
         self.last_failure = f"'uniqueItems' at the array {_pointer(found[1])} (item {frame[5]} can only repeat one)"
         self.fail_start = frame[1]
@@ -347,7 +356,7 @@ class CheckedMatcher:
             body = bytes(self.text)
             if self.checks.frame:  # tagged_json: free text passes; the JSON between the tags is checked
                 opener, closer = self.checks.frame
-                body = body[len(opener):].removesuffix(closer) if body.startswith(opener) else None
+                body = body[len(opener) :].removesuffix(closer) if body.startswith(opener) else None
             fail = None if body is None else self.checks.failure(self.checks.schema, body)
             if fail is None and body is not None:
                 try:
@@ -397,4 +406,3 @@ class CheckedMatcher:
         other.fail_start, other.fail_free, other.forbid = self.fail_start, self.fail_free, self.forbid
         other.completion = None if self.completion is None else list(self.completion)
         return other
-

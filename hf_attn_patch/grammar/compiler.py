@@ -37,8 +37,17 @@ class CompiledGrammar:
     def notes(self) -> tuple:
         return self.checks.notes if self.checks is not None else ()
 
-    def __init__(self, spec: GrammarSpec, backend, adapter: TokenizerAdapter, compiled, compile_seconds: float,
-                 checks=None, widened=None, banned=()):
+    def __init__(
+        self,
+        spec: GrammarSpec,
+        backend,
+        adapter: TokenizerAdapter,
+        compiled,
+        compile_seconds: float,
+        checks=None,
+        widened=None,
+        banned=(),
+    ):
         self.spec = spec
         self.backend = backend
         self.adapter = adapter
@@ -56,12 +65,25 @@ class CompiledGrammar:
         matcher = self.backend.matcher(self._compiled)
         if self.checks is not None:
             matcher = CheckedMatcher(matcher, self.checks)
-        return GrammarState(matcher, self.adapter.eos_token_ids, self.adapter.vocab_size,
-                            backend=self.backend.name, banned_token_ids=self.banned)
+        return GrammarState(
+            matcher,
+            self.adapter.eos_token_ids,
+            self.adapter.vocab_size,
+            backend=self.backend.name,
+            banned_token_ids=self.banned,
+        )
 
 
-def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_token_id=None,
-                    separators=(", ", ": "), whitespace_flexible: bool = False, cache: bool = True) -> CompiledGrammar:
+def compile_grammar(
+    spec: GrammarSpec,
+    tokenizer,
+    *,
+    backend: str = "auto",
+    eos_token_id=None,
+    separators=(", ", ": "),
+    whitespace_flexible: bool = False,
+    cache: bool = True,
+) -> CompiledGrammar:
     """Compile `spec` for `tokenizer` (cached by backend, vocabulary, EOS ids, spec and options).
 
     separators / whitespace_flexible apply to JSON: (item, key) separators, and whether free whitespace is allowed
@@ -70,8 +92,11 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
     """
     if not isinstance(spec, GrammarSpec):
         raise GrammarError(f"spec: expected a GrammarSpec, got {type(spec).__name__}")
-    if (not isinstance(separators, (tuple, list)) or len(separators) != 2
-            or not all(isinstance(s, str) and s.strip() in (",", ":") for s in separators)):
+    if (
+        not isinstance(separators, (tuple, list))
+        or len(separators) != 2
+        or not all(isinstance(s, str) and s.strip() in (",", ":") for s in separators)
+    ):
         raise GrammarError(f"separators: expected (item, key) like (', ', ': '), got {separators!r}")
     be = resolve_backend(backend)
     adapter = get_adapter(tokenizer, eos_token_id)
@@ -89,8 +114,13 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
 
         def compile_fn(relaxed_schema, options):
             source = relaxed_schema if tags is None else (relaxed_schema, *tags)
-            return be.compile(GrammarSpec(spec.kind, source), adapter, separators=tuple(separators),
-                              whitespace_flexible=whitespace_flexible, json_options=options)
+            return be.compile(
+                GrammarSpec(spec.kind, source),
+                adapter,
+                separators=tuple(separators),
+                whitespace_flexible=whitespace_flexible,
+                json_options=options,
+            )
 
         check_schema(schema)
         compiled, relaxed = relax_and_compile(schema, compile_fn, known_formats(), be.name, spec.property_order)
@@ -105,8 +135,9 @@ def compile_grammar(spec: GrammarSpec, tokenizer, *, backend: str = "auto", eos_
         # xgrammar 0.2.9 lets raw control characters into JSON strings (invalid JSON): tokens with them are masked
         keep = b"\t\n\r" if whitespace_flexible or spec.kind == "tagged_json" else b""
         banned = tuple(i for i, t in enumerate(adapter.token_bytes()) if any(b < 0x20 and b not in keep for b in t))
-    result = CompiledGrammar(spec, be, adapter, compiled, time.perf_counter() - t0, checks=checks, widened=widened,
-                             banned=banned)
+    result = CompiledGrammar(
+        spec, be, adapter, compiled, time.perf_counter() - t0, checks=checks, widened=widened, banned=banned
+    )
     logger.debug("compiled %s with %s in %.1f ms", spec.kind, be.name, 1e3 * result.compile_seconds)
     if cache:
         with _LOCK:

@@ -57,8 +57,15 @@ def format_checker():
     checker = jsonschema.FormatChecker(formats=())
     checker.checkers.update(jsonschema.FormatChecker().checkers)  # every draft's; the 2020-12 meaning wins ("time"
     checker.checkers.update(jsonschema.Draft202012Validator.FORMAT_CHECKER.checkers)  # with its offset, not draft 3's)
-    added = {"int32": _int32, "int64": _int64, "float": _float, "double": _double, "byte": _byte,
-             "binary": _any_string, "password": _any_string}
+    added = {
+        "int32": _int32,
+        "int64": _int64,
+        "float": _float,
+        "double": _double,
+        "byte": _byte,
+        "binary": _any_string,
+        "password": _any_string,
+    }
     for alias, name in (("host-name", "hostname"), ("ip-address", "ipv4")):
         if name in checker.checkers:
             added[alias] = checker.checkers[name][0]

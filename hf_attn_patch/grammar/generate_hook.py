@@ -32,8 +32,9 @@ def generate_with_grammar(original):
             ids = out if torch.is_tensor(out) else getattr(out, "sequences", None)
             if ids is not None and processor.prompt_len is not None:
                 # each row's finish reason: "eos", "length", or "check_failed: <keyword> at <schema path>"
-                out.finish_reasons = row_finish_reasons(ids, processor.prompt_len, set(processor.eos_token_ids),
-                                                        reasons)
+                out.finish_reasons = row_finish_reasons(
+                    ids, processor.prompt_len, set(processor.eos_token_ids), reasons
+                )
         return out
 
     # name, docstring and signature (through __wrapped__) of the original; __module__ stays ours
@@ -46,10 +47,13 @@ def add_grammar_processor(model, kwargs: dict):
     eos = kwargs.get("eos_token_id")
     if eos is None and model.generation_config is not None:
         eos = model.generation_config.eos_token_id
-    processor = processor_from_generate_kwargs(response_format=kwargs.get("response_format"),
-                                               grammar=kwargs.get("grammar"), tokenizer=kwargs.get("tokenizer"),
-                                               backend=kwargs.get("grammar_backend", "auto"), eos_token_id=eos)  # fmt: skip
+    processor = processor_from_generate_kwargs(
+        response_format=kwargs.get("response_format"),
+        grammar=kwargs.get("grammar"),
+        tokenizer=kwargs.get("tokenizer"),
+        backend=kwargs.get("grammar_backend", "auto"),
+        eos_token_id=eos,
+    )
     if processor is not None:
         kwargs["logits_processor"] = LogitsProcessorList([*(kwargs.get("logits_processor") or []), processor])
     return processor
-

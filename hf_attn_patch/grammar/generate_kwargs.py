@@ -43,8 +43,9 @@ def _response_format_spec(rf, field: str) -> GrammarSpec | None:
             raise ValueError(f"{field}['json_schema']['schema']: missing (keys present: {sorted(js)})")
         order = js.get("property_order", DEFAULT_PROPERTY_ORDER)
         if order not in PROPERTY_ORDERS:
-            raise ValueError(f"{field}['json_schema']['property_order']: expected one of {PROPERTY_ORDERS}, got "
-                             f"{order!r}")
+            raise ValueError(
+                f"{field}['json_schema']['property_order']: expected one of {PROPERTY_ORDERS}, got {order!r}"
+            )
         try:
             return GrammarSpec.json_schema(schema, order)
         except GrammarError as err:
@@ -56,10 +57,19 @@ def _grammar_spec(g, field: str) -> GrammarSpec | None:
     if isinstance(g, str):
         return grammar_spec(g)
     if not isinstance(g, dict):
-        raise ValueError(f"{field}: expected grammar text or a dict like {{'type': 'regex', 'pattern': ...}}, got {g!r:.100}")
+        raise ValueError(
+            f"{field}: expected grammar text or a dict like {{'type': 'regex', 'pattern': ...}}, got {g!r:.100}"
+        )
     kind = g.get("type")
-    needs = {"regex": "pattern", "lark": "grammar", "gbnf": "grammar", "ebnf": "grammar", "choice": "choices",
-             "json_schema": "schema", "tagged_json": "schema"}
+    needs = {
+        "regex": "pattern",
+        "lark": "grammar",
+        "gbnf": "grammar",
+        "ebnf": "grammar",
+        "choice": "choices",
+        "json_schema": "schema",
+        "tagged_json": "schema",
+    }
     if kind == "text":
         return None
     if kind not in needs:
@@ -76,15 +86,17 @@ def _grammar_spec(g, field: str) -> GrammarSpec | None:
         if kind == "json_schema":
             return GrammarSpec.json_schema(value, g.get("property_order", DEFAULT_PROPERTY_ORDER))
         if kind == "tagged_json":
-            return GrammarSpec.tagged_json(value, g.get("open"), g.get("close"),
-                                           g.get("property_order", DEFAULT_PROPERTY_ORDER))
+            return GrammarSpec.tagged_json(
+                value, g.get("open"), g.get("close"), g.get("property_order", DEFAULT_PROPERTY_ORDER)
+            )
         return grammar_spec(value, "lark" if kind == "lark" else "gbnf")
     except GrammarError as err:
         raise GrammarError(f"{field}['{key}']: {err}") from None
 
 
-def processor_from_generate_kwargs(*, response_format=None, grammar=None, tokenizer=None, backend: str = "auto",
-                                   eos_token_id=None) -> GrammarConstrainedLogitsProcessor | None:
+def processor_from_generate_kwargs(
+    *, response_format=None, grammar=None, tokenizer=None, backend: str = "auto", eos_token_id=None
+) -> GrammarConstrainedLogitsProcessor | None:
     """The LogitsProcessor for generate(response_format=..., grammar=..., tokenizer=...), or None if unconstrained.
 
     response_format / grammar: see the module docstring (mutually exclusive; each may be a list, one per input row).
@@ -96,8 +108,11 @@ def processor_from_generate_kwargs(*, response_format=None, grammar=None, tokeni
         raise ValueError("response_format and grammar: pass one of them, not both")
     if response_format is None and grammar is None:
         return None
-    name, value, one = ("response_format", response_format, _response_format_spec) if response_format is not None \
+    name, value, one = (
+        ("response_format", response_format, _response_format_spec)
+        if response_format is not None
         else ("grammar", grammar, _grammar_spec)
+    )
     if isinstance(value, (list, tuple)):
         if not value:
             raise ValueError(f"{name}: expected a non-empty list (one entry per input row), got []")

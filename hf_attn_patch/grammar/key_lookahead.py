@@ -67,7 +67,7 @@ def futile_key(matcher, state, text: bytes, token: int) -> bool:
     names = closed_names(matcher.checks, matcher._concrete(frame[2], full))
     if names is None or b"\\" in prefix:
         return False
-    present = _object_keys(full[frame[1]: start].rstrip(b" \t\n\r,"))
+    present = _object_keys(full[frame[1] : start].rstrip(b" \t\n\r,"))
     return present is not None and prefix not in _prefixes(names - present)  # pruning: no failure of its own
 
 

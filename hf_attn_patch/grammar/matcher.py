@@ -54,8 +54,12 @@ class BatchMatcher:
             if not error.startswith("check_failed") and tokens[n] in state.eos_token_ids:
                 state.fill_bitmask(bm.allocate_bitmask(1, state.vocab_size), 0)  # an EOS forced after a failure
                 error = state.error() or ""  # found before a rollback below it (rejected drafts): found again
-            self._dead(row, error if error.startswith("check_failed")
-                       else f"token {tokens[n]} at position {len(state.tokens)} rejected by the grammar")
+            self._dead(
+                row,
+                error
+                if error.startswith("check_failed")
+                else f"token {tokens[n]} at position {len(state.tokens)} rejected by the grammar",
+            )
         return n
 
     def validate_tokens(self, row: int, tokens) -> int:
@@ -114,8 +118,14 @@ class BatchMatcher:
             limit = state.vocab_size if width is None else min(width, state.vocab_size)
             if not state.is_terminated() and not bm.any_allowed(bitmask, out, limit):
                 error = state.error() or ""
-                self._dead(row, error if error.startswith("check_failed") else f"grammar backend error: {error}"
-                           if error else "no token allowed by the grammar within the model's vocabulary")
+                self._dead(
+                    row,
+                    error
+                    if error.startswith("check_failed")
+                    else f"grammar backend error: {error}"
+                    if error
+                    else "no token allowed by the grammar within the model's vocabulary",
+                )
                 bm.only_tokens(bitmask, out, state.eos_token_ids)
         return bitmask
 

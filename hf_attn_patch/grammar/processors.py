@@ -59,15 +59,29 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
     "dead_end: ..."; ``calls`` counts __call__s; ``states`` are the per-row GrammarStates.
     """
 
-    def __init__(self, specs, tokenizer, *, backend: str = "auto", eos_token_id=None, separators=(", ", ": "),
-                 whitespace_flexible: bool = False):
+    def __init__(
+        self,
+        specs,
+        tokenizer,
+        *,
+        backend: str = "auto",
+        eos_token_id=None,
+        separators=(", ", ": "),
+        whitespace_flexible: bool = False,
+    ):
         specs = [specs] if isinstance(specs, GrammarSpec) else list(specs)
         if not specs or not all(isinstance(s, GrammarSpec) for s in specs):
             raise GrammarError(f"specs: expected a GrammarSpec or a non-empty list of them, got {specs!r:.100}")
         # Compile now: unsupported features raise here, before generation.
         self.grammars: list[CompiledGrammar] = [
-            compile_grammar(s, tokenizer, backend=backend, eos_token_id=eos_token_id, separators=separators,
-                            whitespace_flexible=whitespace_flexible)
+            compile_grammar(
+                s,
+                tokenizer,
+                backend=backend,
+                eos_token_id=eos_token_id,
+                separators=separators,
+                whitespace_flexible=whitespace_flexible,
+            )
             for s in specs
         ]
         self.eos_token_ids = self.grammars[0].adapter.eos_token_ids
@@ -114,11 +128,14 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
 
     def _same_request(self, ids: torch.Tensor) -> bool:
         """Whether `ids` continues the prompt seen at the first call (else generate() reuses us for a new request)."""
-        return (ids.shape[0] == self._prompt.shape[0] and ids.shape[1] >= self.prompt_len
-                and torch.equal(ids[:, : self.prompt_len], self._prompt))
+        return (
+            ids.shape[0] == self._prompt.shape[0]
+            and ids.shape[1] >= self.prompt_len
+            and torch.equal(ids[:, : self.prompt_len], self._prompt)
+        )
 
     def _targets(self, input_ids: torch.LongTensor) -> list[list[int]]:
-        rows = input_ids[:, self.prompt_len:].tolist()
+        rows = input_ids[:, self.prompt_len :].tolist()
         eos = self.eos_token_ids
         out = []
         for seq in rows:
@@ -144,7 +161,7 @@ class GrammarConstrainedLogitsProcessor(LogitsProcessor):
             self.matcher.rollback(r, len(s.tokens) - prefix[r])
             if len(t) == prefix[r]:
                 self.matcher.clear_dead(r)  # the rejected token is gone (a "no token allowed" end is found again)
-            self.matcher.accept_tokens(r, t[prefix[r]:])  # a rejected token: a dead end (only EOS follows)
+            self.matcher.accept_tokens(r, t[prefix[r] :])  # a rejected token: a dead end (only EOS follows)
 
     # ------------------------------------------------------------------ call
     def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
@@ -183,13 +200,17 @@ class JSONSchemaLogitsProcessor(GrammarConstrainedLogitsProcessor):
     """Rows produce JSON valid under `schema` (dict or JSON text), or a list with one schema per input row;
     property_order: "any" (default) or "schema" (GrammarSpec.json_schema)."""
 
-    def __init__(self, schema, tokenizer, backend: str = "auto", property_order: str = DEFAULT_PROPERTY_ORDER,
-                 **kwargs):
+    def __init__(
+        self, schema, tokenizer, backend: str = "auto", property_order: str = DEFAULT_PROPERTY_ORDER, **kwargs
+    ):
         schemas = _per_row(schema, lambda v: isinstance(v, (dict, str, bool)))
         if schemas is None:
-            raise GrammarError(f"schema: expected a JSON Schema (dict or JSON text) or a list of them, got {schema!r:.100}")
-        super().__init__([GrammarSpec.json_schema(s, property_order) for s in schemas], tokenizer, backend=backend,
-                         **kwargs)
+            raise GrammarError(
+                f"schema: expected a JSON Schema (dict or JSON text) or a list of them, got {schema!r:.100}"
+            )
+        super().__init__(
+            [GrammarSpec.json_schema(s, property_order) for s in schemas], tokenizer, backend=backend, **kwargs
+        )
 
 
 class RegexLogitsProcessor(GrammarConstrainedLogitsProcessor):

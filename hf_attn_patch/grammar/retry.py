@@ -88,9 +88,22 @@ def retry_failed_rows(model, original, processor, out, args: tuple, kwargs: dict
     max_new = kwargs.get("max_new_tokens") or (out.shape[1] - prompt_len)
     eos = set(processor.eos_token_ids)
     others = [p for p in (kwargs.get("logits_processor") or []) if p is not processor]
-    rest = {k: v for k, v in kwargs.items() if k not in (
-        "input_ids", "inputs", "attention_mask", "max_new_tokens", "max_length", "logits_processor",
-        "num_return_sequences", "min_new_tokens", "min_length")}
+    rest = {
+        k: v
+        for k, v in kwargs.items()
+        if k
+        not in (
+            "input_ids",
+            "inputs",
+            "attention_mask",
+            "max_new_tokens",
+            "max_length",
+            "logits_processor",
+            "num_return_sequences",
+            "min_new_tokens",
+            "min_length",
+        )
+    }
     rows = {}
     for r in failed:
         i = r // per_input
@@ -102,11 +115,18 @@ def retry_failed_rows(model, original, processor, out, args: tuple, kwargs: dict
             sub.grammars = [processor.grammars[r // per_grammar]]
             sub.resume(keep, retry.forbid, retry.reason)
             ids = torch.cat([prompt, torch.tensor(generated[:keep], dtype=prompt.dtype)]).unsqueeze(0)
-            logger.info("grammar row %d: %s; retry %d from token %d", r, processor.finish_reasons[r], retry.retries,
-                        keep)
-            new = original(model, ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new - keep,
-                           logits_processor=[*others, sub], **rest)
-            generated = generated[:keep] + _cut(new[0, ids.shape[1]:].tolist(), eos)
+            logger.info(
+                "grammar row %d: %s; retry %d from token %d", r, processor.finish_reasons[r], retry.retries, keep
+            )
+            new = original(
+                model,
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=max_new - keep,
+                logits_processor=[*others, sub],
+                **rest,
+            )
+            generated = generated[:keep] + _cut(new[0, ids.shape[1] :].tolist(), eos)
             state, reasons[r] = sub.states[0], sub.finish_reasons[0]
             if not (reasons[r] or "").startswith("check_failed"):
                 break
@@ -121,7 +141,7 @@ def retry_failed_rows(model, original, processor, out, args: tuple, kwargs: dict
     result[:, : out.shape[1]] = out
     for r, generated in rows.items():
         result[r, prompt_len:] = pad
-        result[r, prompt_len: prompt_len + len(generated)] = torch.tensor(generated, dtype=out.dtype)
+        result[r, prompt_len : prompt_len + len(generated)] = torch.tensor(generated, dtype=out.dtype)
     return result, reasons
 
 

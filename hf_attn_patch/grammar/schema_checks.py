@@ -41,8 +41,15 @@ class SchemaChecks:
     grammar: the JSON sits between them, and text that does not start with `open` is free text (nothing to check).
     """
 
-    def __init__(self, schema: dict, modified: set, token_bytes: list, notes=(), max_attempts: int | None = None,
-                 frame: tuple[bytes, bytes] | None = None):
+    def __init__(
+        self,
+        schema: dict,
+        modified: set,
+        token_bytes: list,
+        notes=(),
+        max_attempts: int | None = None,
+        frame: tuple[bytes, bytes] | None = None,
+    ):
         import jsonschema
         from jsonschema.validators import validator_for
 
@@ -52,8 +59,11 @@ class SchemaChecks:
         self.max_attempts = MAX_ATTEMPTS if max_attempts is None else max_attempts
         cls = validator_for(schema, default=jsonschema.Draft202012Validator)
         self.legacy_ref = cls.META_SCHEMA.get("$schema", "") in (
-            "http://json-schema.org/draft-03/schema#", "http://json-schema.org/draft-04/schema#",
-            "http://json-schema.org/draft-06/schema#", "http://json-schema.org/draft-07/schema#")
+            "http://json-schema.org/draft-03/schema#",
+            "http://json-schema.org/draft-04/schema#",
+            "http://json-schema.org/draft-06/schema#",
+            "http://json-schema.org/draft-07/schema#",
+        )
         self.validator = cls(schema, format_checker=format_checker())
         self._unique = cls({"uniqueItems": True})
         self.pointers = {id(s): p for p, s in walk(schema)}
@@ -242,7 +252,6 @@ class SchemaChecks:
         return self._results[key]
 
 
-
 _CLASSES: dict = {}  # id(token_bytes) -> (token_bytes, classes): one vocabulary's classes, computed once
 
 
@@ -255,10 +264,14 @@ def _token_classes(token_bytes: list) -> tuple:
     lengths = np.fromiter((len(b) for b in token_bytes), dtype=np.int64, count=len(token_bytes))
     has = {}
     for name, chars in (("quote", b'"'), ("key", b'",'), ("close", b'"]},' + b" \t\n\r"), ("any", None)):
-        has[name] = np.array([bool(t) and (chars is None or any(c in t for c in chars)) for t in token_bytes],
-                             dtype=bool) & (lengths > 0)
-    classes = (has, np.array([bool(t) and t[0] in _NUMBER_BYTES for t in token_bytes], dtype=bool),
-               np.array([bool(t) and t[-1] in _NUMBER_BYTES for t in token_bytes], dtype=bool))
+        has[name] = np.array(
+            [bool(t) and (chars is None or any(c in t for c in chars)) for t in token_bytes], dtype=bool
+        ) & (lengths > 0)
+    classes = (
+        has,
+        np.array([bool(t) and t[0] in _NUMBER_BYTES for t in token_bytes], dtype=bool),
+        np.array([bool(t) and t[-1] in _NUMBER_BYTES for t in token_bytes], dtype=bool),
+    )
     if len(_CLASSES) >= 4:
         _CLASSES.clear()
     _CLASSES[id(token_bytes)] = (token_bytes, classes)
@@ -274,7 +287,8 @@ def check_schema(schema: dict) -> None:
     cls = validator_for(schema, default=jsonschema.Draft202012Validator)
     try:
         error = jsonschema.exceptions.best_match(
-            cls(cls.META_SCHEMA, format_checker=format_checker()).iter_errors(schema))
+            cls(cls.META_SCHEMA, format_checker=format_checker()).iter_errors(schema)
+        )
     except Exception as err:  # noqa: BLE001  (a meta-schema jsonschema cannot load: the backend decides)
         logger.debug("meta-schema check skipped: %s", err)
         return
@@ -294,7 +308,12 @@ def schema_checks_for(schema, relaxed, token_bytes, frame=None) -> SchemaChecks 
     if not relaxed.modified:
         return None
     try:
-        return SchemaChecks(schema, relaxed.modified, token_bytes, notes=relaxed.notes,
-                            frame=tuple(t.encode() for t in frame) if frame else None)
+        return SchemaChecks(
+            schema,
+            relaxed.modified,
+            token_bytes,
+            notes=relaxed.notes,
+            frame=tuple(t.encode() for t in frame) if frame else None,
+        )
     except Exception as err:  # noqa: BLE001  (jsonschema rejects the schema itself)
         raise GrammarError(f"json_schema: cannot be checked exactly ({type(err).__name__}: {err})") from None

@@ -21,8 +21,12 @@ def any_order(sub: dict, changed: list) -> None:
     ``anyOf`` / ``oneOf`` / ``allOf`` (llguidance intersects their branches with pattern properties wrongly: keys it
     should allow are refused)."""
     props = sub.get("properties")
-    if not isinstance(props, dict) or not props or len(props) > ANY_ORDER_MAX_PROPERTIES or any(
-            k in sub for k in ("patternProperties", "anyOf", "oneOf", "allOf")):
+    if (
+        not isinstance(props, dict)
+        or not props
+        or len(props) > ANY_ORDER_MAX_PROPERTIES
+        or any(k in sub for k in ("patternProperties", "anyOf", "oneOf", "allOf"))
+    ):
         return
     sub["patternProperties"] = {"^" + regex_literal(k) + "$": v for k, v in props.items()}
     del sub["properties"]

@@ -17,8 +17,25 @@ from urllib.parse import unquote
 from .errors import GrammarError
 
 # Keywords that constrain nothing (annotations) or only hold subschemas for references: kept beside a $ref.
-INERT = frozenset(("$ref", "title", "description", "default", "examples", "$comment", "definitions", "$defs", "id",
-                   "$id", "$schema", "deprecated", "readOnly", "writeOnly", "example"))
+INERT = frozenset(
+    (
+        "$ref",
+        "title",
+        "description",
+        "default",
+        "examples",
+        "$comment",
+        "definitions",
+        "$defs",
+        "id",
+        "$id",
+        "$schema",
+        "deprecated",
+        "readOnly",
+        "writeOnly",
+        "example",
+    )
+)
 LEGACY_DRAFTS = ("draft-03", "draft-04", "draft-06", "draft-07")
 ROOT_COPY = "__root__"
 _APPLICATORS = ("anyOf", "oneOf", "allOf")
@@ -91,8 +108,11 @@ def reach(schema: dict, ref: str, memo: dict) -> set:
             target = pointer_target(schema, r)
         except (KeyError, IndexError, ValueError, TypeError):
             continue
-        for nxt in _refs_in(target) if r not in ("#", "#/") else _refs_in(
-                {k: v for k, v in target.items() if k not in ("definitions", "$defs")}):
+        for nxt in (
+            _refs_in(target)
+            if r not in ("#", "#/")
+            else _refs_in({k: v for k, v in target.items() if k not in ("definitions", "$defs")})
+        ):
             if nxt not in seen:
                 seen.add(nxt)
                 todo.append(nxt)

@@ -34,18 +34,58 @@ from .schema_refs import strip_legacy_ref_siblings
 logger = logging.getLogger(__name__)
 
 # Keywords the llguidance backend refuses (1.9: "Unimplemented keys"); dropping any of them widens the schema.
-DROP_KEYS = ("not", "if", "then", "else", "dependencies", "dependentSchemas", "dependentRequired", "uniqueItems",
-             "contains", "minContains", "maxContains", "propertyNames", "unevaluatedProperties", "unevaluatedItems")
+DROP_KEYS = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "dependencies",
+    "dependentSchemas",
+    "dependentRequired",
+    "uniqueItems",
+    "contains",
+    "minContains",
+    "maxContains",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+)
 # Formats llguidance enforces itself (others are dropped from the grammar and checked here, or reported as unknown).
-BACKEND_FORMATS = frozenset(("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
-                             "uri"))
+BACKEND_FORMATS = frozenset(
+    ("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid", "uri")
+)
 # Formats xgrammar 0.2.9 enforces (each replayed with a valid and an invalid string); others are widened.
-XGRAMMAR_FORMATS = frozenset(("date-time", "time", "date", "duration", "email", "hostname", "ipv4", "ipv6", "uuid",
-                              "uri", "uri-reference", "json-pointer"))
+XGRAMMAR_FORMATS = frozenset(
+    (
+        "date-time",
+        "time",
+        "date",
+        "duration",
+        "email",
+        "hostname",
+        "ipv4",
+        "ipv6",
+        "uuid",
+        "uri",
+        "uri-reference",
+        "json-pointer",
+    )
+)
 # Keys whose value is a map name -> subschema / a subschema / a list of subschemas.
 MAP_KEYS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-ONE_KEYS = ("items", "additionalProperties", "propertyNames", "not", "if", "then", "else", "contains",
-            "unevaluatedProperties", "unevaluatedItems", "additionalItems")
+ONE_KEYS = (
+    "items",
+    "additionalProperties",
+    "propertyNames",
+    "not",
+    "if",
+    "then",
+    "else",
+    "contains",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+)
 LIST_KEYS = ("prefixItems", "anyOf", "oneOf", "allOf", "items")
 
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: \[([^\]]*)\]")
@@ -170,8 +210,13 @@ class _Relaxer:
                 for key in changed:
                     out.dropped.setdefault(key, []).append(path)
         if unknown:
-            out.notes[:] = ["formats that are not known, any string accepted: " + "; ".join(
-                f"{fmt!r} at {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''}" for fmt, paths in unknown.items())]
+            out.notes[:] = [
+                "formats that are not known, any string accepted: "
+                + "; ".join(
+                    f"{fmt!r} at {', '.join(paths[:3])}{' ...' if len(paths) > 3 else ''}"
+                    for fmt, paths in unknown.items()
+                )
+            ]
         self._structure(relaxed, originals, out)
         self.last = relaxed
         return relaxed
@@ -179,6 +224,7 @@ class _Relaxer:
     def _structure(self, relaxed: dict, originals: dict, out: Relaxed) -> None:
         """The widenings at one place each (a reference's siblings, a subschema named by an error, the skeleton),
         then the exact reference rewrites (schema_refs.py)."""
+
         def mark(path, key):
             if path in originals:
                 out.modified.add(id(originals[path]))
@@ -223,8 +269,11 @@ class _Relaxer:
         parts = sub.get("allOf")
         if isinstance(parts, list) and len(parts) > 1:
             keys = [set(p) for p in parts if isinstance(p, dict)]
-            if (len(keys) == len(parts) and sum(map(len, keys)) == len(set().union(*keys))
-                    and not set().union(*keys) & {"$ref", "additionalItems", "allOf"}):
+            if (
+                len(keys) == len(parts)
+                and sum(map(len, keys)) == len(set().union(*keys))
+                and not set().union(*keys) & {"$ref", "additionalItems", "allOf"}
+            ):
                 sub["allOf"] = [{k: v for p in parts for k, v in p.items()}]  # disjoint keywords: one subschema
             else:
                 sub["allOf"] = parts[:1]  # its first subschema: a superset
@@ -280,8 +329,11 @@ class _Relaxer:
             # in turn: the siblings beside a reference; the references to the target, each widened at its place;
             # the siblings beside an anyOf / oneOf / allOf holding such a reference
             refs = {p for p, s in walk(self.last) if s.get("$ref") == target}
-            for found, into in (({p for p, s in nodes if "$ref" in s}, self.strip_at), (refs, self.any_at),
-                                ({p for p, s in nodes if "$ref" not in s}, self.strip_at)):
+            for found, into in (
+                ({p for p, s in nodes if "$ref" in s}, self.strip_at),
+                (refs, self.any_at),
+                ({p for p, s in nodes if "$ref" not in s}, self.strip_at),
+            ):
                 found = {self._original_path(p) for p in found} - ({"#"} if into is self.any_at else set())
                 if found - into:
                     into |= found
@@ -315,7 +367,7 @@ class _Relaxer:
         for box in ("$defs", "definitions"):
             prefix = f"#/{box}/__root__"
             if path == prefix or path.startswith(prefix + "/"):
-                return "#" + path[len(prefix):]
+                return "#" + path[len(prefix) :]
         return path
 
 
@@ -328,8 +380,9 @@ def _to_any(sub: dict, marked) -> None:
         marked()
 
 
-def relax_and_compile(schema: dict, compile_fn, known_formats, backend: str = "llguidance",
-                      property_order: str = "schema") -> tuple[object, Relaxed]:
+def relax_and_compile(
+    schema: dict, compile_fn, known_formats, backend: str = "llguidance", property_order: str = "schema"
+) -> tuple[object, Relaxed]:
     """compile_fn(schema dict, extra backend options) -> compiled (raises GrammarError). Widen until it compiles.
 
     Order: the keywords the backend is known to refuse; then what each error names (keywords, formats, regexes, a

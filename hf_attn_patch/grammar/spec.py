@@ -53,14 +53,19 @@ class GrammarSpec:
         return GrammarSpec("json_schema", schema, f"json_schema:{property_order}:" + key, property_order)
 
     @staticmethod
-    def tagged_json(schema, open_tag: str, close_tag: str,
-                    property_order: str = DEFAULT_PROPERTY_ORDER) -> "GrammarSpec":
+    def tagged_json(
+        schema, open_tag: str, close_tag: str, property_order: str = DEFAULT_PROPERTY_ORDER
+    ) -> "GrammarSpec":
         inner = GrammarSpec.json_schema(schema, property_order)
         for name, tag in (("open", open_tag), ("close", close_tag)):
             if not isinstance(tag, str) or not tag or '"' in tag or "\\" in tag:
                 raise GrammarError(f"{name}: expected a non-empty tag without quotes or backslashes, got {tag!r:.80}")
-        return GrammarSpec("tagged_json", (inner.source, open_tag, close_tag),
-                           f"tagged_json:{open_tag}\0{close_tag}\0{inner.key}", property_order)
+        return GrammarSpec(
+            "tagged_json",
+            (inner.source, open_tag, close_tag),
+            f"tagged_json:{open_tag}\0{close_tag}\0{inner.key}",
+            property_order,
+        )
 
     @staticmethod
     def json_object() -> "GrammarSpec":

@@ -84,7 +84,7 @@ class GrammarState:
             self.tokens.pop()
             num_tokens -= 1
         self._m.rollback(num_tokens)
-        del self.tokens[len(self.tokens) - num_tokens:]
+        del self.tokens[len(self.tokens) - num_tokens :]
         if self.dead_at is not None and len(self.tokens) < self.dead_at:
             self.dead_at = self.dead_reason = None
 
@@ -123,9 +123,15 @@ class GrammarState:
         only EOS.
         Returns False if no token at all is allowed (a dead end; the row is left all-zero).
         """
-        if bitmask.dtype != torch.int32 or bitmask.device.type != "cpu" or bitmask.shape[-1] != (self.vocab_size + 31) // 32:
-            raise ValueError(f"bitmask: expected a CPU int32 tensor [*, {(self.vocab_size + 31) // 32}], "
-                             f"got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}")
+        if (
+            bitmask.dtype != torch.int32
+            or bitmask.device.type != "cpu"
+            or bitmask.shape[-1] != (self.vocab_size + 31) // 32
+        ):
+            raise ValueError(
+                f"bitmask: expected a CPU int32 tensor [*, {(self.vocab_size + 31) // 32}], "
+                f"got {bitmask.dtype} {tuple(bitmask.shape)} on {bitmask.device}"
+            )
         if self._terminated:
             bm.only_tokens(bitmask, index, self.eos_token_ids)
             return True
@@ -142,13 +148,20 @@ class GrammarState:
 
     def clone(self) -> "GrammarState":
         """An independent copy (same grammar, same position)."""
-        other = GrammarState(self._m.clone(), self.eos_token_ids, self.vocab_size, backend=self.backend,
-                             banned_token_ids=self.banned_token_ids)
+        other = GrammarState(
+            self._m.clone(),
+            self.eos_token_ids,
+            self.vocab_size,
+            backend=self.backend,
+            banned_token_ids=self.banned_token_ids,
+        )
         other.tokens = list(self.tokens)
         other._terminated = self._terminated
         other.dead_at, other.dead_reason = self.dead_at, self.dead_reason
         return other
 
     def __repr__(self) -> str:
-        return (f"GrammarState(backend={self.backend!r}, tokens={len(self.tokens)}, "
-                f"accepting={self.is_accepting()}, terminated={self.is_terminated()})")
+        return (
+            f"GrammarState(backend={self.backend!r}, tokens={len(self.tokens)}, "
+            f"accepting={self.is_accepting()}, terminated={self.is_terminated()})"
+        )

@@ -35,7 +35,9 @@ _MAX_FINGERPRINTS = 8
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict:
     """Inverse of GPT-2's bytes_to_unicode: printable stand-in character -> byte value."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:
@@ -112,7 +114,9 @@ def normalize_eos(tokenizer, eos_token_id) -> tuple[int, ...]:
             raise GrammarError("eos_token_id: the tokenizer has no eos_token_id; pass eos_token_id=<id or list of ids>")
     ids = [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     if not ids or not all(isinstance(i, int) and 0 <= i for i in ids):
-        raise GrammarError(f"eos_token_id: expected a non-negative int or a non-empty list of them, got {eos_token_id!r}")
+        raise GrammarError(
+            f"eos_token_id: expected a non-negative int or a non-empty list of them, got {eos_token_id!r}"
+        )
     return tuple(sorted(set(ids)))
 
 
@@ -167,11 +171,14 @@ class TokenizerAdapter:
 
                 tok = self._tokenizer()
                 try:
-                    self._llg = llguidance.hf.from_tokenizer(tok, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids))
+                    self._llg = llguidance.hf.from_tokenizer(
+                        tok, n_vocab=self.vocab_size, eos_token=list(self.eos_token_ids)
+                    )
                 except Exception as err:  # noqa: BLE001  (not a fast tokenizer: decode the vocabulary ourselves)
                     logger.info("llguidance.hf.from_tokenizer failed (%s); using the decoded vocabulary", err)
                     self._llg = llguidance.LLTokenizer(
-                        llguidance.TokenizerWrapper(_WrappedVocab(tok, self.eos_token_ids)), n_vocab=self.vocab_size,
+                        llguidance.TokenizerWrapper(_WrappedVocab(tok, self.eos_token_ids)),
+                        n_vocab=self.vocab_size,
                         eos_token=list(self.eos_token_ids),
                     )
             return self._llg
@@ -187,7 +194,9 @@ class TokenizerAdapter:
                 try:
                     info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=self.vocab_size, stop_token_ids=stop)
                 except Exception as err:  # noqa: BLE001
-                    logger.info("xgrammar TokenizerInfo.from_huggingface failed (%s); using the decoded vocabulary", err)
+                    logger.info(
+                        "xgrammar TokenizerInfo.from_huggingface failed (%s); using the decoded vocabulary", err
+                    )
                     vocab, _ = token_bytes(tok)
                     info = xgr.TokenizerInfo(vocab, xgr.VocabType.RAW, vocab_size=self.vocab_size, stop_token_ids=stop)
                 self._xgr_info = info
@@ -216,7 +225,7 @@ class _WrappedVocab:
         out, i = [], 0
         while i < len(data):
             for n in range(min(self._longest, len(data) - i), 0, -1):
-                tid = self._by_bytes.get(data[i:i + n])
+                tid = self._by_bytes.get(data[i : i + n])
                 if tid is not None:
                     out.append(tid)
                     i += n

@@ -156,31 +156,89 @@ def _deepseek_biases(c):
 ARCHITECTURES: dict[str, Architecture] = {
     a.model_type: a
     for a in [
-        Architecture("llama", "transformers.models.llama.modeling_llama", "LlamaAttention", _split_heads_llama,
-                     _attention_bias),
-        Architecture("mistral", "transformers.models.mistral.modeling_mistral", "MistralAttention",
-                     _split_heads_llama, lambda c: (False,) * 4, sliding_window=_layer_sliding_window),
-        Architecture("qwen2", "transformers.models.qwen2.modeling_qwen2", "Qwen2Attention", _split_heads_llama,
-                     lambda c: (True, True, True, False), sliding_window=_layer_sliding_window),
-        Architecture("qwen3", "transformers.models.qwen3.modeling_qwen3", "Qwen3Attention", _split_heads_llama,
-                     _attention_bias, qk_norm=True, sliding_window=_layer_sliding_window),
-        Architecture("gpt2", "transformers.models.gpt2.modeling_gpt2", "GPT2Attention", _split_heads_gpt2,
-                     lambda c: (True,) * 4, rotary=False, norm_eps=lambda c: c.layer_norm_epsilon,
-                     scaling=_gpt2_scaling, dropout=lambda c: c.attn_pdrop),
-        Architecture("gpt_neox", "transformers.models.gpt_neox.modeling_gpt_neox", "GPTNeoXAttention",
-                     _split_heads_gpt_neox, _attention_bias, norm_eps=lambda c: c.layer_norm_eps),
-        Architecture("opt", "transformers.models.opt.modeling_opt", "OPTAttention", _split_heads_opt,
-                     lambda c: (c.enable_bias,) * 4, rotary=False, norm_eps=lambda c: 1e-5),
+        Architecture(
+            "llama", "transformers.models.llama.modeling_llama", "LlamaAttention", _split_heads_llama, _attention_bias
+        ),
+        Architecture(
+            "mistral",
+            "transformers.models.mistral.modeling_mistral",
+            "MistralAttention",
+            _split_heads_llama,
+            lambda c: (False,) * 4,
+            sliding_window=_layer_sliding_window,
+        ),
+        Architecture(
+            "qwen2",
+            "transformers.models.qwen2.modeling_qwen2",
+            "Qwen2Attention",
+            _split_heads_llama,
+            lambda c: (True, True, True, False),
+            sliding_window=_layer_sliding_window,
+        ),
+        Architecture(
+            "qwen3",
+            "transformers.models.qwen3.modeling_qwen3",
+            "Qwen3Attention",
+            _split_heads_llama,
+            _attention_bias,
+            qk_norm=True,
+            sliding_window=_layer_sliding_window,
+        ),
+        Architecture(
+            "gpt2",
+            "transformers.models.gpt2.modeling_gpt2",
+            "GPT2Attention",
+            _split_heads_gpt2,
+            lambda c: (True,) * 4,
+            rotary=False,
+            norm_eps=lambda c: c.layer_norm_epsilon,
+            scaling=_gpt2_scaling,
+            dropout=lambda c: c.attn_pdrop,
+        ),
+        Architecture(
+            "gpt_neox",
+            "transformers.models.gpt_neox.modeling_gpt_neox",
+            "GPTNeoXAttention",
+            _split_heads_gpt_neox,
+            _attention_bias,
+            norm_eps=lambda c: c.layer_norm_eps,
+        ),
+        Architecture(
+            "opt",
+            "transformers.models.opt.modeling_opt",
+            "OPTAttention",
+            _split_heads_opt,
+            lambda c: (c.enable_bias,) * 4,
+            rotary=False,
+            norm_eps=lambda c: 1e-5,
+        ),
         # Stock DeepSeek builds its latent norms with the RMSNorm default eps (1e-6), not rms_norm_eps.
-        Architecture("deepseek_v3", "transformers.models.deepseek_v3.modeling_deepseek_v3", "DeepseekV3Attention",
-                     _no_split, _deepseek_biases, mla_scaling=_deepseek_mla_scaling, variants=("mla",),
-                     replaces_stock=True, norm_eps=lambda c: 1e-6),
+        Architecture(
+            "deepseek_v3",
+            "transformers.models.deepseek_v3.modeling_deepseek_v3",
+            "DeepseekV3Attention",
+            _no_split,
+            _deepseek_biases,
+            mla_scaling=_deepseek_mla_scaling,
+            variants=("mla",),
+            replaces_stock=True,
+            norm_eps=lambda c: 1e-6,
+        ),
         # DeepSeek-V2 hands attention a complex freqs_cis and rotates interleaved pairs; otherwise V3's layout.
-        Architecture("deepseek_v2", "transformers.models.deepseek_v2.modeling_deepseek_v2", "DeepseekV2Attention",
-                     _no_split, _deepseek_biases, mla_scaling=_deepseek_mla_scaling, variants=("mla",),
-                     replaces_stock=True, rope_interleave=True, norm_eps=lambda c: 1e-6),
+        Architecture(
+            "deepseek_v2",
+            "transformers.models.deepseek_v2.modeling_deepseek_v2",
+            "DeepseekV2Attention",
+            _no_split,
+            _deepseek_biases,
+            mla_scaling=_deepseek_mla_scaling,
+            variants=("mla",),
+            replaces_stock=True,
+            rope_interleave=True,
+            norm_eps=lambda c: 1e-6,
+        ),
     ]
-}  # fmt: skip
+}
 
 
 def architecture_of(config) -> Architecture:
@@ -232,8 +290,6 @@ def rope_frequencies(config) -> tuple[float, ...]:
     return rope_table(config)[0]
 
 
-
-
 @dataclass(frozen=True)
 class AttentionShape:
     """A model's attention as its config says, read once (the converters pass it instead of the config): the
@@ -258,7 +314,14 @@ class AttentionShape:
     @classmethod
     def of(cls, config) -> AttentionShape:
         arch = architecture_of(config)
-        return cls(arch, head_dim(config), rotary_dim(config) if arch.rotary else 0, config.num_attention_heads,
-                   getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
-                   config.num_hidden_layers, config.hidden_size, tuple(arch.biases(config)),
-                   rope_frequencies(config))  # fmt: skip
+        return cls(
+            arch,
+            head_dim(config),
+            rotary_dim(config) if arch.rotary else 0,
+            config.num_attention_heads,
+            getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            config.num_hidden_layers,
+            config.hidden_size,
+            tuple(arch.biases(config)),
+            rope_frequencies(config),
+        )

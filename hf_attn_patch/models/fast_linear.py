@@ -130,7 +130,11 @@ class FastLinear(nn.Linear):
         reason = self._fallback_reason(input)
         if reason is None:
             weight = self.weight
-            if weight.dtype == torch.float32 and input.numel() == input.shape[-1] and weight.numel() < GEMV_MAX_ELEMENTS:
+            if (
+                weight.dtype == torch.float32
+                and input.numel() == input.shape[-1]
+                and weight.numel() < GEMV_MAX_ELEMENTS
+            ):
                 _counts[GEMV] += 1
                 return nn.Linear.forward(self, input)
             _counts[PACKED] += 1

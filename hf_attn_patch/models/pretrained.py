@@ -86,7 +86,9 @@ def load_source(source: str):
     try:  # use_safetensors: a folder holding only pickled .bin weights is refused, never unpickled
         model = AutoModelForCausalLM.from_pretrained(source, use_safetensors=True).eval()
     except OSError as err:
-        raise ValueError(f"{source!r} is not a model folder, 'default', 'smollm2' or a reachable Hub id ({err})") from err
+        raise ValueError(
+            f"{source!r} is not a model folder, 'default', 'smollm2' or a reachable Hub id ({err})"
+        ) from err
     return model, AutoTokenizer.from_pretrained(source)
 
 
@@ -100,7 +102,7 @@ def check_source_folder(source: str) -> None:
     if not any(folder.glob("*.safetensors")) and any(folder.glob("*.bin")):
         raise ValueError(
             f"{source!r} holds only pickled .bin weights, which are refused: unpickling can run arbitrary code. "
-            f"Fix: in an environment you trust, load it once and save it as safetensors: python -c \"from "
+            f'Fix: in an environment you trust, load it once and save it as safetensors: python -c "from '
             f"transformers import AutoModelForCausalLM as M; M.from_pretrained('{source}').save_pretrained('{source}-st')\""
         )
 

@@ -35,8 +35,13 @@ from .protocol import APIError
 logger = logging.getLogger(__name__)
 
 
-def create_app(engine, model_name: str, max_queue: int = 256, drain_timeout: float = 10.0,
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES):  # fmt: skip
+def create_app(
+    engine,
+    model_name: str,
+    max_queue: int = 256,
+    drain_timeout: float = 10.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+):
     """The FastAPI app. The engine thread starts now; the app's shutdown drains it (see the module docstring)."""
     ctx = ServingContext(engine, model_name, max_queue, drain_timeout, max_body_bytes)
     thread = ctx.thread
@@ -79,8 +84,9 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(Exception)
     async def internal_error(request, error: Exception):  # a bug: still the OpenAI shape, and logged
         logger.exception("internal error on %s", request.url.path)
-        return JSONResponse(APIError(500, f"internal error: {type(error).__name__}", None, "server_error").body(),
-                            status_code=500)  # fmt: skip
+        return JSONResponse(
+            APIError(500, f"internal error: {type(error).__name__}", None, "server_error").body(), status_code=500
+        )
 
 
 def _add_model_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -96,8 +102,11 @@ def _add_model_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/health")
     async def health():
-        return {"status": "ok" if ctx.thread.accepting else "shutting_down", "in_flight": ctx.thread.in_flight,
-                "kv_cache": await run_in_threadpool(pool_stats)}  # fmt: skip
+        return {
+            "status": "ok" if ctx.thread.accepting else "shutting_down",
+            "in_flight": ctx.thread.in_flight,
+            "kv_cache": await run_in_threadpool(pool_stats),
+        }
 
     @app.get("/v1/models")
     async def models():
@@ -106,8 +115,12 @@ def _add_model_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/v1/models/{model_id:path}")
     async def model(model_id: str):
         if model_id != model_name:
-            raise APIError(404, f"model {model_id!r:.100} does not exist; this server has {model_name!r}", "model",
-                           "model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"model {model_id!r:.100} does not exist; this server has {model_name!r}",
+                "model",
+                "model_not_found",
+            )
         return model_card()
 
 
@@ -127,7 +140,14 @@ def make_server(app, host: str = "127.0.0.1", port: int = 8000, log_level: str =
     return Server(uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=drain + 5))
 
 
-def serve(engine, model_name: str, host: str = "127.0.0.1", port: int = 8000, max_queue: int = 256,
-          drain_timeout: float = 10.0, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:  # fmt: skip
+def serve(
+    engine,
+    model_name: str,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    max_queue: int = 256,
+    drain_timeout: float = 10.0,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> None:
     """Run the server until SIGTERM / Ctrl-C; then drain for at most `drain_timeout` s, abort the rest, return."""
     make_server(create_app(engine, model_name, max_queue, drain_timeout, max_body_bytes), host, port).run()

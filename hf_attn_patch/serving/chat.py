@@ -30,8 +30,13 @@ async def chat(request: Request):
     if getattr(tokenizer, "chat_template", None) is None:
         raise bad("messages", "this model's tokenizer has no chat template; use /v1/completions")
     try:
-        text = await run_in_threadpool(tokenizer.apply_chat_template, req.messages, tools=plan.tools or None,
-                                       tokenize=False, add_generation_prompt=True)  # fmt: skip
+        text = await run_in_threadpool(
+            tokenizer.apply_chat_template,
+            req.messages,
+            tools=plan.tools or None,
+            tokenize=False,
+            add_generation_prompt=True,
+        )
     except Exception as error:  # a template that rejects the roles or their order
         raise bad("messages", f"the chat template failed: {str(error)[:200]}") from None
     prompt = await ctx.tokenize(text, False, "messages")
@@ -39,13 +44,15 @@ async def chat(request: Request):
         raise bad("messages", "the chat template produced no tokens")
     max_tokens = ctx.budget(prompt, common.max_tokens, "the chat prompt")
     name = f"chatcmpl-{uuid.uuid4().hex[:24]}"
-    ids, queue = await ctx.submit([(prompt, common.sampling(max_tokens, j)) for j in range(common.n)], name,
-                                  "tools" if plan.active else "response_format")  # fmt: skip
+    ids, queue = await ctx.submit(
+        [(prompt, common.sampling(max_tokens, j)) for j in range(common.n)],
+        name,
+        "tools" if plan.active else "response_format",
+    )
     head = {"id": name, "object": "chat.completion", "created": int(time.time()), "model": ctx.model_name}
     if common.stream:
         head["object"] = "chat.completion.chunk"
-        return StreamingResponse(_stream(ctx, ids, queue, head, req, plan, len(prompt)),
-                                 media_type="text/event-stream")  # fmt: skip
+        return StreamingResponse(_stream(ctx, ids, queue, head, req, plan, len(prompt)), media_type="text/event-stream")
     finals = await ctx.wait_all(request, ids, queue)
     choices = []
     for i, rid in enumerate(ids):
@@ -71,8 +78,9 @@ async def _stream(ctx: ServingContext, ids, queue, head, req, plan: ToolPlan, pr
     texting = set(ids) if not plan.active else set()
 
     def chunk(i, delta, finish_reason=None, logprobs=None):
-        return sse(dict(head, choices=[{"index": i, "delta": delta, "logprobs": logprobs,
-                                        "finish_reason": finish_reason}]))  # fmt: skip
+        return sse(
+            dict(head, choices=[{"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+        )
 
     def pending_logprobs(rid, out):
         if req.top_logprobs is None:
@@ -116,6 +124,6 @@ async def _stream(ctx: ServingContext, ids, queue, head, req, plan: ToolPlan, pr
 
 
 def _finish_reason(engine_reason: str, calls: list[dict] | None) -> str:
-    """"tool_calls" for a complete call; a call the length limit cut keeps "length" (one whose JSON Schema check
+    """ "tool_calls" for a complete call; a call the length limit cut keeps "length" (one whose JSON Schema check
     failed keeps "check_failed"), so a client never runs it."""
     return "tool_calls" if calls and engine_reason not in ("length", "check_failed", "dead_end") else engine_reason

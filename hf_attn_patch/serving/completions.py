@@ -36,8 +36,10 @@ async def completions(request: Request):
     if common.stream:
         return StreamingResponse(_stream(ctx, ids, queue, head, req, echoes, prompts), media_type="text/event-stream")
     finals = await ctx.wait_all(request, ids, queue)
-    choices = [await run_in_threadpool(_choice, ctx, i, finals[rid], req, echoes and echoes[i // common.n])
-               for i, rid in enumerate(ids)]  # fmt: skip
+    choices = [
+        await run_in_threadpool(_choice, ctx, i, finals[rid], req, echoes and echoes[i // common.n])
+        for i, rid in enumerate(ids)
+    ]
     completion = sum(len(finals[rid].token_ids) for rid in ids)
     return dict(head, choices=choices, usage=usage(sum(map(len, prompts)), completion))
 
@@ -61,8 +63,9 @@ async def _stream(ctx: ServingContext, ids, queue, head, req, echoes, prompts):
     started, left, completion = set(), set(ids), 0
 
     def chunk(i, text, logprobs, finish_reason):
-        return sse(dict(head, choices=[{"index": i, "text": text, "logprobs": logprobs,
-                                        "finish_reason": finish_reason}]))  # fmt: skip
+        return sse(
+            dict(head, choices=[{"index": i, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}])
+        )
 
     try:
         while left:

@@ -41,8 +41,11 @@ class ServingContext:
         limit = self.max_body_bytes
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > limit):
-            raise APIError(413, f"the request body has {length} bytes; the limit is max_body_bytes={limit}",
-                           kind="request_too_large")  # fmt: skip
+            raise APIError(
+                413,
+                f"the request body has {length} bytes; the limit is max_body_bytes={limit}",
+                kind="request_too_large",
+            )
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -59,8 +62,12 @@ class ServingContext:
         if model is not None and not isinstance(model, str):
             raise bad("model", f"expected a string, got {type(model).__name__}")
         if model not in (None, self.model_name):
-            raise APIError(404, f"model={model!r:.100} does not exist; this server has {self.model_name!r}", "model",
-                           "model_not_found")  # fmt: skip
+            raise APIError(
+                404,
+                f"model={model!r:.100} does not exist; this server has {self.model_name!r}",
+                "model",
+                "model_not_found",
+            )
         return body
 
     def budget(self, ids: list[int], max_tokens: int | None, where: str) -> int:
@@ -73,8 +80,11 @@ class ServingContext:
         if max_tokens is None:
             return min(DEFAULT_MAX_TOKENS, limit - len(ids))
         if len(ids) + max_tokens > limit:
-            raise bad("max_tokens", f"{where} of {len(ids)} tokens + max_tokens={max_tokens} = {len(ids) + max_tokens}"
-                                    f" tokens exceeds the model's context of {limit} tokens")  # fmt: skip
+            raise bad(
+                "max_tokens",
+                f"{where} of {len(ids)} tokens + max_tokens={max_tokens} = {len(ids) + max_tokens}"
+                f" tokens exceeds the model's context of {limit} tokens",
+            )
         return max_tokens
 
     async def tokenize(self, text: str, special: bool, param: str) -> list[int]:
@@ -94,8 +104,11 @@ class ServingContext:
         first: dict[tuple, int] = {}
         for i, (prompt_ids, _) in enumerate(jobs):
             first.setdefault(tuple(prompt_ids), i)
-        leaders = [i for i in first.values() if sum(1 for p, _ in jobs if p == jobs[i][0]) > 1
-                   and len(jobs[i][0]) >= self.block_size]  # fmt: skip
+        leaders = [
+            i
+            for i in first.values()
+            if sum(1 for p, _ in jobs if p == jobs[i][0]) > 1 and len(jobs[i][0]) >= self.block_size
+        ]
         order = leaders + [i for i in range(len(jobs)) if i not in leaders]
         try:
             waits = []
@@ -143,8 +156,11 @@ class ServingContext:
             if getter is not None:
                 getter.cancel()
         if any(out.finish_reason == "abort" for out in finals.values()) and not self.thread.accepting:
-            raise APIError(503, f"the server shut down; the request was aborted after drain_timeout="
-                                f"{self.drain_timeout} s", kind="service_unavailable")  # fmt: skip
+            raise APIError(
+                503,
+                f"the server shut down; the request was aborted after drain_timeout={self.drain_timeout} s",
+                kind="service_unavailable",
+            )
         return finals
 
 

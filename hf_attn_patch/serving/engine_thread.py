@@ -42,8 +42,11 @@ class EngineThread:
             raise APIError(503, "the server is shutting down", kind="service_unavailable")
         with self._lock:
             if self.in_flight + count > self.max_queue:
-                raise APIError(429, f"too many requests in flight ({self.in_flight} + {count} > max_queue="
-                                    f"{self.max_queue})", kind="rate_limit_exceeded")  # fmt: skip
+                raise APIError(
+                    429,
+                    f"too many requests in flight ({self.in_flight} + {count} > max_queue={self.max_queue})",
+                    kind="rate_limit_exceeded",
+                )
             self.reserved += count
 
     def release(self, count: int) -> None:

@@ -92,7 +92,9 @@ def read_response_format(body: dict) -> dict | None:
     if rf is None:
         return None
     if not isinstance(rf, dict) or rf.get("type") not in ("text", "json_object", "json_schema"):
-        raise bad("response_format", f"expected {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got {_short(rf)}")
+        raise bad(
+            "response_format", f"expected {{'type': 'text' | 'json_object' | 'json_schema', ...}}, got {_short(rf)}"
+        )
     extra = set(rf) - {"type", "json_schema"}
     if extra:
         raise bad("response_format", f"unknown key {sorted(extra)[0]!r}")
@@ -122,11 +124,33 @@ def read_stream_options(body: dict, stream: bool) -> bool:
 
 # -- requests ----------------------------------------------------------------------------------------------------
 
-COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "n", "seed", "stop", "stream", "stream_options",
-          "frequency_penalty", "presence_penalty", "logit_bias", "user", "response_format"}  # fmt: skip
+COMMON = {
+    "model",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "n",
+    "seed",
+    "stop",
+    "stream",
+    "stream_options",
+    "frequency_penalty",
+    "presence_penalty",
+    "logit_bias",
+    "user",
+    "response_format",
+}
 COMPLETION_FIELDS = COMMON | {"prompt", "echo", "logprobs", "best_of", "suffix"}
-CHAT_FIELDS = COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "tools", "tool_choice",
-                        "parallel_tool_calls"}  # fmt: skip
+CHAT_FIELDS = COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
 
 
 @dataclass
@@ -150,10 +174,18 @@ class Common:
     def sampling(self, max_tokens: int, choice: int) -> SamplingParams:
         """Choice i of n gets seed + i: a seed reproduces every choice, and n=1 equals choice 0 of n>1."""
         seed = None if self.seed is None else (self.seed + choice) % (MAX_SEED + 1)
-        return SamplingParams(max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              seed=seed, stop=list(self.stop), logprobs=self.logprobs,
-                              prompt_logprobs=self.prompt_logprobs, response_format=self.response_format,
-                              grammar=self.grammar)  # fmt: skip
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=seed,
+            stop=list(self.stop),
+            logprobs=self.logprobs,
+            prompt_logprobs=self.prompt_logprobs,
+            response_format=self.response_format,
+            grammar=self.grammar,
+        )
 
 
 def read_common(body: dict, max_tokens_names: tuple[str, ...]) -> Common:
@@ -222,8 +254,11 @@ def read_prompts(prompt, vocab_size: int) -> list:
     elif isinstance(prompt, list) and prompt:
         prompts = prompt
     else:
-        raise bad("prompt", f"expected a non-empty string, list of strings, list of token ids or list of token-id "
-                            f"lists, got {_short(prompt)}")  # fmt: skip
+        raise bad(
+            "prompt",
+            f"expected a non-empty string, list of strings, list of token ids or list of token-id "
+            f"lists, got {_short(prompt)}",
+        )
     if len(prompts) > MAX_PROMPTS:
         raise bad("prompt", f"{len(prompts)} prompts; at most {MAX_PROMPTS} per request")
     for i, p in enumerate(prompts):
@@ -277,8 +312,11 @@ def read_messages(messages) -> list[dict]:
         role = m.get("role")
         if role not in ROLES:
             raise bad("messages", f"{where}.role={_short(role)}: expected one of {', '.join(ROLES)}")
-        allowed = {"role", "content", "name"} | ({"tool_calls", "refusal"} if role == "assistant" else set()) | (
-            {"tool_call_id"} if role == "tool" else set())  # fmt: skip
+        allowed = (
+            {"role", "content", "name"}
+            | ({"tool_calls", "refusal"} if role == "assistant" else set())
+            | ({"tool_call_id"} if role == "tool" else set())
+        )
         extra = set(m) - allowed
         if extra:
             raise bad("messages", f"{where}: unknown key {sorted(extra)[0]!r} for role {role!r}")
@@ -303,11 +341,19 @@ def _content(content, where: str) -> str | None:
     """A string, null, or a list of text parts [{"type": "text", "text": ...}] (joined)."""
     if content is None or isinstance(content, str):
         return content
-    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(
-            p.get("text"), str) and set(p) <= {"type", "text"} for p in content):  # fmt: skip
+    if isinstance(content, list) and all(
+        isinstance(p, dict)
+        and p.get("type") == "text"
+        and isinstance(p.get("text"), str)
+        and set(p) <= {"type", "text"}
+        for p in content
+    ):
         return "".join(p["text"] for p in content)
-    raise bad("messages", f"{where}.content: expected a string or a list of text parts (images and audio are not "
-                          f"supported), got {_short(content)}")  # fmt: skip
+    raise bad(
+        "messages",
+        f"{where}.content: expected a string or a list of text parts (images and audio are not "
+        f"supported), got {_short(content)}",
+    )
 
 
 def _tool_calls(calls, where: str) -> list[dict]:
@@ -316,13 +362,26 @@ def _tool_calls(calls, where: str) -> list[dict]:
     out = []
     for j, call in enumerate(calls):
         fn = call.get("function") if isinstance(call, dict) else None
-        ok = (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(fn.get("arguments"), str)
-              and call.get("type", "function") == "function" and isinstance(call.get("id", ""), str))  # fmt: skip
+        ok = (
+            isinstance(fn, dict)
+            and isinstance(fn.get("name"), str)
+            and isinstance(fn.get("arguments"), str)
+            and call.get("type", "function") == "function"
+            and isinstance(call.get("id", ""), str)
+        )
         if not ok:
-            raise bad("messages", f"{where}.tool_calls[{j}]: expected {{id, type: 'function', function: {{name, "
-                                  f"arguments: a JSON string}}}}, got {_short(call)}")  # fmt: skip
-        out.append({"id": call.get("id", f"call_{j}"), "type": "function",
-                    "function": {"name": fn["name"], "arguments": fn["arguments"]}})  # fmt: skip
+            raise bad(
+                "messages",
+                f"{where}.tool_calls[{j}]: expected {{id, type: 'function', function: {{name, "
+                f"arguments: a JSON string}}}}, got {_short(call)}",
+            )
+        out.append(
+            {
+                "id": call.get("id", f"call_{j}"),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": fn["arguments"]},
+            }
+        )
     return out
 
 
@@ -379,5 +438,8 @@ def chat_logprobs(entries, token_text: TokenText, k: int) -> list[dict]:
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }

@@ -55,8 +55,10 @@ def read_tools(body: dict) -> ToolPlan:
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) else None
         if not isinstance(fn, dict) or tool.get("type") != "function" or set(tool) - {"type", "function"}:
-            raise bad("tools", f"tools[{i}]: expected {{'type': 'function', 'function': {{name, parameters}}}}, got "
-                               f"{_short(tool)}")  # fmt: skip
+            raise bad(
+                "tools",
+                f"tools[{i}]: expected {{'type': 'function', 'function': {{name, parameters}}}}, got {_short(tool)}",
+            )
         name, params = fn.get("name"), fn.get("parameters", {"type": "object", "properties": {}})
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise bad("tools", f"tools[{i}].function.name={_short(name)}: expected 1-64 letters, digits, _ or -")
@@ -68,22 +70,44 @@ def read_tools(body: dict) -> ToolPlan:
         if extra or not isinstance(fn.get("description", ""), str) or not isinstance(fn.get("strict", False), bool):
             raise bad("tools", f"tools[{i}].function: unknown key or wrong type ({_short(fn)})")
         schemas[name] = params
-        clean.append({"type": "function", "function": {"name": name, "description": fn.get("description", ""),
-                                                       "parameters": params}})  # fmt: skip
-    call = {"anyOf": [{"type": "object", "properties": {"name": {"const": n}, "arguments": s},
-                       "required": ["name", "arguments"], "additionalProperties": False} for n, s in schemas.items()]}
+        clean.append(
+            {
+                "type": "function",
+                "function": {"name": name, "description": fn.get("description", ""), "parameters": params},
+            }
+        )
+    call = {
+        "anyOf": [
+            {
+                "type": "object",
+                "properties": {"name": {"const": n}, "arguments": s},
+                "required": ["name", "arguments"],
+                "additionalProperties": False,
+            }
+            for n, s in schemas.items()
+        ]
+    }
     if choice is None or choice == "auto":
-        return ToolPlan("auto", clean, grammar={"type": "tagged_json", "schema": call, "open": OPEN, "close": CLOSE,
-                                                "property_order": ORDER})
+        return ToolPlan(
+            "auto",
+            clean,
+            grammar={"type": "tagged_json", "schema": call, "open": OPEN, "close": CLOSE, "property_order": ORDER},
+        )
     if choice == "none":
         return ToolPlan("none", clean)
     if choice == "required":
         return ToolPlan("required", clean, grammar={"type": "json_schema", "schema": call, "property_order": ORDER})
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" \
-        and isinstance(choice.get("function"), dict) else None  # fmt: skip
+    name = (
+        choice.get("function", {}).get("name")
+        if isinstance(choice, dict) and choice.get("type") == "function" and isinstance(choice.get("function"), dict)
+        else None
+    )
     if name not in schemas:
-        raise bad("tool_choice", f"expected 'none', 'auto', 'required' or {{'type': 'function', 'function': {{'name': "
-                                 f"one of {sorted(schemas)}}}}}, got {_short(choice)}")  # fmt: skip
+        raise bad(
+            "tool_choice",
+            f"expected 'none', 'auto', 'required' or {{'type': 'function', 'function': {{'name': "
+            f"one of {sorted(schemas)}}}}}, got {_short(choice)}",
+        )
     return ToolPlan("named", clean, name, {"type": "json_schema", "schema": schemas[name], "property_order": ORDER})
 
 
@@ -116,8 +140,14 @@ def parse_output(plan: ToolPlan, text: str, cut: bool = False) -> tuple[str | No
     return None, [_call(partial["name"], partial["arguments"])]
 
 
-_PARTIAL_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]+)"\s*,\s*"arguments"\s*:\s*(?P<arguments>.*)\Z', re.S)
+_PARTIAL_CALL = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"(?P<name>[A-Za-z0-9_-]+)"\s*,\s*"arguments"\s*:\s*(?P<arguments>.*)\Z', re.S
+)
 
 
 def _call(name: str, arguments: str) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
+    return {
+        "id": f"call_{uuid.uuid4().hex[:24]}",
+        "type": "function",
+        "function": {"name": name, "arguments": arguments},
+    }

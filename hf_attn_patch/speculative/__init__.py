@@ -8,5 +8,13 @@ from .decoding import SpeculativeStats, speculative_decoding
 from .drafters import Draft, Drafter, ModelDrafter, PromptLookupDrafter
 from .rejection import verify_greedy, verify_sampling
 
-__all__ = ["SpeculativeStats", "speculative_decoding", "Draft", "Drafter", "ModelDrafter", "PromptLookupDrafter",
-           "verify_greedy", "verify_sampling"]  # fmt: skip
+__all__ = [
+    "SpeculativeStats",
+    "speculative_decoding",
+    "Draft",
+    "Drafter",
+    "ModelDrafter",
+    "PromptLookupDrafter",
+    "verify_greedy",
+    "verify_sampling",
+]

@@ -67,10 +67,13 @@ class SpeculativeStats:
         return self.draft_seconds / self.total_seconds if self.total_seconds else 0.0
 
     def summary(self) -> dict:
-        return {"rounds": self.rounds, "acceptance_rate": round(self.acceptance_rate, 4),
-                "mean_accepted_per_step": round(self.mean_accepted_per_step, 3),
-                "tokens_per_step": round(self.emitted / self.row_steps, 3) if self.row_steps else 0.0,
-                "drafter_time_share": round(self.drafter_time_share, 4)}  # fmt: skip
+        return {
+            "rounds": self.rounds,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "mean_accepted_per_step": round(self.mean_accepted_per_step, 3),
+            "tokens_per_step": round(self.emitted / self.row_steps, 3) if self.row_steps else 0.0,
+            "drafter_time_share": round(self.drafter_time_share, 4),
+        }
 
 
 def make_drafter(model, generation_config, assistant_model):
@@ -117,19 +120,46 @@ def unsupported_reason(generation_config, model_kwargs, assistant_tokenizer, str
     return None
 
 
-def speculative_decoding(model, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                         streamer=None, assistant_model=None, **model_kwargs):  # fmt: skip
+def speculative_decoding(
+    model,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    synced_gpus=False,
+    streamer=None,
+    assistant_model=None,
+    **model_kwargs,
+):
     """generate()'s decoding method for assisted generation (any batch size); see the module docstring."""
     drafter, max_draft = make_drafter(model, generation_config, assistant_model)
     try:
-        return _decode(model, drafter, max_draft, input_ids, logits_processor, stopping_criteria, generation_config,
-                       streamer, **model_kwargs)  # fmt: skip
+        return _decode(
+            model,
+            drafter,
+            max_draft,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            streamer,
+            **model_kwargs,
+        )
     finally:
         drafter.finish()
 
 
-def _decode(model, drafter, max_draft, input_ids, logits_processor, stopping_criteria, generation_config, streamer,
-            **model_kwargs):  # fmt: skip
+def _decode(
+    model,
+    drafter,
+    max_draft,
+    input_ids,
+    logits_processor,
+    stopping_criteria,
+    generation_config,
+    streamer,
+    **model_kwargs,
+):
     options = generate_options.get()
     stats = options.get("speculative_stats") or SpeculativeStats()
     started = time.perf_counter()
@@ -150,8 +180,9 @@ def _decode(model, drafter, max_draft, input_ids, logits_processor, stopping_cri
     # adapts; early exit starts at 1 (a draft token costs a fixed share of a target forward, and layers that were
     # not trained to exit early rarely agree with the last one)
     start = max_draft if isinstance(drafter, PromptLookupDrafter) else 1 if getattr(drafter, "early_exit", False) else 2
-    lengths = DraftLength(max_draft if schedule == "adaptive" else schedule, batch, adaptive=schedule == "adaptive",
-                          start=start)  # fmt: skip
+    lengths = DraftLength(
+        max_draft if schedule == "adaptive" else schedule, batch, adaptive=schedule == "adaptive", start=start
+    )
 
     do_sample = generation_config.do_sample
     pad_id = generation_config._pad_token_tensor

@@ -22,8 +22,15 @@ PROBE_BUDGET = 0.02  # share of the decoding time that probes (k = 1 while k* = 
 
 
 class DraftLength:
-    def __init__(self, max_length: int, batch_size: int, adaptive: bool = True, start: int | None = None,
-                 forget: float = 0.8, probe_every: int = 16):  # fmt: skip
+    def __init__(
+        self,
+        max_length: int,
+        batch_size: int,
+        adaptive: bool = True,
+        start: int | None = None,
+        forget: float = 0.8,
+        probe_every: int = 16,
+    ):
         if max_length < 1:
             raise ValueError(f"draft length: max_length must be >= 1, got {max_length}")
         self.max_length, self.adaptive, self.forget, self.probe_every = max_length, adaptive, forget, probe_every
@@ -61,8 +68,9 @@ class DraftLength:
         self.current = best
         return best
 
-    def update(self, k: int, accepted: torch.Tensor, proposed: torch.Tensor, verify_seconds: float,
-               draft_seconds: float = 0.0) -> None:  # fmt: skip
+    def update(
+        self, k: int, accepted: torch.Tensor, proposed: torch.Tensor, verify_seconds: float, draft_seconds: float = 0.0
+    ) -> None:
         """After a round with draft length k: accepted [B] of proposed [B] draft tokens per row, and the round's
         verification and drafting times. Rows that proposed nothing (an n-gram miss costs nothing) carry no
         evidence about acceptance."""

@@ -22,8 +22,12 @@ from torch import nn
 from transformers import DynamicCache, LlamaConfig
 from transformers.masking_utils import create_causal_mask
 from transformers.modeling_outputs import ModelOutput
-from transformers.models.llama.modeling_llama import (LlamaDecoderLayer, LlamaPreTrainedModel, LlamaRMSNorm,
-                                                      LlamaRotaryEmbedding)  # fmt: skip
+from transformers.models.llama.modeling_llama import (
+    LlamaDecoderLayer,
+    LlamaPreTrainedModel,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
 
 from ..compat import attention_cache, cache_kwarg
 from .drafters import Draft, Drafter, draft_chain
@@ -80,9 +84,18 @@ class FeatureDrafterForCausalLM(LlamaPreTrainedModel):
         rows = head[self.draft_token_ids.to(head.device)].to(self.fc.weight.dtype)
         self._target = {"model": target, "embed": target.get_input_embeddings(), "head": rows}
 
-    def forward(self, input_ids: torch.Tensor, target_hidden: torch.Tensor, attention_mask=None, position_ids=None,
-                cache=None, use_cache: bool = True, logits_to_keep: int = 0, past_key_values=None,
-                **kwargs) -> FeatureDrafterOutput:  # fmt: skip
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        target_hidden: torch.Tensor,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        use_cache: bool = True,
+        logits_to_keep: int = 0,
+        past_key_values=None,
+        **kwargs,
+    ) -> FeatureDrafterOutput:
         """input_ids [B, n], target_hidden [B, n, D] (the target's h at each token's previous position)."""
         if not self._target:
             raise ValueError("the feature drafter is not bound to its target: call drafter.bind(target) first")
@@ -94,10 +107,21 @@ class FeatureDrafterForCausalLM(LlamaPreTrainedModel):
         if position_ids is None:
             seen = cache.get_seq_length() if cache is not None else 0
             position_ids = (torch.arange(x.shape[1], device=x.device) + seen)[None]
-        mask = create_causal_mask(config=self.config, inputs_embeds=x, attention_mask=attention_mask,
-                                  position_ids=position_ids, **cache_kwarg(cache))  # fmt: skip
-        x = self.layer(x, attention_mask=mask, position_embeddings=self.rotary_emb(x, position_ids=position_ids),
-                       position_ids=position_ids, use_cache=use_cache, **cache_kwarg(cache))  # fmt: skip
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **cache_kwarg(cache),
+        )
+        x = self.layer(
+            x,
+            attention_mask=mask,
+            position_embeddings=self.rotary_emb(x, position_ids=position_ids),
+            position_ids=position_ids,
+            use_cache=use_cache,
+            **cache_kwarg(cache),
+        )
         features = self.norm(x)
         kept = features[:, -logits_to_keep:] if logits_to_keep else features
         return FeatureDrafterOutput(logits=kept @ self._target["head"].T, features=features, cache=cache)

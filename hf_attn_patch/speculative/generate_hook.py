@@ -19,9 +19,20 @@ GENERATE_KEYWORDS = ("speculative_stats", "draft_length")
 
 
 def assisted_decoding_any_batch(original):
-    def _assisted_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus=False,
-                           streamer=None, inputs_tensor=None, assistant_model=None, assistant_tokenizer=None,
-                           tokenizer=None, **model_kwargs):  # fmt: skip
+    def _assisted_decoding(
+        self,
+        input_ids,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        synced_gpus=False,
+        streamer=None,
+        inputs_tensor=None,
+        assistant_model=None,
+        assistant_tokenizer=None,
+        tokenizer=None,
+        **model_kwargs,
+    ):
         batch = input_ids.shape[0]
         reason = unsupported_reason(generation_config, model_kwargs, assistant_tokenizer, streamer, batch)
         if reason is None and synced_gpus:
@@ -29,12 +40,32 @@ def assisted_decoding_any_batch(original):
         if reason is None and self.config.is_encoder_decoder:
             reason = "encoder-decoder models"
         if reason is None:
-            return speculative_decoding(self, input_ids, logits_processor, stopping_criteria, generation_config,
-                                        streamer=streamer, assistant_model=assistant_model, **model_kwargs)  # fmt: skip
+            return speculative_decoding(
+                self,
+                input_ids,
+                logits_processor,
+                stopping_criteria,
+                generation_config,
+                streamer=streamer,
+                assistant_model=assistant_model,
+                **model_kwargs,
+            )
         if batch > 1:
             raise ValueError(f"speculative decoding with batch_size={batch} does not support {reason}")
-        return original(self, input_ids, logits_processor, stopping_criteria, generation_config, synced_gpus,
-                        streamer, inputs_tensor, assistant_model, assistant_tokenizer, tokenizer, **model_kwargs)  # fmt: skip
+        return original(
+            self,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            synced_gpus,
+            streamer,
+            inputs_tensor,
+            assistant_model,
+            assistant_tokenizer,
+            tokenizer,
+            **model_kwargs,
+        )
 
     _assisted_decoding.__wrapped__ = original
     return _assisted_decoding

@@ -44,7 +44,7 @@ class GrammarRows:
             if forbid and hasattr(state._m, "restart"):
                 state._m.restart({k: set(v) for k, v in forbid.items()}, reason)
             if resumed:
-                self.matcher.accept_tokens(b, input_ids[b, self.prompt_len:].tolist())
+                self.matcher.accept_tokens(b, input_ids[b, self.prompt_len :].tolist())
         self._prompt = input_ids[:, : self.prompt_len].clone()
         self.rows = list(range(batch))  # the original row of each current row
         self.done: dict[int, object] = {}  # original row -> final state of the rows that left the batch
@@ -56,7 +56,9 @@ class GrammarRows:
         are built at the first apply() (which knows the logits' width: no token below it is a dead end)."""
         m = self.matcher
         self._tokens = draft.tokens.tolist()
-        self._valid = [m.validate_tokens(b, row[:n]) for b, (row, n) in enumerate(zip(self._tokens, draft.lengths.tolist()))]
+        self._valid = [
+            m.validate_tokens(b, row[:n]) for b, (row, n) in enumerate(zip(self._tokens, draft.lengths.tolist()))
+        ]
         self.masks = []
         if not cut:
             return draft

@@ -32,8 +32,10 @@ class Sequences:
     def extend(self, new_tokens: list[list[int]]) -> None:
         """Append new_tokens[b] to row b (lists of different lengths)."""
         device = self.tokens.device
-        rows = [torch.cat([self.row(b), torch.tensor(added, dtype=torch.long, device=device)]) for b, added in
-                enumerate(new_tokens)]  # fmt: skip
+        rows = [
+            torch.cat([self.row(b), torch.tensor(added, dtype=torch.long, device=device)])
+            for b, added in enumerate(new_tokens)
+        ]
         width = max(len(row) for row in rows)
         self.tokens = self.tokens.new_full((len(rows), width), self.pad_token_id)
         for b, row in enumerate(rows):
