@@ -269,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     kv.add_argument(
         "model",
         metavar="MODEL_OR_CONFIG",
-        help="model folder, config.json, 'default', 'llama3-8b' (a Llama-3-8B-shaped example as MHA, MQA, GQA, MLA) or Hub id",
+        help="model folder, config.json, 'default', 'llama3-8b' (a Llama-3-8B-shaped example as MHA, MQA, GQA, "
+        "MLA) or Hub id",
     )
     kv.add_argument("--seq-len", type=_positive_int, default=4096)
     kv.add_argument("--batch-size", type=_positive_int, default=1)

@@ -34,7 +34,8 @@ def resolve_device(device: str, field: str = "device") -> torch.device:
 
 def resolve_dtype(dtype: str, checkpoint_dtype: torch.dtype, device: torch.device, field: str = "dtype") -> torch.dtype:
     """`dtype` by name, or "auto": the checkpoint's dtype, except that a float32 checkpoint runs in bfloat16 on a GPU
-    (float16 where bf16 is unsupported) and a half-precision one runs in float32 on the CPU, where half matmuls are slow."""
+    (float16 where bf16 is unsupported) and a half-precision one runs in float32 on the CPU, where half matmuls are
+    slow."""
     if dtype != "auto":
         if dtype not in DTYPES:
             raise ValueError(f"{field}={dtype!r} is not one of {('auto',) + tuple(DTYPES)}")

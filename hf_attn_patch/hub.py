@@ -18,7 +18,10 @@ def engines(report: dict) -> dict[str, str]:
     """Where this export has been run (tested) and where it should run but was never tried (in theory)."""
     fmt, model_type = report["format"], report["model_type"]
     if fmt == "native":
-        never = "no: the config's attention fields are hf-attn-patch's, not a stock architecture (--format stock / deepseek_v3)"
+        never = (
+            "no: the config's attention fields are hf-attn-patch's, not a stock architecture "
+            "(--format stock / deepseek_v3)"
+        )
         return {
             "transformers": "tested, with `import hf_attn_patch` (it registers the attention variant)",
             "llama.cpp": never,

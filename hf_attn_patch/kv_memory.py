@@ -42,7 +42,8 @@ _NO_CACHE_TYPES = ("mlp", "moe")
 class LayerCache:
     """What one decoder layer caches for one sequence."""
 
-    kind: str  # "mha" | "gqa" | "mqa" | "mla" | "latent_kv" | "state" | "none" (+ "+state" for hybrid attention+SSM layers)
+    # "mha" | "gqa" | "mqa" | "mla" | "latent_kv" | "state" | "none" (+ "+state" for hybrid attention+SSM layers)
+    kind: str
     values_per_token: int  # values cached per token (0 for pure state layers)
     window: int | None = None  # at most this many tokens are kept (sliding attention)
     state_values: int = 0  # constant values per sequence (conv + recurrent state)

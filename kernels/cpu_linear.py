@@ -16,7 +16,8 @@ Numerics: the same products, summed in another order. fp32: each output differs 
 round the result to bf16 once, so they differ by at most one bf16 ulp (2^-8 relative) where the fp32 sums fall on
 either side of a rounding boundary.
 
-Kernels are leaves: tensors in, tensors out; the module swap that uses them lives in hf_attn_patch/models/fast_linear.py.
+Kernels are leaves: tensors in, tensors out; the module swap that uses them lives in
+hf_attn_patch/models/fast_linear.py.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ What a stock DeepSeek-V3 config cannot say, and how the export handles it:
   The latent rows of kv_a_proj are scaled by a power of two s so that ms(s c) <= LINEAR_MARGIN eps on every
   calibration token; then the norm is linear, g s c / sqrt(eps) (1 + ms(s c) / eps)^(-1/2), and g = sqrt(eps) / s
   gives back c up to a relative 2^-31 (the cache holds the normalized latent, at its usual scale). fp32 and bf16
-  have the range for s c (~1e-8 to 1e-12); fp16 does not (subnormal below 6e-5), nor GGUF f16 weights or quantizations with
-  fp16 block scales: convert to GGUF with --outtype f32 or bf16.
+  have the range for s c (~1e-8 to 1e-12); fp16 does not (subnormal below 6e-5), nor GGUF f16 weights or
+  quantizations with fp16 block scales: convert to GGUF with --outtype f32 or bf16.
 - The latent norm ("fit", fp16 exports). The latent is scaled to rms ~LATENT_RMS (eps negligible) and kv_b_proj
   absorbs the least-squares map M = E[c c^T / r] E[c c^T / r^2]^-1, so kv_b(c / r) ~ kv_b_native(c): approximate,
   the report gives KL(native || deepseek_v3) per token.

@@ -208,7 +208,8 @@ class LayerSource:
         return calls
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The hidden states [B, T, D] entering decoder layer 0 for input_ids [B, T] (token, and position, embeddings)."""
+        """The hidden states [B, T, D] entering decoder layer 0 for input_ids [B, T] (token, and position,
+        embeddings)."""
 
         def first(i, hidden, args, kwargs):
             raise _Entered(hidden)

@@ -22,7 +22,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class Source:
-    """layers: the source read layer by layer on `device`; tokenizer; generation_config (None if the folder has none)."""
+    """layers: the source read layer by layer on `device`; tokenizer; generation_config (None if the folder has
+    none)."""
 
     name: str
     layers: LayerSource

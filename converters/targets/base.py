@@ -106,8 +106,9 @@ class LayerResult:
 
 @dataclass
 class Plan:
-    """choices: per MLA layer (LatentChoice per latent_kv layer; None for GQA / MQA); budgets: the report's "budgets" section (sensitivity);
-    stride: the deepseek_v3 export's frequency stride s; seconds: the first pass's wall time (0 when none ran)."""
+    """choices: per MLA layer (LatentChoice per latent_kv layer; None for GQA / MQA); budgets: the report's
+    "budgets" section (sensitivity); stride: the deepseek_v3 export's frequency stride s; seconds: the first pass's
+    wall time (0 when none ran)."""
 
     choices: list | None
     budgets: dict | None = None

@@ -319,7 +319,8 @@ class PagedKVCache(Cache):
                 if blocks < 2:
                     raise ValueError(
                         f"max_memory={self.max_memory} gives {blocks} block(s) of "
-                        f"{self.bytes_per_block(group, element_size)} bytes: at least 2 are needed (one is the null block)"
+                        f"{self.bytes_per_block(group, element_size)} bytes: "
+                        "at least 2 are needed (one is the null block)"
                     )
             else:
                 blocks = self.num_blocks or _GROWABLE_START_BLOCKS

@@ -78,7 +78,8 @@ def activation_peak(model, tokens: int, rows: int) -> int:
 
 
 def kv_budget(model, max_batch_tokens: int, max_num_seqs: int, utilization: float) -> KVBudget:
-    """The KV pool's bytes for `utilization` of the model's device; ValueError, with the numbers, when nothing is left."""
+    """The KV pool's bytes for `utilization` of the model's device; ValueError, with the numbers, when nothing is
+    left."""
     if isinstance(utilization, bool) or not isinstance(utilization, (int, float)) or not 0 < utilization <= 1:
         raise ValueError(f"Engine: memory_utilization={utilization!r} must be a fraction in (0, 1]")
     device = next(model.parameters()).device

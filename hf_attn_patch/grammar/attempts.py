@@ -7,8 +7,8 @@ depends on the committed text alone (a rollback forgets the attempts made past i
 count the same as plain decoding). Closes refused by a structural rule are free: a member still missing at an
 object's close (``required``, ``minProperties``, ``dependentRequired``) or a repeated key, which a grammar with keys
 in declaration order states itself, so keys in any order cost no budget. A row whose value reaches the limit
-(``SchemaChecks.max_attempts``) ends with the smallest valid completion (completion.py); that search runs with ``counted`` False (no
-budget inside it, so it never starts a search of its own).
+(``SchemaChecks.max_attempts``) ends with the smallest valid completion (completion.py); that search runs with
+``counted`` False (no budget inside it, so it never starts a search of its own).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """The smallest valid completion of a checked row whose attempts ran out (checked_matcher.py).
 
 When the exact checks have masked ``max_attempts`` closing tokens of one value (attempts.py), the model keeps
-choosing values that fail; rather than ending the row with an invalid prefix, the matcher finishes it with a short valid completion
-found here, so that the row ends inside the grammar with a valid document. Best-first search over the
+choosing values that fail; rather than ending the row with an invalid prefix, the matcher finishes it with a short
+valid completion found here, so that the row ends inside the grammar with a valid document. Best-first search over the
 grammar's allowed tokens (exact checks included): cost = tokens so far + a small penalty for a token that does not
 close anything (bytes ``"`` ``]`` ``}`` first, then digits); a node's children are built when they are taken
 from the queue, at most ``MAX_EXPANSIONS`` of them; None when no completion is found within ``MAX_TOKENS`` tokens.

@@ -4,7 +4,7 @@ response_format (OpenAI shape), or a list with one per input row:
     {"type": "text"}                                             unconstrained (all rows text -> no processor)
     {"type": "json_object"}                                      any JSON object
     {"type": "json_schema", "json_schema": {"schema": {...}, "name": "...", "strict": true}}
-                                                                 + "property_order": "any" (default) | "schema" (GrammarSpec)
+        with "property_order": "any" (default) | "schema" (GrammarSpec)
 grammar, or a list with one per input row:
     "start: ..." / "root ::= ..."                                Lark or GBNF text (auto-detected by ``::=``)
     {"type": "regex", "pattern": "..."}                          full match

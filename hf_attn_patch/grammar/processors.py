@@ -224,7 +224,8 @@ class RegexLogitsProcessor(GrammarConstrainedLogitsProcessor):
 
 
 def grammar_spec(text: str, syntax: str = "auto") -> GrammarSpec:
-    """GrammarSpec for grammar text: syntax "lark", "gbnf" (GBNF / EBNF, ``root ::= ...``) or "auto" (``::=`` -> gbnf)."""
+    """GrammarSpec for grammar text: syntax "lark", "gbnf" (GBNF / EBNF, ``root ::= ...``) or "auto" (``::=`` ->
+    gbnf)."""
     if syntax not in ("auto", "lark", "gbnf", "ebnf"):
         raise GrammarError(f"syntax: expected 'auto', 'lark', 'gbnf' or 'ebnf', got {syntax!r}")
     if not isinstance(text, str):

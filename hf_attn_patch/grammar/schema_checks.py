@@ -256,8 +256,8 @@ _CLASSES: dict = {}  # id(token_bytes) -> (token_bytes, classes): one vocabulary
 
 
 def _token_classes(token_bytes: list) -> tuple:
-    """({"quote" | "key" | "close" | "any": [V] bool, tokens holding such a byte}, [V] starts a number, [V] ends one) for the
-    look-ahead masks; cached per vocabulary (a tokenizer adapter's list), ~0.3 s for 49k tokens."""
+    """({"quote" | "key" | "close" | "any": [V] bool, tokens holding such a byte}, [V] starts a number, [V] ends one)
+    for the look-ahead masks; cached per vocabulary (a tokenizer adapter's list), ~0.3 s for 49k tokens."""
     hit = _CLASSES.get(id(token_bytes))
     if hit is not None and hit[0] is token_bytes:
         return hit[1]

@@ -65,7 +65,8 @@ def pointer_target(root, ref: str):
 
 def root_as_definition(schema: dict, nodes) -> bool:
     """Move the root's keywords into a definition, the root a ``$ref`` to it, and point every ``{"$ref": "#"}``
-    among `nodes` (the dicts of `schema`) there too; in place. False (nothing done) when no such reference exists or the root sets an ``$id``."""
+    among `nodes` (the dicts of `schema`) there too; in place. False (nothing done) when no such reference exists or
+    the root sets an ``$id``."""
     refs = [s for s in nodes if s.get("$ref") in ("#", "#/") and s is not schema]
     if not refs or "$id" in schema or "id" in schema:
         return False

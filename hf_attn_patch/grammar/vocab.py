@@ -1,4 +1,5 @@
-"""Tokenizer adaptation: what each token id means in bytes, and the backends' tokenizer objects, built once per tokenizer.
+"""Tokenizer adaptation: what each token id means in bytes, and the backends' tokenizer objects, built once per
+tokenizer.
 
 The backends need the byte string of every token. For fast (Rust ``tokenizers``) tokenizers both backends read
 it from the tokenizer themselves (llguidance: ``llguidance.hf.from_tokenizer``; xgrammar:
@@ -35,9 +36,7 @@ _MAX_FINGERPRINTS = 8
 @lru_cache(maxsize=1)
 def _byte_decoder() -> dict:
     """Inverse of GPT-2's bytes_to_unicode: printable stand-in character -> byte value."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    )
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, extra = {}, 0
     for b in range(256):
         if b in printable:

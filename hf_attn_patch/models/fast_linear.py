@@ -57,8 +57,9 @@ logger = logging.getLogger(__name__)
 ENV_SWITCH = "HF_ATTN_PATCH_FAST_LINEAR"
 PACKED = "packed"  # the key of counts() for products that ran on the packed weight
 # fp32, one row, a weight of fewer elements than this: MKL's gemv (F.linear) is faster than the packed product's
-# fixed cost (scripts/bench_kernels.py fast-linear --part linear, one thread: 576 x 576 0.031 vs 0.046 ms, 192 x 576 0.013 vs
-# 0.032, 1,536 x 576 0.075 vs 0.083; from 576 x 1,536 (0.100 vs 0.092) and up, and at 2+ rows, packed wins)
+# fixed cost (scripts/bench_kernels.py fast-linear --part linear, one thread: 576 x 576 0.031 vs 0.046 ms,
+# 192 x 576 0.013 vs 0.032, 1,536 x 576 0.075 vs 0.083; from 576 x 1,536 (0.100 vs 0.092) and up, and at 2+ rows,
+# packed wins)
 GEMV = "gemv"  # the key of counts() for those: a choice of the fast path, not a fallback
 GEMV_MAX_ELEMENTS = 1_000_000
 FAST = (PACKED, GEMV)  # what counts() holds when nothing fell back

@@ -75,7 +75,8 @@ def load_smollm2(dtype=None):
 
 
 def load_source(source: str):
-    """(model, tokenizer): 'default' (embedded stories260k), 'smollm2', a local folder (safetensors only), or a Hub id."""
+    """(model, tokenizer): 'default' (embedded stories260k), 'smollm2', a local folder (safetensors only), or a Hub
+    id."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if source == "default":
@@ -103,7 +104,8 @@ def check_source_folder(source: str) -> None:
         raise ValueError(
             f"{source!r} holds only pickled .bin weights, which are refused: unpickling can run arbitrary code. "
             f'Fix: in an environment you trust, load it once and save it as safetensors: python -c "from '
-            f"transformers import AutoModelForCausalLM as M; M.from_pretrained('{source}').save_pretrained('{source}-st')\""
+            f"transformers import AutoModelForCausalLM as M; "
+            f"M.from_pretrained('{source}').save_pretrained('{source}-st')\""
         )
 
 

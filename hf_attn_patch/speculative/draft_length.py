@@ -5,11 +5,12 @@ draft length k emits E_b(k) = 1 + a_b + ... + a_b^k tokens for that row. A round
 t(k) = v(k) + d * k: verifying k + 1 tokens (the mean verification time of k where seen, else a line v0 + v1 k
 through those means, until two k's are seen assuming each extra token adds 10% of a round; made non-decreasing in
 k) plus drafting, d seconds per draft token (measured on its own). Both are kept per k / per token, so rounds
-without drafts do not erase what drafting costs. We pick k* = argmax_k sum_b E_b(k) / t(k) over 0..max_length, where k = 0 is plain decoding, so a drafter
-that is rarely right or too slow costs little. While k* = 0, a k = 1 probe keeps the estimates fresh;
-the gap between probes (16 rounds) doubles, up to 64, each time a probe accepts nothing, and is never shorter than
-what keeps probing within PROBE_BUDGET of the time: a probe costs (v(1) + d - v(0)) / v(0) rounds more than a
-plain one (on a CPU, where verifying a second token per row can cost nearly a whole round, that is a gap of ~75 rounds).
+without drafts do not erase what drafting costs. We pick k* = argmax_k sum_b E_b(k) / t(k) over 0..max_length,
+where k = 0 is plain decoding, so a drafter that is rarely right or too slow costs little. While k* = 0, a k = 1
+probe keeps the estimates fresh; the gap between probes (16 rounds) doubles, up to 64, each time a probe accepts
+nothing, and is never shorter than what keeps probing within PROBE_BUDGET of the time: a probe costs
+(v(1) + d - v(0)) / v(0) rounds more than a plain one (on a CPU, where verifying a second token per row can cost
+nearly a whole round, that is a gap of ~75 rounds).
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ rows grow by different amounts, so the loop drives the processor's grammars itse
 - a model drafter's logits are masked too, by walking the states along its drafts as it makes them (then rolling
   back), so its drafts stay valid (any proposal q keeps rejection sampling exact; a masked one is accepted more).
 Masks, the bitmask op and the dead-end policy are grammar/matcher.py's BatchMatcher, shared with the logits
-processors and the engine. The masks are applied where the processor sits in generate()'s processor list, so temperature / top-k / top-p see
-exactly what they see in plain decoding.
+processors and the engine. The masks are applied where the processor sits in generate()'s processor list, so
+temperature / top-k / top-p see exactly what they see in plain decoding.
 """
 
 from __future__ import annotations
