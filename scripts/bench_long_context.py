@@ -1067,7 +1067,7 @@ def latent_kv_model(source, covs, shape, setting: str, budget: float, windows):
         kv_copy_scores,
         latent_retrieval_choices,
     )
-    from hf_attn_patch.converters.stages.target import latent_kv_sizes
+    from hf_attn_patch.converters.targets.latent_kv import latent_kv_sizes
 
     share, context, metric, *rest = setting.split("/")
     key_rank, value_rank = latent_kv_sizes(budget, float(share), shape)

@@ -11,8 +11,6 @@ import logging
 from ..options import ConvertOptions
 from ..targets import target_of
 from ..targets.base import AUTO_RECONSTRUCT_STEPS, Target, auto_reconstruct_steps  # noqa: F401  (the stage's result)
-from ..targets.latent_kv import latent_kv_sizes  # noqa: F401
-from ..targets.mla import mla_sizes  # noqa: F401
 from .source import Source
 
 logger = logging.getLogger(__name__)
