@@ -623,29 +623,21 @@ def revision(args):
     """
     if args.child:
         return revision_child(args)
-    repo = Path(__file__).resolve().parents[1]
-    trees = {"this tree": repo}
     runs = {"this tree": [], args.against: []}
-    with tempfile.TemporaryDirectory(prefix="bench-revision-") as tmp:
-        trees[args.against] = Path(tmp) / "tree"
-        subprocess.run(
-            ["git", "-C", str(repo), "worktree", "add", "--detach", str(trees[args.against]), args.against], check=True
-        )
-        try:
-            for round_ in range(args.rounds):
-                order = list(trees) if round_ % 2 == 0 else list(trees)[::-1]
-                for name in order:
-                    out = Path(tmp) / "result.json"
-                    env = {**os.environ, "PYTHONPATH": str(trees[name])}
-                    options = [f"--child={out}", f"--threads={args.threads}", f"--requests={args.requests}"]
-                    command = [sys.executable, __file__, "revision", *options]
-                    subprocess.run(command, env=env, check=True, cwd=trees[name])
-                    result = json.loads(out.read_text())
-                    assert Path(result["engine"]).is_relative_to(trees[name]), result["engine"]
-                    runs[name].append(result)
-                    print(f"round {round_ + 1} {name}: {result['tok/s']:.1f} tok/s, tokens {result['tokens']}")
-        finally:
-            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(trees[args.against])])
+    with benchlib.revision_checkout(args.against) as checkout, tempfile.TemporaryDirectory() as tmp:
+        trees = {"this tree": benchlib.ROOT, args.against: checkout}
+        for round_ in range(args.rounds):
+            order = list(trees) if round_ % 2 == 0 else list(trees)[::-1]
+            for name in order:
+                out = Path(tmp) / "result.json"
+                env = {**os.environ, "PYTHONPATH": str(trees[name])}
+                options = [f"--child={out}", f"--threads={args.threads}", f"--requests={args.requests}"]
+                command = [sys.executable, __file__, "revision", *options]
+                subprocess.run(command, env=env, check=True, cwd=trees[name])
+                result = json.loads(out.read_text())
+                assert Path(result["engine"]).is_relative_to(trees[name]), result["engine"]
+                runs[name].append(result)
+                print(f"round {round_ + 1} {name}: {result['tok/s']:.1f} tok/s, tokens {result['tokens']}")
     ours = statistics.median(r["tok/s"] for r in runs["this tree"])
     base = statistics.median(r["tok/s"] for r in runs[args.against])
     same = {r["tokens"] for r in runs["this tree"] + runs[args.against]}

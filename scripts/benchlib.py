@@ -8,11 +8,13 @@ The test data (stories15M, the corpora, the offline evaluation tasks) lives besi
 from __future__ import annotations
 
 import argparse
+import contextlib
 import inspect
 import json
 import re
 import subprocess
-from collections.abc import Callable
+import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,6 +84,22 @@ def commit() -> str:
     """The short hash of the repository's HEAD (a row records the code that measured it)."""
     done = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     return done.stdout.strip()
+
+
+@contextlib.contextmanager
+def revision_checkout(revision: str) -> Iterator[Path]:
+    """The code of git revision `revision` in a temporary worktree (removed afterwards), for a run of that code
+    beside this tree's. A revision git does not know fails here, before any work."""
+    with tempfile.TemporaryDirectory(prefix="revision-") as tmp:
+        tree = Path(tmp) / "tree"
+        add = ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(tree), revision]
+        done = subprocess.run(add, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"revision {revision!r}: {done.stderr.strip()}")
+        try:
+            yield tree
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tree)], check=True)
 
 
 def run_parts(doc: str, parts: dict[str, Part]) -> object:

@@ -32,8 +32,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+import benchlib
+
 RECORD = Path(__file__).parent / "results" / "conversion" / "identity.json"
-MODELS_DIR = Path(__file__).resolve().parents[2] / "shared" / "models"
+MODELS_DIR = benchlib.SHARED / "models"
 # The child's environment, set before torch loads: MKL's reproducible AVX2 code path (STRICT: no faster variants
 # that round differently), ATen's vectorized kernels and oneDNN's JIT capped at AVX2, one thread everywhere (a sum
 # split over threads rounds differently).
@@ -154,20 +156,8 @@ def run_pinned(names: list[str], models_dir: Path = MODELS_DIR, code: Path | Non
     with tempfile.TemporaryDirectory(prefix="identity-child-") as tmp:
         out = Path(tmp) / "fingerprints.json"
         command = [sys.executable, __file__, "--child", str(out), "--models-dir", str(models_dir), *names]
-        subprocess.run(command, env=env, check=True, cwd=code or Path(__file__).parents[1])
+        subprocess.run(command, env=env, check=True, cwd=code or benchlib.ROOT)
         return json.loads(out.read_text())
-
-
-def run_at_revision(revision: str, names: list[str], models_dir: Path) -> dict:
-    """run_pinned with the code of git revision `revision`, checked out in a temporary worktree."""
-    repo = Path(__file__).resolve().parents[1]
-    with tempfile.TemporaryDirectory(prefix="identity-rev-") as tmp:
-        tree = Path(tmp) / "tree"
-        subprocess.run(["git", "-C", str(repo), "worktree", "add", "--detach", str(tree), revision], check=True)
-        try:
-            return run_pinned(names, models_dir, code=tree)
-        finally:
-            subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(tree)], check=True)
 
 
 def recorded(record: dict, cpu: str) -> dict:
@@ -194,6 +184,8 @@ def main(argv=None) -> int:
     parser.add_argument("--child", default=None, metavar="JSON", help=argparse.SUPPRESS)  # run_pinned's child
     parser.add_argument("cases", nargs="*", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.record and args.against:
+        parser.error(f"--record writes this tree's record; it cannot be given with --against {args.against}")
     if args.child:
         Path(args.child).write_text(json.dumps(_child(args.cases, Path(args.models_dir))))
         return 0
@@ -206,12 +198,13 @@ def main(argv=None) -> int:
             print(f"skip {name}: {model} not available")
             continue
         names.append(name)
-    got = run_pinned(names, Path(args.models_dir))
     cpu = cpu_key()
     if args.against:
-        print(f"comparing with the code of {args.against} on this CPU ({cpu})")
-        want = run_at_revision(args.against, names, Path(args.models_dir))["cases"]
-        return _report(names, want, got["cases"])
+        with benchlib.revision_checkout(args.against) as tree:
+            print(f"comparing with the code of {args.against} on this CPU ({cpu})")
+            want = run_pinned(names, Path(args.models_dir), code=tree)["cases"]
+        return _report(names, want, run_pinned(names, Path(args.models_dir))["cases"])
+    got = run_pinned(names, Path(args.models_dir))
     record = json.loads(RECORD.read_text()) if RECORD.exists() else {}
     if args.record:
         for name in names:

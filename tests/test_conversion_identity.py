@@ -19,7 +19,8 @@ STORIES15M = ROOT.parent / "shared" / "models" / "stories15m"
 CASES = ("stories15m/gqa", "stories15m/mla", "stories15m/latent_kv")
 
 
-def _script():
+def _script(monkeypatch):
+    monkeypatch.syspath_prepend(str(SCRIPT.parent))  # as `python scripts/x.py` runs it: benchlib is found
     spec = importlib.util.spec_from_file_location("check_conversion_identity", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -28,8 +29,8 @@ def _script():
 
 @pytest.mark.skipif(not STORIES15M.is_dir(), reason="needs ../shared/models/stories15m")
 @pytest.mark.parametrize("case", CASES)
-def test_conversion_is_bit_identical(case):
-    script = _script()
+def test_conversion_is_bit_identical(case, monkeypatch):
+    script = _script(monkeypatch)
     record = json.loads(script.RECORD.read_text())
     if record["torch"] != torch.__version__:
         pytest.skip(f"the record was made with torch {record['torch']}, this is {torch.__version__}")
